@@ -1,0 +1,249 @@
+"""The base of Asteria's Kronecker-factored optimizers.
+
+Owns: what SOAP, KL-Shampoo and Shampoo share: validation of the familiar arguments, the step
+skeleton (closure, parameters without gradients, sparse/complex rejection, fp32 state for
+low-precision parameters), per-parameter layouts (``blocking.py``), the Adam fallback for
+parameters that are not preconditioned, and an exact ``state_dict`` round trip.
+
+Must not: hold any algorithm's math (that is each subclass's file) or know about the runtime that
+may later take refreshes off the critical path. Subclasses implement ``_layout``, ``_init_param``
+and ``_update_param``; ``_refresh_due`` says whether a step refreshes a block.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from asteria.optim.blocking import ParamLayout
+
+__all__ = ["KroneckerOptimizer", "check_range", "check_betas", "adamw_update"]
+
+ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+
+
+def check_range(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    integer: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming ``name`` and the allowed range when ``value`` is outside it."""
+    kind = "an integer" if integer else "a number"
+    lo = "-inf" if low is None else f"{low}"
+    hi = "inf" if high is None else f"{high}"
+    allowed = f"{'[' if low_inclusive else '('}{lo}, {hi}{']' if high_inclusive else ')'}"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (not integer and math.isnan(value)):
+        raise ValueError(f"{name} must be {kind} in {allowed}, got {value!r}")
+    if low is not None and (value < low or (value == low and not low_inclusive)):
+        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
+    if high is not None and (value > high or (value == high and not high_inclusive)):
+        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
+
+
+def check_betas(betas: Any, *, second_may_be_one: bool = False) -> None:
+    """``betas`` must be a pair in ``[0, 1)`` (the second may be 1 where sums are allowed)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_range("betas[0]", betas[0], 0.0, 1.0, high_inclusive=False)
+    check_range("betas[1]", betas[1], 0.0, 1.0, high_inclusive=second_may_be_one)
+
+
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step with exactly ``torch.optim.AdamW``'s operations (single-tensor path).
+
+    ``state`` holds ``exp_avg``, ``exp_avg_sq`` and the int ``step``; ``param`` is the working
+    copy the optimizer updates (in the state dtype).
+    """
+    beta1, beta2 = betas
+    state["step"] += 1
+    step = state["step"]
+    param.mul_(1 - lr * weight_decay)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def state_dtype(param: torch.Tensor) -> torch.dtype:
+    """Optimizer state is at least fp32: bf16/fp16 parameters get fp32 state."""
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+class KroneckerOptimizer(Optimizer):
+    """Shared skeleton of the Kronecker-factored optimizers (see module docstring)."""
+
+    #: Hyperparameters every group must carry and that ``_validate_group`` checks.
+    _common_keys = ("lr", "betas", "eps", "weight_decay", "precondition_frequency")
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}
+        super().__init__(params, defaults)
+
+    # -- torch.optim conventions ---------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its hyperparameters (given or inherited) are validated first."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._validate_group(group)
+        for p in group["params"]:
+            if p.is_complex():
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support complex parameters "
+                    f"(got one of shape {tuple(p.shape)})"
+                )
+            if not p.is_floating_point():
+                raise RuntimeError(
+                    f"{type(self).__name__} needs floating-point parameters, got {p.dtype}"
+                )
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        check_range("lr", group["lr"], 0.0)
+        check_range("eps", group["eps"], 0.0)
+        check_range("weight_decay", group["weight_decay"], 0.0)
+        check_range("precondition_frequency", group["precondition_frequency"], 1, integer=True)
+        check_range("max_preconditioner_dim", group["max_preconditioner_dim"], 1, integer=True)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict``, keeping every state tensor's saved dtype.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
+        dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so the exact saved tensors are
+        restored (moved to the parameter's device) after the base class has loaded the groups.
+        """
+        saved = copy.deepcopy(state_dict["state"])
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, value in saved.items():
+            param = params[index]
+            self.state[param] = _to_device(value, param.device)
+        self._layouts.clear()
+
+    # -- the step skeleton ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                grad = self._checked_grad(p)
+                state = self.state[p]
+                layout = self.layout(p, group)
+                # The update runs on a contiguous tensor in the state dtype: the parameter itself
+                # when it already is one, otherwise a working copy written back afterwards (fp32
+                # math for bf16/fp16 parameters, one rounding per step).
+                work = p
+                if p.dtype != grad.dtype or not p.is_contiguous():
+                    work = p.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
+                if not state:
+                    self._init_param(work, grad, group, state, layout)
+                else:
+                    self._update_param(work, grad, group, state, layout)
+                if work is not p:
+                    p.copy_(work)
+        return loss
+
+    def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if grad.is_complex():
+            raise RuntimeError(f"{type(self).__name__} does not support complex gradients")
+        dtype = state_dtype(p)
+        if grad.dtype != dtype or not grad.is_contiguous():
+            grad = grad.to(dtype=dtype, memory_format=torch.contiguous_format)
+        return grad
+
+    def layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
+        """The (cached) block layout of ``p`` under ``group``'s options."""
+        key = self._layout_key(p, group)
+        cached = self._layouts.get(id(p))
+        if cached is None or cached[0] != key:
+            cached = (key, self._layout(p, group))
+            self._layouts[id(p)] = cached
+        return cached[1]
+
+    def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
+        return (tuple(p.shape), group["max_preconditioner_dim"])
+
+    def is_refresh_step(self) -> bool:
+        """Whether the next ``step()`` computes a preconditioner refresh for some block.
+
+        Parameters without state yet (their first step initialises their factors with an
+        eigendecomposition) count as refreshing.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    if p.requires_grad:
+                        return True
+                    continue
+                if self._refresh_due(state, group, next_step=True):
+                    return True
+        return False
+
+    # -- hooks for subclasses ------------------------------------------------------------------
+
+    def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
+        raise NotImplementedError
+
+    def _init_param(self, p, grad, group, state, layout) -> None:
+        raise NotImplementedError
+
+    def _update_param(self, p, grad, group, state, layout) -> None:
+        raise NotImplementedError
+
+    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
+        raise NotImplementedError
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value
+
+
+def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
+    """Views of ``t`` (viewed with the layout's shape) for every block, in layout order."""
+    v = layout.view(t)
+    return [v[b.index] for b in layout.blocks]
+
+
+def zeros_like_blocks(layout: ParamLayout, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    return [torch.zeros(b.shape, dtype=dtype, device=device) for b in layout.blocks]
+

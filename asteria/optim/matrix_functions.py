@@ -1,0 +1,143 @@
+"""Matrix functions of the preconditioner refreshes, in pure torch.
+
+Owns: the three refreshes the optimizers need (eigendecomposition, one warm-started power iteration
+followed by QR, inverse p-th root), their precision policy (compute in ``dtype``, retry in float64
+when LAPACK fails or the result is not finite) and the error raised when even the retry fails.
+
+Must not: know about optimizers, blocks or state. The C++ twins in ``csrc/core/matrix_functions.cpp``
+(``asteria._C``) compute the same functions on the worker pool; tests/unit/test_matrix_functions.py
+checks that both agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "MatrixFunctionError",
+    "eigh_descending",
+    "qr_refresh",
+    "inverse_root",
+]
+
+# The shift the authors of SOAP add before eigh ("L + 1e-30 I"); kept so results match theirs.
+EIGH_SHIFT = 1e-30
+
+
+class MatrixFunctionError(RuntimeError):
+    """A refresh failed in ``dtype`` and again in float64, or produced a non-finite result."""
+
+
+def _check_square(name: str, a: torch.Tensor) -> None:
+    if a.dim() != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"{name} must be a square matrix, got shape {tuple(a.shape)}")
+
+
+def _finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _eigh(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    a = a.to(dtype)
+    eye = torch.eye(a.shape[0], dtype=dtype, device=a.device)
+    return torch.linalg.eigh(a + EIGH_SHIFT * eye)
+
+
+def _with_fp64_retry(fn, dtype: torch.dtype, what: str):
+    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result run ``fn(float64)`` once."""
+    first_error: str
+    try:
+        out = fn(dtype)
+        if _finite(*out):
+            return out
+        first_error = "non-finite result"
+    except torch.linalg.LinAlgError as e:  # LAPACK did not converge
+        first_error = str(e)
+    if dtype != torch.float64:
+        try:
+            out = fn(torch.float64)
+            if _finite(*out):
+                return tuple(t.to(dtype) for t in out)
+            retry_error = "non-finite result"
+        except torch.linalg.LinAlgError as e:
+            retry_error = str(e)
+    else:
+        retry_error = first_error
+    raise MatrixFunctionError(f"{what} failed in {dtype} ({first_error}) and in float64 ({retry_error})")
+
+
+def eigh_descending(
+    factor: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues and eigenvectors of a symmetric ``factor``, in descending eigenvalue order.
+
+    Computed in ``dtype`` (float64 retry on failure), returned in ``dtype``. The columns of the
+    eigenvector matrix are flipped from LAPACK's ascending order, as SOAP's authors do.
+    """
+    _check_square("factor", factor)
+    if not _finite(factor):
+        raise MatrixFunctionError("eigh: factor has non-finite entries")
+    evals, evecs = _with_fp64_retry(lambda dt: _eigh(factor, dt), dtype, "eigh")
+    return evals.flip(0), evecs.flip(1)
+
+
+def qr_refresh(
+    factor: torch.Tensor,
+    basis: torch.Tensor,
+    sort: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One warm-started power iteration plus QR: ``Q = qr(factor @ basis[:, perm]).Q``.
+
+    With ``sort`` (SOAP), the columns of ``basis`` are first ordered by the estimated eigenvalues
+    ``diag(basis^T factor basis)``, descending, and the permutation is returned so that state kept
+    in the old basis (SOAP's second moment) can be permuted the same way. Without ``sort``
+    (KL-Shampoo) the permutation is ``None``.
+    """
+    _check_square("factor", factor)
+    if basis.shape != factor.shape:
+        raise ValueError(f"basis shape {tuple(basis.shape)} != factor shape {tuple(factor.shape)}")
+    if not _finite(factor, basis):
+        raise MatrixFunctionError("qr_refresh: factor or basis has non-finite entries")
+
+    def run(dt: torch.dtype):
+        f = factor.to(dt)
+        q = basis.to(dt)
+        perm = None
+        if sort:
+            est = torch.diag(q.T @ f @ q)
+            perm = torch.argsort(est, descending=True)
+            q = q[:, perm]
+        new_q, _ = torch.linalg.qr(f @ q)
+        return (new_q,) if perm is None else (new_q, perm)
+
+    out = _with_fp64_retry(run, dtype, "qr_refresh")
+    return (out[0], None) if len(out) == 1 else (out[0], out[1].to(torch.long))
+
+
+def inverse_root(
+    factor: torch.Tensor,
+    root: float,
+    epsilon: float = 1e-12,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``factor^{-1/root}`` of a symmetric positive semi-definite ``factor``, by eigendecomposition.
+
+    The eigenvalues are clamped at zero (negative ones are round-off of a PSD matrix), ``epsilon``
+    is added to them, and the root is taken: ``Q diag((max(lam, 0) + epsilon)^{-1/root}) Q^T``.
+    """
+    _check_square("factor", factor)
+    if root <= 0:
+        raise ValueError(f"root must be > 0, got {root}")
+    if epsilon <= 0:
+        raise ValueError(f"epsilon must be > 0, got {epsilon}")
+    if not _finite(factor):
+        raise MatrixFunctionError("inverse_root: factor has non-finite entries")
+
+    def run(dt: torch.dtype):
+        f = factor.to(dt)
+        evals, evecs = torch.linalg.eigh(f)
+        scale = (evals.clamp(min=0) + epsilon).pow(-1.0 / root)
+        return ((evecs * scale) @ evecs.T,)
+
+    return _with_fp64_retry(run, dtype, "inverse_root")[0]

@@ -1,0 +1,224 @@
+"""SOAP: Adam in the eigenbasis of Shampoo's factors (Vyas et al., 2024, arXiv 2409.11321).
+
+Owns: SOAP's math for one block, as the authors define it (../shared/ALGORITHMS.md): the first
+step only initialises factors and bases; the first moment lives in the eigenbasis; the second
+moment is permuted (not rotated) when a refresh re-orders the basis; refreshes are one
+warm-started power iteration + QR, every ``precondition_frequency`` steps.
+
+Where Asteria differs from the authors' code (same math, different arithmetic):
+  * the authors take the first moment back to the original space and project it again on every
+    step; Asteria rotates it only when a basis actually changes (``m <- R_L^T m R_R`` with
+    ``R = Q_old^T Q_new``), which is the same in exact arithmetic and saves four matmuls a step;
+  * a dim larger than ``max_preconditioner_dim`` is split into blocks (Distributed Shampoo's
+    rule) instead of being left unrotated; ``block_large_dims=False`` restores the authors' rule;
+  * the refresh runs in ``refresh_dtype`` (float32 as the authors; float64 on request).
+
+Must not: know about runtimes, pools or memory tiers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asteria.optim import matrix_functions as mf
+from asteria.optim.base import KroneckerOptimizer, ParamsT, block_views, check_betas, check_range
+from asteria.optim.blocking import ParamLayout, make_layout
+from asteria.optim.kron import gram, mode_products
+
+__all__ = ["SOAP"]
+
+
+class SOAP(KroneckerOptimizer):
+    """SOAP with the authors' defaults.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        betas: Adam's ``(beta1, beta2)`` in the eigenbasis, each in ``[0, 1)``.
+        shampoo_beta: EMA coefficient of the factors; ``None`` (or a negative value, as in the
+            authors' code) means ``betas[1]``.
+        eps: Adam's epsilon.
+        weight_decay: decoupled weight decay, applied after the update.
+        precondition_frequency: refresh the eigenbases every this many steps.
+        max_preconditioner_dim: largest factor dim; larger dims are split into blocks.
+        merge_dims: merge consecutive small dims of >2-D tensors before blocking.
+        precondition_1d: give 1-D parameters a factor (otherwise they run Adam, unrotated).
+        normalize_grads: rescale each update to unit RMS.
+        correct_bias: Adam's bias correction.
+        block_large_dims: split dims above ``max_preconditioner_dim`` (default) or leave them
+            unrotated (the authors' behaviour).
+        refresh_dtype: precision of the eigh / QR refreshes (float32, as the authors).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        max_preconditioner_dim: int = 10000,
+        merge_dims: bool = False,
+        precondition_1d: bool = False,
+        normalize_grads: bool = False,
+        correct_bias: bool = True,
+        block_large_dims: bool = True,
+        refresh_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,
+            shampoo_beta=shampoo_beta,
+            eps=eps,
+            weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency,
+            max_preconditioner_dim=max_preconditioner_dim,
+            merge_dims=merge_dims,
+            precondition_1d=precondition_1d,
+            normalize_grads=normalize_grads,
+            correct_bias=correct_bias,
+            block_large_dims=block_large_dims,
+            refresh_dtype=refresh_dtype,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        super()._validate_group(group)
+        check_betas(group["betas"])
+        sb = group["shampoo_beta"]
+        if sb is not None and not (isinstance(sb, (int, float)) and sb < 0):
+            check_range("shampoo_beta", sb, 0.0, 1.0, high_inclusive=False)
+        for flag in ("merge_dims", "precondition_1d", "normalize_grads", "correct_bias",
+                     "block_large_dims"):
+            if not isinstance(group[flag], bool):
+                raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
+        if group["refresh_dtype"] not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"refresh_dtype must be torch.float32 or torch.float64, got {group['refresh_dtype']}"
+            )
+
+    # -- layout and schedule ------------------------------------------------------------------
+
+    def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
+        return super()._layout_key(p, group) + (
+            group["merge_dims"], group["precondition_1d"], group["block_large_dims"])
+
+    def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
+        return make_layout(
+            p.shape,
+            group["max_preconditioner_dim"],
+            squeeze=False,
+            merge_dims=group["merge_dims"],
+            block_large_dims=group["block_large_dims"],
+            # 1-D parameters are factored only with precondition_1d; a >1-D one merged into a
+            # single dim keeps its factor (the authors' merge_dims rule); 0-d never has one.
+            factor_1d=group["precondition_1d"] if p.dim() == 1 else p.dim() >= 2,
+        )
+
+    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
+        t = state["step"] + (1 if next_step else 0)
+        return t > 0 and t % group["precondition_frequency"] == 0 and any(
+            q is not None for b in state["blocks"] for q in b["bases"])
+
+    @staticmethod
+    def _shampoo_beta(group: dict[str, Any]) -> float:
+        sb = group["shampoo_beta"]
+        return group["betas"][1] if sb is None or sb < 0 else sb
+
+    # -- the algorithm ------------------------------------------------------------------------
+
+    def _init_param(self, p, grad, group, state, layout) -> None:
+        """First gradient: factors and eigenbases only, no parameter update (the authors' rule)."""
+        beta = self._shampoo_beta(group)
+        state["step"] = 0
+        blocks = []
+        for spec, g in zip(layout.blocks, block_views(grad, layout)):
+            factors = [
+                torch.zeros(d, d, dtype=grad.dtype, device=grad.device) if f else None
+                for d, f in zip(spec.shape, spec.factored)
+            ]
+            for i, f in enumerate(factors):
+                if f is not None:
+                    f.lerp_(gram(g, i), 1 - beta)
+            bases = [
+                None if f is None
+                else mf.eigh_descending(f, group["refresh_dtype"])[1].to(grad.dtype)
+                for f in factors
+            ]
+            blocks.append({
+                "exp_avg": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
+                "exp_avg_sq": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
+                "factors": factors,
+                "bases": bases,
+            })
+        state["blocks"] = blocks
+
+    def _update_param(self, p, grad, group, state, layout) -> None:
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        t = state["step"]
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+
+        grads = block_views(grad, layout)
+        for b, g, w in zip(state["blocks"], grads, block_views(p, layout)):
+            g_rot = mode_products(g, b["bases"], transpose=True)
+            b["exp_avg"].mul_(beta1).add_(g_rot, alpha=1 - beta1)
+            b["exp_avg_sq"].mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
+            denom = b["exp_avg_sq"].sqrt().add_(group["eps"])
+            update = mode_products(b["exp_avg"] / denom, b["bases"], transpose=False)
+            if group["normalize_grads"]:
+                update = update / (1e-30 + torch.mean(update**2) ** 0.5)
+            w.add_(update, alpha=-step_size)
+        if group["weight_decay"] > 0.0:
+            p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+
+        beta = self._shampoo_beta(group)
+        refresh = t % group["precondition_frequency"] == 0
+        for b, g in zip(state["blocks"], grads):
+            for i, f in enumerate(b["factors"]):
+                if f is not None:
+                    f.lerp_(gram(g, i), 1 - beta)
+            if refresh:
+                self.install_refresh(b, self.compute_refresh(b, group))
+
+    # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
+
+    @staticmethod
+    def compute_refresh(
+        block: dict[str, Any], group: dict[str, Any]
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """The new basis of every factored dim and the permutation of its columns."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for f, q in zip(block["factors"], block["bases"]):
+            if f is None:
+                out.append(None)
+                continue
+            new_q, perm = mf.qr_refresh(f, q, sort=True, dtype=group["refresh_dtype"])
+            out.append((new_q.to(f.dtype), perm))
+        return out
+
+    @staticmethod
+    def install_refresh(
+        block: dict[str, Any], result: list[tuple[torch.Tensor, torch.Tensor] | None]
+    ) -> None:
+        """Install new bases: permute ``v`` along each refreshed dim, rotate ``m`` exactly.
+
+        ``m`` lives in the old basis; ``Q_old m Q_old^T`` is the original-space moment, and
+        ``Q_new^T (.) Q_new`` takes it to the new basis; ``R_i = Q_old_i^T Q_new_i`` does both.
+        """
+        rotations: list[torch.Tensor | None] = []
+        for i, (q, res) in enumerate(zip(block["bases"], result)):
+            if res is None:
+                rotations.append(None)
+                continue
+            new_q, perm = res
+            block["exp_avg_sq"] = block["exp_avg_sq"].index_select(i, perm.to(new_q.device))
+            rotations.append(q.T @ new_q)
+            block["bases"][i] = new_q
+        block["exp_avg"] = mode_products(block["exp_avg"], rotations, transpose=True)
