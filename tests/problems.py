@@ -1,0 +1,62 @@
+"""Seeded test problems shared by the optimizer tests.
+
+A separable stochastic objective per parameter, ``sum((p - a)^2) + 0.1 sum(p^4) + <p, noise_t>``:
+fresh noise every step keeps consecutive gradients generic, so the eigenbases are well defined
+(a repeated or rank-deficient gradient makes SOAP's Adam-in-eigenbasis normalise round-off, and
+any two correct implementations then diverge; see the note in tests/unit/test_against_peers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class StochasticQuartic:
+    """Identical initial parameters and gradient noise for every optimizer that runs on it."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], steps: int, dtype: torch.dtype,
+                 seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.shapes = [tuple(s) for s in shapes]
+        self.dtype = dtype
+        self.steps = steps
+        self.init = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+        self.targets = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+        self.noise = [
+            [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+            for _ in range(steps)
+        ]
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(t.clone()) for t in self.init]
+
+    def loss(self, params: Sequence[torch.Tensor], t: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=self.dtype)
+        for p, a, n in zip(params, self.targets, self.noise[t]):
+            total = total + ((p - a) ** 2).sum() + 0.1 * (p**4).sum() + (p * n).sum()
+        return total
+
+    def grads(self, params: Sequence[torch.Tensor], t: int) -> list[torch.Tensor]:
+        ps = [p.detach().requires_grad_(True) for p in params]
+        return list(torch.autograd.grad(self.loss(ps, t), ps))
+
+    def run(self, make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+            steps: int | None = None) -> list[torch.Tensor]:
+        """Train fresh parameters with ``make_opt(params)``; the final parameters."""
+        params = self.params()
+        opt = make_opt(params)
+        for t in range(self.steps if steps is None else steps):
+            opt.zero_grad()
+            self.loss(params, t).backward()
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+
+def max_rel_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """Largest relative difference ``|a - b| / |b|`` (Frobenius) over a list of tensors."""
+    return max(
+        float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-300))
+        for x, y in zip(a, b)
+    )
