@@ -207,18 +207,18 @@ class SOAP(KroneckerOptimizer):
     def install_refresh(
         block: dict[str, Any], result: list[tuple[torch.Tensor, torch.Tensor] | None]
     ) -> None:
-        """Install new bases: permute ``v`` along each refreshed dim, rotate ``m`` exactly.
+        """Install new bases: permute ``v`` along each refreshed dim, carry ``m`` over exactly.
 
-        ``m`` lives in the old basis; ``Q_old m Q_old^T`` is the original-space moment, and
-        ``Q_new^T (.) Q_new`` takes it to the new basis; ``R_i = Q_old_i^T Q_new_i`` does both.
+        ``m`` lives in the old basis: ``Q_old m Q_old^T`` is the original-space moment and
+        ``Q_new^T (.) Q_new`` takes it into the new basis (cheaper than forming
+        ``Q_old^T Q_new`` for the rectangular blocks of a transformer).
         """
-        rotations: list[torch.Tensor | None] = []
-        for i, (q, res) in enumerate(zip(block["bases"], result)):
+        old_bases = list(block["bases"])
+        for i, res in enumerate(result):
             if res is None:
-                rotations.append(None)
                 continue
             new_q, perm = res
             block["exp_avg_sq"] = block["exp_avg_sq"].index_select(i, perm.to(new_q.device))
-            rotations.append(q.T @ new_q)
             block["bases"][i] = new_q
-        block["exp_avg"] = mode_products(block["exp_avg"], rotations, transpose=True)
+        original = mode_products(block["exp_avg"], old_bases, transpose=False)
+        block["exp_avg"] = mode_products(original, block["bases"], transpose=True)
