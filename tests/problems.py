@@ -16,14 +16,17 @@ import torch
 class StochasticQuartic:
     """Identical initial parameters and gradient noise for every optimizer that runs on it."""
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]], steps: int, dtype: torch.dtype,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, shapes: Sequence[tuple[int, ...]], steps: int, dtype: torch.dtype, seed: int = 0
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.shapes = [tuple(s) for s in shapes]
         self.dtype = dtype
         self.steps = steps
         self.init = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
-        self.targets = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+        self.targets = [
+            torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes
+        ]
         self.noise = [
             [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
             for _ in range(steps)
@@ -42,8 +45,11 @@ class StochasticQuartic:
         ps = [p.detach().requires_grad_(True) for p in params]
         return list(torch.autograd.grad(self.loss(ps, t), ps))
 
-    def run(self, make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-            steps: int | None = None) -> list[torch.Tensor]:
+    def run(
+        self,
+        make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+        steps: int | None = None,
+    ) -> list[torch.Tensor]:
         """Train fresh parameters with ``make_opt(params)``; the final parameters."""
         params = self.params()
         opt = make_opt(params)

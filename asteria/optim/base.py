@@ -22,7 +22,13 @@ from torch.optim import Optimizer
 
 from asteria.optim.blocking import ParamLayout
 
-__all__ = ["KroneckerOptimizer", "check_range", "check_betas", "adamw_update"]
+__all__ = [
+    "KroneckerOptimizer",
+    "adamw_update",
+    "check_betas",
+    "check_range",
+    "check_shampoo_beta",
+]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -57,6 +63,12 @@ def check_betas(betas: Any, *, second_may_be_one: bool = False) -> None:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     check_range("betas[0]", betas[0], 0.0, 1.0, high_inclusive=False)
     check_range("betas[1]", betas[1], 0.0, 1.0, high_inclusive=second_may_be_one)
+
+
+def check_shampoo_beta(value: Any) -> None:
+    """``None`` or a negative number (the authors' spelling) mean ``betas[1]``; else ``[0, 1)``."""
+    if value is not None and not (isinstance(value, (int, float)) and value < 0):
+        check_range("shampoo_beta", value, 0.0, 1.0, high_inclusive=False)
 
 
 def adamw_update(
@@ -125,6 +137,11 @@ class KroneckerOptimizer(Optimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("precondition_frequency", group["precondition_frequency"], 1, integer=True)
         check_range("max_preconditioner_dim", group["max_preconditioner_dim"], 1, integer=True)
+        if group["refresh_dtype"] not in (torch.float32, torch.float64):
+            raise ValueError(
+                "refresh_dtype must be torch.float32 or torch.float64, "
+                f"got {group['refresh_dtype']}"
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping every state tensor's saved dtype.
@@ -145,7 +162,7 @@ class KroneckerOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        """One optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -246,4 +263,3 @@ def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
 
 def zeros_like_blocks(layout: ParamLayout, dtype: torch.dtype, device) -> list[torch.Tensor]:
     return [torch.zeros(b.shape, dtype=dtype, device=device) for b in layout.blocks]
-

@@ -35,6 +35,7 @@ from asteria.optim.base import (
     block_views,
     check_betas,
     check_range,
+    check_shampoo_beta,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products, mode_scale
@@ -90,15 +91,9 @@ class KLShampoo(KroneckerOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         check_betas(group["betas"])
-        sb = group["shampoo_beta"]
-        if sb is not None and not (isinstance(sb, (int, float)) and sb < 0):
-            check_range("shampoo_beta", sb, 0.0, 1.0, high_inclusive=False)
+        check_shampoo_beta(group["shampoo_beta"])
         check_range("init_factor", group["init_factor"], 0.0, low_inclusive=False)
         check_range("max_clamp_value", group["max_clamp_value"], 0.0, low_inclusive=False)
-        if group["refresh_dtype"] not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"refresh_dtype must be torch.float32 or torch.float64, got {group['refresh_dtype']}"
-            )
 
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         return make_layout(p.shape, group["max_preconditioner_dim"], squeeze=True, factor_1d=False)
@@ -133,22 +128,28 @@ class KLShampoo(KroneckerOptimizer):
                 f = torch.zeros(d, d, dtype=grad.dtype, device=grad.device)
                 f.mul_(beta).add_(gram(g, i), alpha=(1 - beta) / (spec.numel // d))
                 factors.append(f)
-            bases = [mf.eigh_descending(f, group["refresh_dtype"])[1].to(grad.dtype) for f in factors]
+            bases = [
+                mf.eigh_descending(f, group["refresh_dtype"])[1].to(grad.dtype) for f in factors
+            ]
             s0 = (1.0 / torch.sqrt(torch.tensor(group["init_factor"], dtype=grad.dtype))).item()
-            blocks.append({
-                "exp_avg": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
-                "factors": factors,
-                "bases": bases,
-                "eigen_sqrt_inv": [
-                    torch.full((d,), s0, dtype=grad.dtype, device=grad.device) for d in spec.shape
-                ],
-            })
+            blocks.append(
+                {
+                    "exp_avg": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
+                    "factors": factors,
+                    "bases": bases,
+                    "eigen_sqrt_inv": [
+                        torch.full((d,), s0, dtype=grad.dtype, device=grad.device)
+                        for d in spec.shape
+                    ],
+                }
+            )
         state["blocks"] = blocks
 
     def _update_param(self, p, grad, group, state, layout) -> None:
         if "blocks" not in state:
-            adamw_update(p, grad, state, group["lr"], group["betas"], group["eps"],
-                         group["weight_decay"])
+            adamw_update(
+                p, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            )
             return
         beta1 = group["betas"][0]
         beta = self._shampoo_beta(group)
@@ -168,15 +169,18 @@ class KLShampoo(KroneckerOptimizer):
             p.add_(p, alpha=-group["lr"] * group["weight_decay"])
 
     @staticmethod
-    def _update_statistics(b: dict[str, Any], g: torch.Tensor, numel: int, beta: float,
-                           max_clamp_value: float) -> None:
+    def _update_statistics(
+        b: dict[str, Any], g: torch.Tensor, numel: int, beta: float, max_clamp_value: float
+    ) -> None:
         """Factor and eigenvalue EMAs of one step, all from the bases/eigenvalues before it."""
         bases, s = b["bases"], b["eigen_sqrt_inv"]
         k = g.dim()
         # S_i += (1-beta)/d_other * H H^T with H = G whitened along every other dim.
         for i in range(k):
             whiten = [None if j == i else bases[j] for j in range(k)]
-            h = mode_scale(mode_products(g, whiten, True), [None if j == i else s[j] for j in range(k)])
+            h = mode_scale(
+                mode_products(g, whiten, True), [None if j == i else s[j] for j in range(k)]
+            )
             d_other = numel // g.shape[i]
             b["factors"][i].mul_(beta).add_(gram(h, i), alpha=(1 - beta) / d_other)
         # lambda_i EMA: mean over the other dims of (Q^T G Q * s_others)^2.

@@ -4,9 +4,9 @@ Owns: the three refreshes the optimizers need (eigendecomposition, one warm-star
 followed by QR, inverse p-th root), their precision policy (compute in ``dtype``, retry in float64
 when LAPACK fails or the result is not finite) and the error raised when even the retry fails.
 
-Must not: know about optimizers, blocks or state. The C++ twins in ``csrc/core/matrix_functions.cpp``
-(``asteria._C``) compute the same functions on the worker pool; tests/unit/test_matrix_functions.py
-checks that both agree.
+Must not: know about optimizers, blocks or state. The C++ twins in
+``csrc/core/matrix_functions.cpp`` (``asteria._C``) compute the same functions on the worker
+pool; tests/unit/test_cpp_matrix_functions.py checks that both agree.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str):
             retry_error = str(e)
     else:
         retry_error = first_error
-    raise MatrixFunctionError(f"{what} failed in {dtype} ({first_error}) and in float64 ({retry_error})")
+    raise MatrixFunctionError(
+        f"{what} failed in {dtype} ({first_error}) and in float64 ({retry_error})"
+    )
 
 
 def eigh_descending(

@@ -95,10 +95,6 @@ class Shampoo(KroneckerOptimizer):
         start = group["start_preconditioning_step"]
         if start is not None:
             check_range("start_preconditioning_step", start, 1, integer=True)
-        if group["refresh_dtype"] not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"refresh_dtype must be torch.float32 or torch.float64, got {group['refresh_dtype']}"
-            )
 
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         return make_layout(p.shape, group["max_preconditioner_dim"], squeeze=True, factor_1d=False)
@@ -136,8 +132,8 @@ class Shampoo(KroneckerOptimizer):
         self._update_param(p, grad, group, state, layout)
 
     def _update_param(self, p, grad, group, state, layout) -> None:
-        beta1, beta2 = group["betas"]
-        lr, wd, eps, grafting = group["lr"], group["weight_decay"], group["eps"], group["grafting"]
+        beta1 = group["betas"][0]
+        lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
         state["step"] += 1
         t = state["step"]
         exp_avg = state["exp_avg"]
@@ -147,8 +143,13 @@ class Shampoo(KroneckerOptimizer):
 
         blocks = state.get("blocks")
         if blocks is not None:
-            self._update_factors(blocks, grad, layout, group, refresh=self._refresh_due(
-                state, group, next_step=False))
+            self._update_factors(
+                blocks,
+                grad,
+                layout,
+                group,
+                refresh=self._refresh_due(state, group, next_step=False),
+            )
         preconditioning = blocks is not None and t >= self._start(group)
 
         if not preconditioning and group["momentum"] == 0:

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from asteria.optim import matrix_functions as mf
-from asteria.optim.base import KroneckerOptimizer, ParamsT, block_views, check_betas, check_range
+from asteria.optim.base import (
+    KroneckerOptimizer,
+    ParamsT,
+    block_views,
+    check_betas,
+    check_shampoo_beta,
+)
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
 
@@ -89,23 +95,25 @@ class SOAP(KroneckerOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         check_betas(group["betas"])
-        sb = group["shampoo_beta"]
-        if sb is not None and not (isinstance(sb, (int, float)) and sb < 0):
-            check_range("shampoo_beta", sb, 0.0, 1.0, high_inclusive=False)
-        for flag in ("merge_dims", "precondition_1d", "normalize_grads", "correct_bias",
-                     "block_large_dims"):
+        check_shampoo_beta(group["shampoo_beta"])
+        for flag in (
+            "merge_dims",
+            "precondition_1d",
+            "normalize_grads",
+            "correct_bias",
+            "block_large_dims",
+        ):
             if not isinstance(group[flag], bool):
                 raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
-        if group["refresh_dtype"] not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"refresh_dtype must be torch.float32 or torch.float64, got {group['refresh_dtype']}"
-            )
 
     # -- layout and schedule ------------------------------------------------------------------
 
     def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
         return super()._layout_key(p, group) + (
-            group["merge_dims"], group["precondition_1d"], group["block_large_dims"])
+            group["merge_dims"],
+            group["precondition_1d"],
+            group["block_large_dims"],
+        )
 
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         return make_layout(
@@ -121,8 +129,11 @@ class SOAP(KroneckerOptimizer):
 
     def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
         t = state["step"] + (1 if next_step else 0)
-        return t > 0 and t % group["precondition_frequency"] == 0 and any(
-            q is not None for b in state["blocks"] for q in b["bases"])
+        return (
+            t > 0
+            and t % group["precondition_frequency"] == 0
+            and any(q is not None for b in state["blocks"] for q in b["bases"])
+        )
 
     @staticmethod
     def _shampoo_beta(group: dict[str, Any]) -> float:
@@ -145,16 +156,19 @@ class SOAP(KroneckerOptimizer):
                 if f is not None:
                     f.lerp_(gram(g, i), 1 - beta)
             bases = [
-                None if f is None
+                None
+                if f is None
                 else mf.eigh_descending(f, group["refresh_dtype"])[1].to(grad.dtype)
                 for f in factors
             ]
-            blocks.append({
-                "exp_avg": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
-                "exp_avg_sq": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
-                "factors": factors,
-                "bases": bases,
-            })
+            blocks.append(
+                {
+                    "exp_avg": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
+                    "exp_avg_sq": torch.zeros(spec.shape, dtype=grad.dtype, device=grad.device),
+                    "factors": factors,
+                    "bases": bases,
+                }
+            )
         state["blocks"] = blocks
 
     def _update_param(self, p, grad, group, state, layout) -> None:

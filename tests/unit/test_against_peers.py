@@ -90,8 +90,14 @@ def test_shampoo_before_preconditioning_is_adamw_exactly(dtype, weight_decay):
     lr, betas, eps = 1e-2, (0.9, 0.99), 1e-8
     ours = problem.run(
         lambda ps: Shampoo(
-            ps, lr=lr, betas=(betas[0], 1.0), eps=eps, weight_decay=weight_decay,
-            grafting="adam", grafting_beta2=betas[1], start_preconditioning_step=steps + 1,
+            ps,
+            lr=lr,
+            betas=(betas[0], 1.0),
+            eps=eps,
+            weight_decay=weight_decay,
+            grafting="adam",
+            grafting_beta2=betas[1],
+            start_preconditioning_step=steps + 1,
         )
     )
     adamw = problem.run(
@@ -107,6 +113,7 @@ def test_shampoo_preconditioning_changes_the_update():
     """Guard for the test above: once preconditioning starts, Shampoo is no longer AdamW."""
     problem = StochasticQuartic([(6, 5)], 20, torch.float64)
     ours = problem.run(lambda ps: Shampoo(ps, lr=1e-2, start_preconditioning_step=5))
-    adamw = problem.run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.999),
-                                                     weight_decay=0.0))
+    adamw = problem.run(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    )
     assert max_rel_diff(ours, adamw) > 1e-4

@@ -53,8 +53,9 @@ def test_qr_refresh_converges_to_the_eigenbasis():
 def test_inverse_root(root):
     a = _spd(10, torch.float64, seed=4)
     r = mf.inverse_root(a, root, epsilon=1e-12, dtype=torch.float64)
-    assert torch.allclose(torch.linalg.matrix_power(r, root) @ a,
-                          torch.eye(10, dtype=torch.float64), atol=1e-8)
+    assert torch.allclose(
+        torch.linalg.matrix_power(r, root) @ a, torch.eye(10, dtype=torch.float64), atol=1e-8
+    )
 
 
 def test_inverse_root_of_a_singular_factor_is_finite():

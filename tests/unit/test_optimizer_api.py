@@ -79,15 +79,17 @@ def test_low_precision_params_keep_fp32_state(optimizer):
         problem.loss([p.float() for p in params], t).backward()
         opt.step()
     assert all(p.dtype == torch.bfloat16 for p in params)
-    floats = [
-        v for s in opt.state.values() for v in _tensors(s) if v.is_floating_point()
-    ]
+    floats = [v for s in opt.state.values() for v in _tensors(s) if v.is_floating_point()]
     assert floats and all(v.dtype == torch.float32 for v in floats)
     # The state_dict keeps fp32 state even though torch would cast it to the parameter dtype.
     opt2 = optimizer([torch.nn.Parameter(p.detach().clone()) for p in params])
     opt2.load_state_dict(opt.state_dict())
-    assert all(v.dtype == torch.float32 for s in opt2.state.values() for v in _tensors(s)
-               if v.is_floating_point())
+    assert all(
+        v.dtype == torch.float32
+        for s in opt2.state.values()
+        for v in _tensors(s)
+        if v.is_floating_point()
+    )
     with torch.no_grad():
         assert float(problem.loss([p.float() for p in params], 0)) < first
 
@@ -164,12 +166,12 @@ def test_blocked_preconditioner_equals_per_block_optimizers(optimizer):
     params = [torch.nn.Parameter(x) for x in pieces]
     opt = optimizer(params, max_preconditioner_dim=4)
     for t in range(25):
-        full = torch.cat([torch.cat(params[i * 2:(i + 1) * 2], dim=1) for i in range(3)], dim=0)
+        full = torch.cat([torch.cat(params[i * 2 : (i + 1) * 2], dim=1) for i in range(3)], dim=0)
         grad = problem.grads([full], t)[0]
         for p, (r, c) in zip(params, [(r, c) for r in rows for c in cols]):
             p.grad = grad[r, c].clone()
         opt.step()
-    assembled = torch.cat([torch.cat(params[i * 2:(i + 1) * 2], dim=1) for i in range(3)], dim=0)
+    assembled = torch.cat([torch.cat(params[i * 2 : (i + 1) * 2], dim=1) for i in range(3)], dim=0)
     assert max_rel_diff([blocked], [assembled.detach()]) < 1e-12
     assert max_rel_diff([blocked], [problem.init[0]]) > 1e-3
 
@@ -185,8 +187,20 @@ def test_is_refresh_step_follows_the_schedule():
         problem.loss(params, t).backward()
         opt.step()
     # Step 0 initialises (eigh); then steps t=1.. refresh when t % 4 == 0 (calls 4 and 8).
-    assert flags == [True, False, False, False, True, False, False, False, True, False, False,
-                     False]
+    assert flags == [
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
 
 
 BAD_ARGUMENTS = [
