@@ -15,15 +15,21 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
 
+from asteria.optim import matrix_functions as mf
 from asteria.optim.blocking import ParamLayout
 
 __all__ = [
+    "BlockKey",
     "KroneckerOptimizer",
+    "NativeRefresher",
+    "RefreshJob",
+    "Refresher",
     "adamw_update",
     "check_betas",
     "check_range",
@@ -31,6 +37,68 @@ __all__ = [
 ]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+
+#: A block's identity inside one optimizer: (index of its parameter in the flattened param
+#: groups, the order ``state_dict`` uses; index of the block in the parameter's layout).
+BlockKey = tuple[int, int]
+
+
+@dataclass
+class RefreshJob:
+    """One factor's refresh, described so that it can run here or on Asteria's worker pool.
+
+    ``kind`` is ``"qr"`` (one warm-started power iteration + QR of ``factor @ basis``, columns
+    sorted first when ``sort``) or ``"root"`` (``factor^{-1/root}`` with ``epsilon``). The result
+    of :meth:`run` is ``(basis, permutation or None)`` for ``"qr"`` and a matrix for ``"root"``.
+    """
+
+    kind: str
+    factor: torch.Tensor
+    basis: torch.Tensor | None = None
+    sort: bool = False
+    root: float = 0.0
+    epsilon: float = 0.0
+    dtype: torch.dtype = torch.float32
+
+    def run(self) -> Any:
+        if self.kind == "qr":
+            return mf.qr_refresh(self.factor, self.basis, sort=self.sort, dtype=self.dtype)
+        if self.kind == "root":
+            return mf.inverse_root(self.factor, self.root, self.epsilon, dtype=self.dtype)
+        raise ValueError(f"unknown refresh kind {self.kind!r}")
+
+
+class Refresher(Protocol):
+    """Decides when a block's refresh is computed and installed (see ``NativeRefresher``)."""
+
+    def step_begin(self, opt: KroneckerOptimizer) -> None: ...
+
+    def block_boundary(
+        self,
+        opt: KroneckerOptimizer,
+        key: BlockKey,
+        block: dict,
+        group: dict,
+        step: int,
+        due: bool,
+    ) -> None: ...
+
+    def step_end(self, opt: KroneckerOptimizer) -> None: ...
+
+
+class NativeRefresher:
+    """The synchronous algorithm: a due refresh is computed and installed in the step itself."""
+
+    def step_begin(self, opt: KroneckerOptimizer) -> None:
+        pass
+
+    def block_boundary(self, opt, key, block, group, step, due) -> None:
+        if due:
+            jobs = opt.refresh_jobs(block, group)
+            opt.install_refresh(block, [None if j is None else j.run() for j in jobs])
+
+    def step_end(self, opt: KroneckerOptimizer) -> None:
+        pass
 
 
 def check_range(
@@ -111,7 +179,46 @@ class KroneckerOptimizer(Optimizer):
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}
+        self._refresher: Refresher = NativeRefresher()
         super().__init__(params, defaults)
+
+    # -- who computes refreshes ------------------------------------------------------------------
+
+    @property
+    def refresher(self) -> Refresher:
+        return self._refresher
+
+    def attach_refresher(self, refresher: Refresher) -> None:
+        """Hand refreshes to ``refresher`` (Asteria's runtime); one at a time."""
+        if not isinstance(self._refresher, NativeRefresher):
+            raise ValueError(
+                f"{type(self).__name__} is already orchestrated by {self._refresher!r}; "
+                "close() that runtime before attaching another"
+            )
+        self._refresher = refresher
+
+    def detach_refresher(self) -> None:
+        """Back to native mode: refreshes are computed in the step again."""
+        self._refresher = NativeRefresher()
+
+    def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob | None]:
+        """The refresh of every dim of ``block`` (``None`` where a dim has no factor)."""
+        raise NotImplementedError
+
+    def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
+        """Install the results of ``refresh_jobs(block, ...)``, carrying state over exactly."""
+        raise NotImplementedError
+
+    def blocks(self) -> Iterable[tuple[BlockKey, torch.Tensor, dict[str, Any], dict[str, Any]]]:
+        """Every initialised preconditioned block: ``(key, parameter, block state, group)``."""
+        pid = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "blocks" in state:
+                    for bi, block in enumerate(state["blocks"]):
+                        yield (pid, bi), p, block, group
+                pid += 1
 
     # -- torch.optim conventions ---------------------------------------------------------------
 
@@ -167,8 +274,11 @@ class KroneckerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refresher.step_begin(self)
+        pid = -1
         for group in self.param_groups:
             for p in group["params"]:
+                pid += 1
                 if p.grad is None or p.numel() == 0:
                     continue
                 grad = self._checked_grad(p)
@@ -181,11 +291,12 @@ class KroneckerOptimizer(Optimizer):
                 if p.dtype != grad.dtype or not p.is_contiguous():
                     work = p.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
                 if not state:
-                    self._init_param(work, grad, group, state, layout)
+                    self._init_param(pid, work, grad, group, state, layout)
                 else:
-                    self._update_param(work, grad, group, state, layout)
+                    self._update_param(pid, work, grad, group, state, layout)
                 if work is not p:
                     p.copy_(work)
+        self._refresher.step_end(self)
         return loss
 
     def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
@@ -233,10 +344,10 @@ class KroneckerOptimizer(Optimizer):
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         raise NotImplementedError
 
-    def _init_param(self, p, grad, group, state, layout) -> None:
+    def _init_param(self, pid, p, grad, group, state, layout) -> None:
         raise NotImplementedError
 
-    def _update_param(self, p, grad, group, state, layout) -> None:
+    def _update_param(self, pid, p, grad, group, state, layout) -> None:
         raise NotImplementedError
 
     def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:

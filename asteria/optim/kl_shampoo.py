@@ -31,6 +31,7 @@ from asteria.optim import matrix_functions as mf
 from asteria.optim.base import (
     KroneckerOptimizer,
     ParamsT,
+    RefreshJob,
     adamw_update,
     block_views,
     check_betas,
@@ -111,12 +112,12 @@ class KLShampoo(KroneckerOptimizer):
 
     # -- the algorithm ------------------------------------------------------------------------
 
-    def _init_param(self, p, grad, group, state, layout) -> None:
+    def _init_param(self, pid, p, grad, group, state, layout) -> None:
         if not layout.blocks[0].factored[0]:  # a vector: AdamW
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(grad)
             state["exp_avg_sq"] = torch.zeros_like(grad)
-            self._update_param(p, grad, group, state, layout)
+            self._update_param(pid, p, grad, group, state, layout)
             return
         # First gradient: factors and bases only, no parameter update (the authors' rule).
         beta = self._shampoo_beta(group)
@@ -145,7 +146,7 @@ class KLShampoo(KroneckerOptimizer):
             )
         state["blocks"] = blocks
 
-    def _update_param(self, p, grad, group, state, layout) -> None:
+    def _update_param(self, pid, p, grad, group, state, layout) -> None:
         if "blocks" not in state:
             adamw_update(
                 p, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -155,15 +156,14 @@ class KLShampoo(KroneckerOptimizer):
         beta = self._shampoo_beta(group)
         state["step"] += 1
         refresh = state["step"] % group["precondition_frequency"] == 0
-        for spec, b, g, w in zip(
-            layout.blocks, state["blocks"], block_views(grad, layout), block_views(p, layout)
+        for bi, (spec, b, g, w) in enumerate(
+            zip(layout.blocks, state["blocks"], block_views(grad, layout), block_views(p, layout))
         ):
             b["exp_avg"].lerp_(g, 1 - beta1)
             scaled = mode_scale(mode_products(b["exp_avg"], b["bases"], True), b["eigen_sqrt_inv"])
             delta = mode_products(scaled, b["bases"], False)
             self._update_statistics(b, g, spec.numel, beta, group["max_clamp_value"])
-            if refresh:
-                self.install_refresh(b, self.compute_refresh(b, group))
+            self._refresher.block_boundary(self, (pid, bi), b, group, state["step"], refresh)
             w.add_(delta, alpha=-group["lr"])
         if group["weight_decay"] > 0.0:
             p.add_(p, alpha=-group["lr"] * group["weight_decay"])
@@ -198,15 +198,15 @@ class KLShampoo(KroneckerOptimizer):
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
-    @staticmethod
-    def compute_refresh(block: dict[str, Any], group: dict[str, Any]) -> list[torch.Tensor]:
+    def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """New bases: one power iteration + QR per factor, no sorting (the authors' rule)."""
         return [
-            mf.qr_refresh(f, q, sort=False, dtype=group["refresh_dtype"])[0].to(f.dtype)
+            RefreshJob("qr", f, q, sort=False, dtype=group["refresh_dtype"])
             for f, q in zip(block["factors"], block["bases"])
         ]
 
-    @staticmethod
-    def install_refresh(block: dict[str, Any], result: list[torch.Tensor]) -> None:
+    def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
         """Install new bases; the eigenvalue estimates carry over unchanged, as the authors do."""
-        block["bases"] = list(result)
+        block["bases"] = [
+            q.to(dtype=f.dtype, device=f.device) for (q, _), f in zip(results, block["factors"])
+        ]

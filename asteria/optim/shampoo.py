@@ -21,8 +21,14 @@ from typing import Any
 
 import torch
 
-from asteria.optim import matrix_functions as mf
-from asteria.optim.base import KroneckerOptimizer, ParamsT, block_views, check_betas, check_range
+from asteria.optim.base import (
+    KroneckerOptimizer,
+    ParamsT,
+    RefreshJob,
+    block_views,
+    check_betas,
+    check_range,
+)
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
 
@@ -112,7 +118,7 @@ class Shampoo(KroneckerOptimizer):
 
     # -- the algorithm ------------------------------------------------------------------------
 
-    def _init_param(self, p, grad, group, state, layout) -> None:
+    def _init_param(self, pid, p, grad, group, state, layout) -> None:
         state["step"] = 0
         state["exp_avg"] = torch.zeros_like(grad)
         if group["grafting"] in ("adam", "rmsprop", "adagrad"):
@@ -129,9 +135,9 @@ class Shampoo(KroneckerOptimizer):
                 }
                 for spec in layout.blocks
             ]
-        self._update_param(p, grad, group, state, layout)
+        self._update_param(pid, p, grad, group, state, layout)
 
-    def _update_param(self, p, grad, group, state, layout) -> None:
+    def _update_param(self, pid, p, grad, group, state, layout) -> None:
         beta1 = group["betas"][0]
         lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
         state["step"] += 1
@@ -143,13 +149,10 @@ class Shampoo(KroneckerOptimizer):
 
         blocks = state.get("blocks")
         if blocks is not None:
-            self._update_factors(
-                blocks,
-                grad,
-                layout,
-                group,
-                refresh=self._refresh_due(state, group, next_step=False),
-            )
+            due = self._refresh_due(state, group, next_step=False)
+            for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout))):
+                self._update_factors(b, g, group)
+                self._refresher.block_boundary(self, (pid, bi), b, group, t, due)
         preconditioning = blocks is not None and t >= self._start(group)
 
         if not preconditioning and group["momentum"] == 0:
@@ -200,28 +203,26 @@ class Shampoo(KroneckerOptimizer):
             return v.sqrt().add_(group["eps"])
         return (v.sqrt() / (1 - b2**t) ** 0.5).add_(group["eps"])
 
-    def _update_factors(self, blocks, grad, layout, group, refresh: bool) -> None:
+    @staticmethod
+    def _update_factors(block: dict[str, Any], g: torch.Tensor, group: dict[str, Any]) -> None:
         beta2 = group["betas"][1]
-        for b, g in zip(blocks, block_views(grad, layout)):
-            for i, f in enumerate(b["factors"]):
-                if beta2 == 1.0:
-                    f.add_(gram(g, i))
-                else:
-                    f.mul_(beta2).add_(gram(g, i), alpha=1 - beta2)
-            if refresh:
-                self.install_refresh(b, self.compute_refresh(b, group))
+        for i, f in enumerate(block["factors"]):
+            if beta2 == 1.0:
+                f.add_(gram(g, i))
+            else:
+                f.mul_(beta2).add_(gram(g, i), alpha=1 - beta2)
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
-    @staticmethod
-    def compute_refresh(block: dict[str, Any], group: dict[str, Any]) -> list[torch.Tensor]:
+    def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """``L_i^{-1/(2k)}`` for every factor of an order-k block."""
         root = 2 * len(block["factors"])
         return [
-            mf.inverse_root(f, root, group["epsilon"], dtype=group["refresh_dtype"]).to(f.dtype)
+            RefreshJob("root", f, root=root, epsilon=group["epsilon"], dtype=group["refresh_dtype"])
             for f in block["factors"]
         ]
 
-    @staticmethod
-    def install_refresh(block: dict[str, Any], result: list[torch.Tensor]) -> None:
-        block["roots"] = list(result)
+    def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
+        block["roots"] = [
+            r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
+        ]

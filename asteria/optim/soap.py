@@ -26,6 +26,7 @@ from asteria.optim import matrix_functions as mf
 from asteria.optim.base import (
     KroneckerOptimizer,
     ParamsT,
+    RefreshJob,
     block_views,
     check_betas,
     check_shampoo_beta,
@@ -142,7 +143,7 @@ class SOAP(KroneckerOptimizer):
 
     # -- the algorithm ------------------------------------------------------------------------
 
-    def _init_param(self, p, grad, group, state, layout) -> None:
+    def _init_param(self, pid, p, grad, group, state, layout) -> None:
         """First gradient: factors and eigenbases only, no parameter update (the authors' rule)."""
         beta = self._shampoo_beta(group)
         state["step"] = 0
@@ -171,7 +172,7 @@ class SOAP(KroneckerOptimizer):
             )
         state["blocks"] = blocks
 
-    def _update_param(self, p, grad, group, state, layout) -> None:
+    def _update_param(self, pid, p, grad, group, state, layout) -> None:
         beta1, beta2 = group["betas"]
         state["step"] += 1
         t = state["step"]
@@ -194,32 +195,23 @@ class SOAP(KroneckerOptimizer):
 
         beta = self._shampoo_beta(group)
         refresh = t % group["precondition_frequency"] == 0
-        for b, g in zip(state["blocks"], grads):
+        for bi, (b, g) in enumerate(zip(state["blocks"], grads)):
             for i, f in enumerate(b["factors"]):
                 if f is not None:
                     f.lerp_(gram(g, i), 1 - beta)
-            if refresh:
-                self.install_refresh(b, self.compute_refresh(b, group))
+            self._refresher.block_boundary(self, (pid, bi), b, group, t, refresh)
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
-    @staticmethod
-    def compute_refresh(
-        block: dict[str, Any], group: dict[str, Any]
-    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """The new basis of every factored dim and the permutation of its columns."""
-        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for f, q in zip(block["factors"], block["bases"]):
-            if f is None:
-                out.append(None)
-                continue
-            new_q, perm = mf.qr_refresh(f, q, sort=True, dtype=group["refresh_dtype"])
-            out.append((new_q.to(f.dtype), perm))
-        return out
+    def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob | None]:
+        """Per factored dim: sort the basis by estimated eigenvalue, one power iteration + QR."""
+        return [
+            None if f is None else RefreshJob("qr", f, q, sort=True, dtype=group["refresh_dtype"])
+            for f, q in zip(block["factors"], block["bases"])
+        ]
 
-    @staticmethod
     def install_refresh(
-        block: dict[str, Any], result: list[tuple[torch.Tensor, torch.Tensor] | None]
+        self, block: dict[str, Any], result: list[tuple[torch.Tensor, torch.Tensor] | None]
     ) -> None:
         """Install new bases: permute ``v`` along each refreshed dim, carry ``m`` over exactly.
 
@@ -232,7 +224,8 @@ class SOAP(KroneckerOptimizer):
             if res is None:
                 continue
             new_q, perm = res
-            block["exp_avg_sq"] = block["exp_avg_sq"].index_select(i, perm.to(new_q.device))
-            block["bases"][i] = new_q
+            v = block["exp_avg_sq"]
+            block["exp_avg_sq"] = v.index_select(i, perm.to(v.device))
+            block["bases"][i] = new_q.to(dtype=v.dtype, device=v.device)
         original = mode_products(block["exp_avg"], old_bases, transpose=False)
         block["exp_avg"] = mode_products(original, block["bases"], transpose=True)
