@@ -1,0 +1,11 @@
+"""Asteria's runtime: refreshes on C++ CPU workers, bounded staleness, hooks as signals.
+
+``Runtime(model, optimizer, RuntimeConfig(...))`` switches an Asteria optimizer to orchestrated
+mode; ``close()`` (or leaving a ``with`` block) switches it back.
+"""
+
+from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.registry import RefreshFailedError, StalenessTimeoutError
+from asteria.runtime.runtime import Runtime
+
+__all__ = ["RefreshFailedError", "Runtime", "RuntimeConfig", "StalenessTimeoutError"]

@@ -1,0 +1,106 @@
+"""The coherence registry: per block, which version is in use and how stale it may get.
+
+Owns: one ``BlockEntry`` per preconditioner block (its name, the version in use, the step its
+refresh was requested and installed, the refresh in flight, failure counts), the staleness
+histogram of every installed version, and the check of the bound.
+
+Note [Staleness bound]: a block's refresh requested at (optimizer) step ``t`` is version ``t``.
+It is installed at some step ``s`` with ``t <= s <= t + S``: at the first step boundary (or hook)
+at which it is ready, and at step ``t + S`` at the latest, where the step waits for it (the
+bounded barrier, ``Runtime._wait``). "Installed at step ``s``" means after the update of step
+``s``, exactly where native mode installs a refresh requested at ``s``; the version is used from
+step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode.
+
+Must not: submit work or wait (``runtime.py`` does both); this module is bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "BlockEntry",
+    "PendingRefresh",
+    "Registry",
+    "StalenessTimeoutError",
+    "RefreshFailedError",
+]
+
+
+class StalenessTimeoutError(RuntimeError):
+    """A step waited at the barrier for longer than ``barrier_timeout_s``."""
+
+
+class RefreshFailedError(RuntimeError):
+    """A block's refresh failed ``max_consecutive_failures`` times in a row, or crashed."""
+
+
+@dataclass
+class PendingRefresh:
+    """A refresh in flight: requested at ``requested`` (its version), one future per dim."""
+
+    requested: int
+    futures: list[Any]  # asteria._C.Future or None (dims without a factor)
+    copies: list[Any] = field(default_factory=list)  # CUDA snapshot copies not yet submitted
+
+    def done(self) -> bool:
+        return not self.copies and all(f is None or f.done() for f in self.futures)
+
+
+@dataclass
+class BlockEntry:
+    name: str
+    version: int = 0  # 0: the initial eigendecomposition of the first step
+    requested_step: int = 0
+    installed_step: int = 0
+    pending: PendingRefresh | None = None
+    consecutive_failures: int = 0
+    failures: int = 0
+    installs: int = 0
+
+
+class Registry:
+    """Per-block versions and the staleness histogram (see Note [Staleness bound])."""
+
+    def __init__(self, staleness: int) -> None:
+        self.staleness = staleness
+        self.entries: dict[tuple[int, int], BlockEntry] = {}
+        self.histogram: Counter[int] = Counter()
+        self.superseded = 0
+
+    def entry(self, key: tuple[int, int], name: str) -> BlockEntry:
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = BlockEntry(name=name)
+        return e
+
+    def record_install(self, e: BlockEntry, requested: int, installed: int) -> None:
+        staleness = installed - requested
+        if not 0 <= staleness <= self.staleness:  # an invariant of runtime.py, not user input
+            raise AssertionError(
+                f"block {e.name}: version {requested} installed at step {installed} breaks the "
+                f"staleness bound {self.staleness}"
+            )
+        e.version, e.requested_step, e.installed_step = requested, requested, installed
+        e.installs += 1
+        e.consecutive_failures = 0
+        self.histogram[staleness] += 1
+
+    def pending_count(self) -> int:
+        return sum(e.pending is not None for e in self.entries.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Per block: version in use, its request and install steps, failures."""
+        return {
+            e.name: {
+                "version": e.version,
+                "requested_step": e.requested_step,
+                "installed_step": e.installed_step,
+                "installs": e.installs,
+                "failures": e.failures,
+                "pending": e.pending.requested if e.pending is not None else -1,
+            }
+            for e in self.entries.values()
+        }

@@ -1,0 +1,239 @@
+"""Asteria's runtime (single process): equivalence, determinism, the staleness bound, faults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.runtime import (
+    RefreshFailedError,
+    Runtime,
+    RuntimeConfig,
+    StalenessTimeoutError,
+)
+from tests.problems import StochasticQuartic
+
+OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
+SHAPES = [(6, 6), (5, 6), (4, 3, 2), (7,)]
+
+
+def _orchestrated(cls, config, runtimes, **kw):
+    def make(params):
+        opt = cls(params, precondition_frequency=5, **kw)
+        runtimes.append(Runtime(None, opt, config))
+        return opt
+
+    return make
+
+
+@pytest.fixture
+def runtimes():
+    made: list[Runtime] = []
+    yield made
+    for r in made:
+        r.close()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_staleness_zero_is_native_bitwise(name, runtimes):
+    cls = OPTIMIZERS[name]
+    problem = StochasticQuartic(SHAPES, 200, torch.float32)
+    native = problem.run(lambda ps: cls(ps, precondition_frequency=5))
+    orchestrated = problem.run(_orchestrated(cls, RuntimeConfig(staleness=0, workers=1), runtimes))
+    for a, b in zip(orchestrated, native):
+        assert torch.equal(a, b)
+    stats = runtimes[-1].stats()
+    assert stats["installs"] >= 3 * 39 and stats["staleness_histogram"] == {0: stats["installs"]}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fixed_delay_is_deterministic_and_exact(name, runtimes):
+    cls = OPTIMIZERS[name]
+    problem = StochasticQuartic(SHAPES, 120, torch.float32)
+    config = RuntimeConfig(staleness=3, fixed_delay=2, workers=2)
+    first = problem.run(_orchestrated(cls, config, runtimes))
+    second = problem.run(_orchestrated(cls, config, runtimes))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    hist = runtimes[-1].stats()["staleness_histogram"]
+    assert set(hist) == {2}
+    native = problem.run(lambda ps: cls(ps, precondition_frequency=5))
+    assert any(not torch.equal(a, b) for a, b in zip(first, native)), "the delay must matter"
+
+
+def _hog(runtime: Runtime, seconds_each: int = 4) -> list:
+    """Occupy every pool worker with long jobs of deadline 0 (ahead of any refresh)."""
+    big = torch.randn(700, 700, dtype=torch.float64)
+    big = big @ big.T
+    return [
+        runtime._pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64)
+        for i in range(seconds_each * runtime.config.resolved_workers)
+    ]
+
+
+def test_no_version_is_staler_than_the_budget_when_the_pool_is_slow(runtimes):
+    problem = StochasticQuartic([(16, 16), (12, 8)], 60, torch.float32)
+    params = problem.params()
+    opt = SOAP(params, precondition_frequency=4)
+    rt = Runtime(None, opt, RuntimeConfig(staleness=2, workers=1))
+    runtimes.append(rt)
+    for t in range(60):
+        if t in (10, 30):
+            _hog(rt, 2)
+        opt.zero_grad()
+        problem.loss(params, t).backward()
+        opt.step()
+        for block in rt.stats()["blocks"].values():
+            if block["pending"] >= 0:
+                assert t + 1 - block["pending"] <= 2 + 1
+    stats = rt.stats()
+    assert stats["max_staleness"] <= 2
+    assert 2 in stats["staleness_histogram"], "the slowed pool must have forced barrier installs"
+    assert max(stats["barrier_wait_ms"]) > 10.0
+
+
+def test_barrier_timeout_names_the_block(runtimes):
+    model = torch.nn.Linear(8, 8, bias=False)
+    opt = SOAP(model.parameters(), precondition_frequency=1)
+    rt = Runtime(model, opt, RuntimeConfig(staleness=0, workers=1, barrier_timeout_s=0.05))
+    runtimes.append(rt)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()  # the first step: eigh in the step, nothing pending
+    _hog(rt, 3)
+    model(torch.randn(4, 8)).square().sum().backward()
+    with pytest.raises(StalenessTimeoutError, match=r"block 'weight\[0\]'.*step 1"):
+        opt.step()
+
+
+def test_refresh_failures_keep_the_previous_version_then_raise(runtimes):
+    problem = StochasticQuartic([(6, 6)], 40, torch.float32)
+    params = problem.params()
+    opt = SOAP(params, precondition_frequency=2)
+    rt = Runtime(None, opt, RuntimeConfig(staleness=0, workers=1, max_consecutive_failures=2))
+    runtimes.append(rt)
+    for t in range(3):
+        opt.zero_grad()
+        problem.loss(params, t).backward()
+        opt.step()
+    block = opt.state[params[0]]["blocks"][0]
+    basis_before = [q.clone() for q in block["bases"]]
+    block["factors"][0][0, 0] = float("nan")  # every later refresh fails in fp32 and in fp64
+    t = 3
+    while rt.stats()["jobs"]["failed"] == 0:
+        opt.zero_grad()
+        problem.loss(params, t).backward()
+        opt.step()
+        t += 1
+    assert rt.stats()["jobs"]["failed"] == 1 and t <= 6
+    assert all(torch.equal(a, b) for a, b in zip(block["bases"], basis_before))
+    assert all(torch.isfinite(p).all() for p in params)
+    with pytest.raises(RefreshFailedError, match=r"param0\[0\].*2 times in a row"):
+        for t in range(t, t + 4):
+            opt.zero_grad()
+            problem.loss(params, t).backward()
+            opt.step()
+
+
+def test_worker_exception_reaches_the_step_with_the_block_name(runtimes, monkeypatch):
+    problem = StochasticQuartic([(6, 6)], 10, torch.float32)
+    params = problem.params()
+    opt = Shampoo(params, precondition_frequency=2)
+    rt = Runtime(None, opt, RuntimeConfig(staleness=1, workers=1))
+    runtimes.append(rt)
+    real_jobs = opt.refresh_jobs
+
+    def broken_jobs(block, group):
+        jobs = real_jobs(block, group)
+        jobs[0].factor = jobs[0].factor[:, :3]  # not square: the worker raises
+        return jobs
+
+    monkeypatch.setattr(opt, "refresh_jobs", broken_jobs)
+    with pytest.raises(RefreshFailedError, match=r"param0\[0\].*square"):
+        for t in range(10):
+            opt.zero_grad()
+            problem.loss(params, t).backward()
+            opt.step()
+
+
+def test_hooks_are_signals_and_close_removes_them():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = SOAP(model.parameters(), precondition_frequency=2)
+    with Runtime(model, opt, RuntimeConfig(staleness=4, workers=1)) as rt:
+        assert len(rt._signals) == 4  # forward pre + backward pre on each Linear
+        for _ in range(12):
+            opt.zero_grad()
+            model(torch.randn(16, 6)).square().mean().backward()
+            opt.step()
+        stats = rt.stats()
+        assert stats["installs"] > 0 and stats["max_staleness"] <= 4
+    assert all(not m._forward_pre_hooks and not m._backward_pre_hooks for m in model.modules())
+    assert type(opt.refresher).__name__ == "NativeRefresher"
+    assert all(e.pending is None for e in rt.registry.entries.values())
+
+
+def test_soap_install_carries_state_over_exactly():
+    """Installing a new basis keeps the original-space moment and permutes v."""
+    problem = StochasticQuartic([(6, 5)], 8, torch.float64)
+    params = problem.params()
+    opt = SOAP(params, precondition_frequency=100, refresh_dtype=torch.float64)
+    for t in range(8):
+        opt.zero_grad()
+        problem.loss(params, t).backward()
+        opt.step()
+    block = opt.state[params[0]]["blocks"][0]
+    q_old = [q.clone() for q in block["bases"]]
+    m_original = q_old[0] @ block["exp_avg"] @ q_old[1].T
+    v_old = block["exp_avg_sq"].clone()
+    results = [job.run() for job in opt.refresh_jobs(block, opt.param_groups[0])]
+    opt.install_refresh(block, results)
+    q_new = block["bases"]
+    assert torch.allclose(q_new[0] @ block["exp_avg"] @ q_new[1].T, m_original, atol=1e-13)
+    expected_v = v_old.index_select(0, results[0][1]).index_select(1, results[1][1])
+    assert torch.equal(block["exp_avg_sq"], expected_v)
+
+
+def test_kl_shampoo_install_keeps_eigenvalue_estimates():
+    problem = StochasticQuartic([(6, 5)], 6, torch.float64)
+    params = problem.params()
+    opt = KLShampoo(params, precondition_frequency=100)
+    for t in range(6):
+        opt.zero_grad()
+        problem.loss(params, t).backward()
+        opt.step()
+    block = opt.state[params[0]]["blocks"][0]
+    s_before = [s.clone() for s in block["eigen_sqrt_inv"]]
+    results = [job.run() for job in opt.refresh_jobs(block, opt.param_groups[0])]
+    opt.install_refresh(block, results)
+    assert all(torch.equal(a, b) for a, b in zip(block["eigen_sqrt_inv"], s_before))
+    assert all(torch.equal(q, r[0]) for q, r in zip(block["bases"], results))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(staleness=-1), "staleness"),
+        (dict(staleness=2, fixed_delay=3), "fixed_delay"),
+        (dict(workers=0), "workers"),
+        (dict(barrier_timeout_s=0), "barrier_timeout_s"),
+        (dict(lapack_threads=0), "lapack_threads"),
+        (dict(max_consecutive_failures=0), "max_consecutive_failures"),
+        (dict(affinity=()), "affinity"),
+        (dict(hooks="yes"), "hooks"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RuntimeConfig(**kwargs)
+
+
+def test_bad_attachments():
+    p = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="Asteria optimizer"):
+        Runtime(None, torch.optim.AdamW([p]))
+    opt = SOAP([p])
+    with Runtime(None, opt, RuntimeConfig(workers=1)):
+        with pytest.raises(ValueError, match="already orchestrated"):
+            Runtime(None, opt, RuntimeConfig(workers=1))
+    with pytest.raises(ValueError, match="config"):
+        Runtime(None, opt, config={"staleness": 1})
