@@ -129,9 +129,9 @@ def test_refresh_failures_keep_the_previous_version_then_raise(runtimes):
     assert all(torch.equal(a, b) for a, b in zip(block["bases"], basis_before))
     assert all(torch.isfinite(p).all() for p in params)
     with pytest.raises(RefreshFailedError, match=r"param0\[0\].*2 times in a row"):
-        for t in range(t, t + 4):
+        for later in range(t, t + 4):
             opt.zero_grad()
-            problem.loss(params, t).backward()
+            problem.loss(params, later).backward()
             opt.step()
 
 
