@@ -37,8 +37,14 @@ def _finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _canonical(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a`` in ``dtype`` and row-major: BLAS results depend on the operands' memory layout, and
+    the C++ twins receive contiguous copies, so both compute on the same layout, bit for bit."""
+    return a.to(dtype).contiguous()
+
+
 def _eigh(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    a = a.to(dtype)
+    a = _canonical(a, dtype)
     eye = torch.eye(a.shape[0], dtype=dtype, device=a.device)
     return torch.linalg.eigh(a + EIGH_SHIFT * eye)
 
@@ -103,8 +109,8 @@ def qr_refresh(
     # validity gate of _with_fp64_retry catches (the refresh is on the hot path of native mode).
 
     def run(dt: torch.dtype):
-        f = factor.to(dt)
-        q = basis.to(dt)
+        f = _canonical(factor, dt)
+        q = _canonical(basis, dt)
         power = f @ q  # one n^3 product serves both the estimates and the power iteration
         if not sort:
             return (torch.linalg.qr(power)[0],)
@@ -136,7 +142,7 @@ def inverse_root(
         raise MatrixFunctionError("inverse_root: factor has non-finite entries")
 
     def run(dt: torch.dtype):
-        f = factor.to(dt)
+        f = _canonical(factor, dt)
         evals, evecs = torch.linalg.eigh(f)
         scale = (evals.clamp(min=0) + epsilon).pow(-1.0 / root)
         return ((evecs * scale) @ evecs.T,)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from asteria._ext import load_extension
+from asteria.memory.staging import StagingSlots
 from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.runtime.config import RuntimeConfig
@@ -80,9 +81,11 @@ class Runtime:
             lapack_threads=self.config.lapack_threads,
             affinity=list(self.config.affinity) if self.config.affinity else None,
         )
-        self._shadow = None
+        # Device snapshots go through pinned staging slots on the shadow stream; CPU tensors are
+        # copied by the pool itself at submission.
+        self._staging: StagingSlots | None = None
         if any(p.is_cuda for p in _params(optimizer)):
-            self._shadow = _C.ShadowStream()
+            self._staging = StagingSlots(_C.ShadowStream())
         optimizer.attach_refresher(self)  # raises ValueError when already orchestrated
         self._signals = None
         if model is not None and self.config.hooks:
@@ -119,6 +122,8 @@ class Runtime:
             finally:
                 self.optimizer.detach_refresher()
                 self._pool.shutdown(wait=False)
+                if self._staging is not None:
+                    self._staging.clear()
                 self._finalizer.detach()
 
     def _install_in_flight(self) -> None:
@@ -177,6 +182,10 @@ class Runtime:
                     self._install(key, e, step, block)
 
     def step_end(self, opt: KroneckerOptimizer) -> None:
+        with self._lock:
+            for e in self.registry.entries.values():
+                if e.pending is not None and e.pending.copies:
+                    self._submit_copied(e, wait=False)
         self._step += 1
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._step_wait * 1e3)
@@ -187,32 +196,51 @@ class Runtime:
         jobs = self.optimizer.refresh_jobs(block, group)
         if all(job is None for job in jobs):
             return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-        deadline = step + self.config.staleness
-        futures = []
+        e.pending = PendingRefresh(requested=step, futures=[None] * len(jobs))
         for dim, job in enumerate(jobs):
-            futures.append(
-                None if job is None else self._submit(f"{e.name}.dim{dim}", step, deadline, job)
-            )
-        e.pending = PendingRefresh(requested=step, futures=futures)
+            if job is None:
+                continue
+            if self._staging is not None:
+                events = [self._staging.copy((key, dim, "factor"), job.factor)]
+                if job.basis is not None:
+                    events.append(self._staging.copy((key, dim, "basis"), job.basis))
+                e.pending.copies.append((dim, job, events))
+            else:
+                e.pending.futures[dim] = self._submit(e, dim, job, job.factor, job.basis)
 
-    def _submit(self, name: str, version: int, deadline: int, job: RefreshJob) -> Any:
+    def _submit(
+        self,
+        e: BlockEntry,
+        dim: int,
+        job: RefreshJob,
+        factor: torch.Tensor,
+        basis: torch.Tensor | None,
+    ) -> Any:
+        """One job on the pool (it copies its inputs): version = request step, deadline t + S."""
         self._submitted += 1
-        factor = self._snapshot(job.factor)
+        name, version = f"{e.name}.dim{dim}", e.pending.requested
+        deadline = version + self.config.staleness
         if job.kind == "qr":
             return self._pool.submit_qr_refresh(
-                name, version, deadline, factor, self._snapshot(job.basis), job.sort, job.dtype
+                name, version, deadline, factor, basis, job.sort, job.dtype
             )
         return self._pool.submit_inverse_root(
             name, version, deadline, factor, job.root, job.epsilon, job.dtype
         )
 
-    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
-        """What a job reads, copied off the device (the pool copies CPU tensors itself)."""
-        if not t.is_cuda:
-            return t
-        ev = self._shadow.copy_to_host(t, self._shadow.host_buffer_like(t))
-        ev.synchronize()  # the shadow stream's copy; the main stream did not wait
-        return ev.host
+    def _submit_copied(self, e: BlockEntry, wait: bool) -> None:
+        """Submit the jobs whose snapshot copies have landed (all of them when ``wait``)."""
+        remaining = []
+        for dim, job, events in e.pending.copies:
+            if wait:
+                for ev in events:
+                    ev.synchronize()
+            elif not all(ev.query() for ev in events):
+                remaining.append((dim, job, events))
+                continue
+            basis = events[1].host if len(events) > 1 else None
+            e.pending.futures[dim] = self._submit(e, dim, job, events[0].host, basis)
+        e.pending.copies = remaining
 
     def _supersede(self, e: BlockEntry) -> None:
         """A newer request replaces the one in flight (cancelled if queued, else discarded)."""
@@ -226,6 +254,8 @@ class Runtime:
         """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh."""
         t0 = time.perf_counter()
         limit = self.config.barrier_timeout_s
+        if e.pending.copies:
+            self._submit_copied(e, wait=True)
         for f in e.pending.futures:
             if f is None or f.done():
                 continue
@@ -284,11 +314,14 @@ class Runtime:
         if self._closed or self.config.fixed_delay is not None:
             return  # fixed-delay installs happen exactly at their step, not earlier
         with self._lock:
-            for pid_obj in param_ids:
-                pid = self._pid_of[pid_obj]
-                for key, e in self.registry.entries.items():
-                    if key[0] == pid and e.pending is not None and e.pending.done():
-                        self._install(key, e, self._current_step(key))
+            pids = {self._pid_of[i] for i in param_ids}
+            for key, e in self.registry.entries.items():
+                if key[0] not in pids or e.pending is None:
+                    continue
+                if e.pending.copies:
+                    self._submit_copied(e, wait=False)
+                if e.pending.done():
+                    self._install(key, e, self._current_step(key))
 
     # -- introspection -----------------------------------------------------------------------
 

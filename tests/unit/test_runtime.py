@@ -47,6 +47,29 @@ def test_staleness_zero_is_native_bitwise(name, runtimes):
     assert stats["installs"] >= 3 * 39 and stats["staleness_histogram"] == {0: stats["installs"]}
 
 
+def test_snapshots_through_staging_slots_keep_native_results(runtimes):
+    """The device path (shadow-stream copies into reused staging slots, deferred submission),
+    run here with the CPU stand-in of the shadow stream."""
+    from asteria import _C
+    from asteria.memory import StagingSlots
+
+    problem = StochasticQuartic(SHAPES, 60, torch.float32)
+    native = problem.run(lambda ps: KLShampoo(ps, precondition_frequency=5))
+
+    def make(params):
+        opt = KLShampoo(params, precondition_frequency=5)
+        rt = Runtime(None, opt, RuntimeConfig(staleness=0, workers=1))
+        rt._staging = StagingSlots(_C.ShadowStream())
+        runtimes.append(rt)
+        return opt
+
+    staged = problem.run(make)
+    for a, b in zip(staged, native):
+        assert torch.equal(a, b)
+    staging = runtimes[-1]._staging
+    assert staging.reuses > 0 and staging.allocations == 3 * 2 * 2  # 3 blocks x 2 dims x 2
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_fixed_delay_is_deterministic_and_exact(name, runtimes):
     cls = OPTIMIZERS[name]
