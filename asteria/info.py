@@ -1,0 +1,99 @@
+"""``python -m asteria.info``: how the extension was built, what it found, and whether that fits.
+
+Owns: the build report (xformers' ``python -m xformers.info`` idea). Reads only the extension's
+build record (``asteria/_build_info.py``), ``asteria._C.build_info()`` and torch's own config.
+
+Must not: change any state (threads, devices) or build anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import re
+import sys
+from typing import Any
+
+import torch
+
+import asteria
+from asteria import _C
+
+
+def _recorded_build() -> dict[str, Any]:
+    try:
+        module = importlib.import_module("asteria._build_info")
+    except ImportError:
+        return {}
+    return {key: value for key, value in vars(module).items() if key.isupper()}
+
+
+def _torch_lapack() -> str:
+    """torch's LAPACK as its build config names it (``LAPACK_INFO=mkl`` -> ``mkl``)."""
+    match = re.search(r"LAPACK_INFO=([^,\s]+)", torch.__config__.show())
+    return match.group(1) if match else "unknown"
+
+
+def collect() -> dict[str, Any]:
+    """Everything the report prints, as a dict (also handy in bug reports and tests)."""
+    ext = _C.build_info()
+    recorded = _recorded_build()
+    return {
+        "asteria_version": asteria.__version__,
+        "python": platform.python_version(),
+        "torch_built_against": recorded.get("TORCH_VERSION", ext["torch_version"]),
+        "torch_running": torch.__version__,
+        "cuda_extension": bool(ext["cuda"]),
+        "cuda_version": ext["cuda_version"] or None,
+        "cuda_arch_list": recorded.get("CUDA_ARCH_LIST"),
+        "cuda_available": torch.cuda.is_available(),
+        "lapack_backend": ext["lapack_backend"] or _torch_lapack(),
+        "eigh_path": ext["eigh_path"],
+        "per_worker_lapack_threads": bool(ext["thread_local_mkl"] or ext["thread_local_openmp"]),
+        "default_workers": int(ext["default_workers"]),
+        "cxx_flags": recorded.get("CXX_FLAGS"),
+    }
+
+
+def verdict(info: dict[str, Any]) -> str:
+    """One line: is this build usable as it stands, and if not, what to do.
+
+    A build against another torch never gets here: ``import asteria`` already refused it with an
+    ImportError that says how to rebuild (asteria/_ext.py).
+    """
+    if info["cuda_available"] and not info["cuda_extension"]:
+        return "OK (CPU-only build on a CUDA machine: rebuild with CUDA for the shadow stream)"
+    if info["cuda_extension"]:
+        return "OK: CUDA build"
+    return "OK: CPU build (CUDA off)"
+
+
+def format_report(info: dict[str, Any]) -> str:
+    cuda = "off"
+    if info["cuda_extension"]:
+        cuda = f"on (CUDA {info['cuda_version']}, arch list {info['cuda_arch_list'] or 'default'})"
+    rows = [
+        ("asteria", info["asteria_version"]),
+        ("python", info["python"]),
+        ("torch (built against)", info["torch_built_against"]),
+        ("torch (running)", info["torch_running"]),
+        ("CUDA extension", cuda),
+        ("CUDA device available", "yes" if info["cuda_available"] else "no"),
+        ("LAPACK backend", f"{info['lapack_backend']} (eigh path: {info['eigh_path']})"),
+        ("per-worker LAPACK threads", "yes" if info["per_worker_lapack_threads"] else "no"),
+        ("default worker count", str(info["default_workers"])),
+        ("C++ flags", " ".join(info["cxx_flags"] or []) or "unknown"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    lines.append(f"{'verdict':<{width}}  {verdict(info)}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    print(format_report(collect()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+#include "core/matrix_functions.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+#include "core/lapack_backend.h"
+
+namespace asteria {
+namespace {
+
+using Outputs = std::vector<at::Tensor>;
+
+const char* dtype_name(at::ScalarType dtype) {
+  return dtype == at::kDouble ? "torch.float64" : "torch.float32";
+}
+
+void check_square(const char* name, const at::Tensor& a) {
+  TORCH_CHECK_VALUE(a.dim() == 2 && a.size(0) == a.size(1), name,
+                    " must be a square matrix, got shape ", a.sizes());
+  TORCH_CHECK_VALUE(a.device().is_cpu(), name, " must be a CPU tensor, got ", a.device());
+}
+
+void check_dtype(at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble,
+                    "dtype must be torch.float32 or torch.float64, got ", dtype);
+}
+
+// Note [Canonical layout]: BLAS results depend on the operands' memory layout (a column-major
+// basis from LAPACK multiplies differently from a row-major copy), so every function computes on
+// row-major operands, like matrix_functions.py; the pool's copies and the optimizer's own tensors
+// then give the same bits.
+at::Tensor canonical(const at::Tensor& a, at::ScalarType dtype) { return a.to(dtype).contiguous(); }
+
+bool all_finite(const at::Tensor& t) {
+  if (!at::isFloatingType(t.scalar_type())) return true;
+  return at::isfinite(t).all().item<bool>();
+}
+
+bool all_finite(const Outputs& outputs) {
+  for (const at::Tensor& t : outputs) {
+    if (!all_finite(t)) return false;
+  }
+  return true;
+}
+
+// One attempt in `dtype`: the outputs when LAPACK succeeded and they are finite, else nullopt with
+// the reason in *error.
+template <typename Fn>
+std::optional<Outputs> attempt(const Fn& fn, at::ScalarType dtype, std::string* error) {
+  try {
+    Outputs out = fn(dtype);
+    if (all_finite(out)) return out;
+    *error = "non-finite result";
+  } catch (const c10::LinAlgError& e) {
+    *error = e.msg();
+  }
+  return std::nullopt;
+}
+
+// Note [fp64 retry]: run fn(dtype); on a LAPACK error or a non-finite result run fn(float64) once
+// and convert its floating outputs back to dtype. Mirrors _with_fp64_retry in matrix_functions.py.
+template <typename Fn>
+Outputs with_fp64_retry(const Fn& fn, at::ScalarType dtype, const char* what) {
+  std::string first_error;
+  if (auto out = attempt(fn, dtype, &first_error)) return std::move(*out);
+  std::string retry_error = first_error;
+  if (dtype != at::kDouble) {
+    if (auto out = attempt(fn, at::kDouble, &retry_error)) {
+      for (at::Tensor& t : *out) {
+        if (at::isFloatingType(t.scalar_type())) t = t.to(dtype);
+      }
+      return std::move(*out);
+    }
+  }
+  throw MatrixFunctionError(std::string(what) + " failed in " + dtype_name(dtype) + " (" +
+                            first_error + ") and in float64 (" + retry_error + ")");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> eigh_descending(const at::Tensor& factor, at::ScalarType dtype) {
+  check_square("factor", factor);
+  check_dtype(dtype);
+  if (!all_finite(factor)) {
+    throw MatrixFunctionError("eigh_descending: factor has non-finite entries");
+  }
+  const auto run = [&factor](at::ScalarType dt) -> Outputs {
+    const at::Tensor a = canonical(factor, dt);
+    const at::Tensor eye = at::eye(a.size(0), a.options());
+    auto [evals, evecs] = lapack::eigh(a + eye * kEighShift);
+    return {evals, evecs};
+  };
+  Outputs out = with_fp64_retry(run, dtype, "eigh_descending");
+  return {out[0].flip(0), out[1].flip(1)};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> qr_refresh(const at::Tensor& factor,
+                                                             const at::Tensor& basis, bool sort,
+                                                             at::ScalarType dtype) {
+  check_square("factor", factor);
+  TORCH_CHECK_VALUE(basis.sizes() == factor.sizes(), "basis shape ", basis.sizes(),
+                    " != factor shape ", factor.sizes());
+  TORCH_CHECK_VALUE(basis.device().is_cpu(), "basis must be a CPU tensor, got ", basis.device());
+  check_dtype(dtype);
+  if (!all_finite(factor) || !all_finite(basis)) {
+    throw MatrixFunctionError("qr_refresh: factor or basis has non-finite entries");
+  }
+  // The same operations, in the same order, as qr_refresh in matrix_functions.py: one F @ Q
+  // serves the eigenvalue estimates diag(Q^T F Q) and the power iteration.
+  const auto run = [&factor, &basis, sort](at::ScalarType dt) -> Outputs {
+    const at::Tensor f = canonical(factor, dt);
+    const at::Tensor q = canonical(basis, dt);
+    const at::Tensor power = lapack::matmul(f, q);
+    if (!sort) return {lapack::qr_q(power)};
+    const at::Tensor est = (q * power).sum(0);
+    const at::Tensor perm = at::argsort(est, /*dim=*/-1, /*descending=*/true);
+    return {lapack::qr_q(power.index_select(1, perm)), perm};
+  };
+  Outputs out = with_fp64_retry(run, dtype, "qr_refresh");
+  if (out.size() == 1) return {out[0], std::nullopt};
+  return {out[0], out[1].to(at::kLong)};
+}
+
+at::Tensor inverse_root(const at::Tensor& factor, double root, double epsilon,
+                        at::ScalarType dtype) {
+  check_square("factor", factor);
+  TORCH_CHECK_VALUE(root > 0, "root must be > 0, got ", root);
+  TORCH_CHECK_VALUE(epsilon > 0, "epsilon must be > 0, got ", epsilon);
+  check_dtype(dtype);
+  if (!all_finite(factor)) {
+    throw MatrixFunctionError("inverse_root: factor has non-finite entries");
+  }
+  const auto run = [&factor, root, epsilon](at::ScalarType dt) -> Outputs {
+    auto [evals, evecs] = lapack::eigh(canonical(factor, dt));
+    const at::Tensor scale = (evals.clamp(0) + epsilon).pow(-1.0 / root);
+    return {lapack::matmul(evecs * scale, evecs.t())};
+  };
+  return with_fp64_retry(run, dtype, "inverse_root")[0];
+}
+
+}  // namespace asteria

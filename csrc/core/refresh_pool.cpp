@@ -1,0 +1,189 @@
+#include "core/refresh_pool.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+#include "core/lapack_backend.h"
+#include "core/matrix_functions.h"
+
+namespace asteria {
+namespace {
+
+// A copy the job owns: detached, on the CPU, never aliasing the caller's storage.
+at::Tensor own(const at::Tensor& t) {
+  return t.detach().to(at::kCPU, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+}
+
+void check_dtype(at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble,
+                    "dtype must be torch.float32 or torch.float64, got ", dtype);
+}
+
+// Runs a refresh on a worker, turning torch's exception types into the three kinds the future
+// rethrows (see the contract in the header). c10 messages are taken without their C++ backtrace.
+RefreshValue run_refresh(const std::function<RefreshValue()>& compute) {
+  c10::NoGradGuard no_grad;
+  try {
+    return compute();
+  } catch (const c10::ValueError& e) {
+    throw std::invalid_argument(e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(e.what_without_backtrace());
+  }
+}
+
+// Rethrows a failed job's error with the block and version prepended, keeping its kind.
+[[noreturn]] void rethrow_with_block(const core::JobFailed& failed) {
+  try {
+    std::rethrow_exception(failed.original());
+  } catch (const MatrixFunctionError&) {
+    throw MatrixFunctionError(failed.what());
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument(failed.what());
+  } catch (...) {
+    throw std::runtime_error(failed.what());
+  }
+}
+
+std::optional<double> monotonic_seconds(
+    const std::optional<std::chrono::steady_clock::time_point>& t) {
+  if (!t) return std::nullopt;
+  return std::chrono::duration<double>(t->time_since_epoch()).count();
+}
+
+std::string describe(const core::JobHandle& handle) {
+  std::ostringstream out;
+  out << "block '" << handle.block() << "' (version " << handle.version() << ")";
+  return out.str();
+}
+
+}  // namespace
+
+// ---- RefreshFuture ------------------------------------------------------------------------
+
+RefreshFuture::RefreshFuture(std::shared_ptr<core::JobHandle> handle,
+                             std::shared_ptr<const RefreshValue> out)
+    : handle_(std::move(handle)), out_(std::move(out)) {}
+
+std::optional<double> RefreshFuture::started_at() const {
+  return monotonic_seconds(handle_->started_at());
+}
+
+std::optional<double> RefreshFuture::finished_at() const {
+  return monotonic_seconds(handle_->finished_at());
+}
+
+RefreshValue RefreshFuture::result(std::optional<double> timeout_s) const {
+  if (timeout_s.has_value()) {
+    TORCH_CHECK_VALUE(*timeout_s >= 0, "timeout_s must be >= 0 or None, got ", *timeout_s);
+    // Durations beyond a year are "forever" (and would overflow nanoseconds).
+    constexpr double kForever = 365.0 * 24 * 3600;
+    if (*timeout_s < kForever) {
+      const auto timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::duration<double>(*timeout_s));
+      if (!handle_->wait_for(timeout)) {
+        std::ostringstream msg;
+        msg << describe(*handle_) << ": no result after " << *timeout_s << " s (job is "
+            << core::to_string(handle_->status()) << ")";
+        throw FutureTimeout(msg.str());
+      }
+    }
+  }
+  handle_->wait();
+  try {
+    handle_->rethrow_if_unsuccessful();
+  } catch (const core::JobFailed& failed) {
+    rethrow_with_block(failed);
+  }
+  return *out_;
+}
+
+// ---- RefreshPool --------------------------------------------------------------------------
+
+RefreshPool::RefreshPool(const RefreshPoolOptions& options)
+    : lapack_threads_(options.lapack_threads) {
+  TORCH_CHECK_VALUE(options.workers >= 1, "workers must be >= 1, got ", options.workers);
+  TORCH_CHECK_VALUE(options.lapack_threads >= 1, "lapack_threads must be >= 1, got ",
+                    options.lapack_threads);
+  TORCH_CHECK_VALUE(options.queue_capacity >= 1, "queue_capacity must be >= 1, got ",
+                    options.queue_capacity);
+  core::PoolOptions pool_options;
+  pool_options.workers = options.workers;
+  pool_options.queue_capacity = static_cast<size_t>(options.queue_capacity);
+  pool_options.affinity = options.affinity;
+  const int threads = options.lapack_threads;
+  pool_options.init = [threads](int) { lapack::set_thread_lapack_threads(threads); };
+  try {
+    pool_ = std::make_unique<core::WorkerPool>(std::move(pool_options));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+RefreshPool::~RefreshPool() { pool_->shutdown(true); }
+
+RefreshFuture RefreshPool::submit(core::JobSpec spec, Compute compute) {
+  auto out = std::make_shared<RefreshValue>();
+  auto job = [this, out, block = spec.block, version = spec.version, compute = std::move(compute)] {
+    *out = run_refresh(compute);
+    slots_.publish(block, version, out);
+  };
+  try {
+    return RefreshFuture(pool_->submit(std::move(spec), std::move(job)), out);
+  } catch (const std::invalid_argument& e) {  // a version older than the queued one
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+RefreshFuture RefreshPool::submit_eigh(const std::string& block, int64_t version, int64_t deadline,
+                                       const at::Tensor& factor, at::ScalarType dtype) {
+  check_dtype(dtype);
+  return submit({block, version, deadline},
+                [f = own(factor), dtype] { return RefreshValue(eigh_descending(f, dtype)); });
+}
+
+RefreshFuture RefreshPool::submit_qr_refresh(const std::string& block, int64_t version,
+                                             int64_t deadline, const at::Tensor& factor,
+                                             const at::Tensor& basis, bool sort,
+                                             at::ScalarType dtype) {
+  check_dtype(dtype);
+  return submit({block, version, deadline}, [f = own(factor), q = own(basis), sort, dtype] {
+    return RefreshValue(qr_refresh(f, q, sort, dtype));
+  });
+}
+
+RefreshFuture RefreshPool::submit_inverse_root(const std::string& block, int64_t version,
+                                               int64_t deadline, const at::Tensor& factor,
+                                               double root, double epsilon, at::ScalarType dtype) {
+  check_dtype(dtype);
+  TORCH_CHECK_VALUE(root > 0, "root must be > 0, got ", root);
+  TORCH_CHECK_VALUE(epsilon > 0, "epsilon must be > 0, got ", epsilon);
+  return submit({block, version, deadline}, [f = own(factor), root, epsilon, dtype] {
+    return RefreshValue(inverse_root(f, root, epsilon, dtype));
+  });
+}
+
+std::map<std::string, int64_t> RefreshPool::stats() const {
+  const core::PoolStats s = pool_->stats();
+  return {{"submitted", s.submitted}, {"completed", s.completed}, {"cancelled", s.cancelled},
+          {"failed", s.failed},       {"queued", s.queued},       {"running", s.running}};
+}
+
+std::optional<std::tuple<int64_t, RefreshValue>> RefreshPool::latest(
+    const std::string& block) const {
+  auto entry = slots_.latest(block);
+  if (!entry) return std::nullopt;
+  return std::make_tuple(entry->version, *entry->value);
+}
+
+std::optional<int64_t> RefreshPool::published_version(const std::string& block) const {
+  return slots_.version(block);
+}
+
+}  // namespace asteria

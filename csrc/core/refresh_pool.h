@@ -1,0 +1,116 @@
+// Refresh pool: the matrix functions of core/matrix_functions.h as jobs on the worker pool, and
+// the futures Python waits on (asteria._C.WorkerPool / asteria._C.Future).
+//
+// Contract
+// --------
+// * Ownership: submit_* copy their tensor arguments (detached, on the CPU) before returning, so
+//   the caller may mutate or free its tensors at once; a CUDA tensor is copied synchronously here
+//   (the asynchronous path is the shadow stream, csrc/cuda/shadow_stream.h). A job's result is
+//   owned by its future and, once published, by the pool's versioned slot for its block.
+// * Threads: every member may be called from any thread. Jobs run on the pool's workers with
+//   autograd off and `lapack_threads` LAPACK/OpenMP threads each (a per-thread setting; torch's
+//   process-wide thread count is untouched). Nothing here takes the GIL: the bindings release it
+//   around every call that can block (submit when the queue is full, result, shutdown).
+// * Scheduling: as core::WorkerPool (deadline order, a newer submission for a block cancels its
+//   queued predecessor, bounded queue).
+// * Results: a successful job publishes into VersionedSlots (newest version per block wins), then
+//   resolves its future. The future, the slot and every result()/latest() call share the same
+//   result tensors: treat them as read-only (clone before writing in place). Errors resolve the
+//   future; result() rethrows them with the block name and version prepended and the original kind
+//   kept: MatrixFunctionError stays MatrixFunctionError, invalid arguments become
+//   std::invalid_argument (ValueError in Python), anything else std::runtime_error. Cancellation
+//   throws core::JobCancelled; a timeout, FutureTimeout.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <variant>
+#include <vector>
+
+#include "core/versioned_slots.h"
+#include "core/worker_pool.h"
+
+namespace asteria {
+
+// What a refresh returns: inverse_root -> Tensor; eigh -> (evals, evecs); qr_refresh ->
+// (Q, perm or None).
+using RefreshValue = std::variant<at::Tensor, std::tuple<at::Tensor, at::Tensor>,
+                                  std::tuple<at::Tensor, std::optional<at::Tensor>>>;
+
+// Thrown by RefreshFuture::result when the timeout passes first (TimeoutError in Python).
+class FutureTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class RefreshFuture {
+ public:
+  RefreshFuture(std::shared_ptr<core::JobHandle> handle, std::shared_ptr<const RefreshValue> out);
+
+  bool done() const { return handle_->done(); }
+  bool cancelled() const { return handle_->status() == core::JobStatus::kCancelled; }
+  std::string status() const { return core::to_string(handle_->status()); }
+  const std::string& block() const { return handle_->block(); }
+  int64_t version() const { return handle_->version(); }
+  int64_t deadline() const { return handle_->deadline(); }
+  // time.monotonic() seconds when a worker started / finished the job; nullopt until then.
+  std::optional<double> started_at() const;
+  std::optional<double> finished_at() const;
+
+  // Waits (forever when timeout_s is nullopt) and returns the result or throws (see contract).
+  RefreshValue result(std::optional<double> timeout_s = std::nullopt) const;
+
+ private:
+  std::shared_ptr<core::JobHandle> handle_;
+  std::shared_ptr<const RefreshValue> out_;  // written by the job before the handle resolves
+};
+
+struct RefreshPoolOptions {
+  int workers = core::default_worker_count();
+  int lapack_threads = 1;
+  std::vector<int> affinity;
+  int64_t queue_capacity = 1024;
+};
+
+class RefreshPool {
+ public:
+  explicit RefreshPool(const RefreshPoolOptions& options);
+  ~RefreshPool();
+
+  RefreshFuture submit_eigh(const std::string& block, int64_t version, int64_t deadline,
+                            const at::Tensor& factor, at::ScalarType dtype);
+  RefreshFuture submit_qr_refresh(const std::string& block, int64_t version, int64_t deadline,
+                                  const at::Tensor& factor, const at::Tensor& basis, bool sort,
+                                  at::ScalarType dtype);
+  RefreshFuture submit_inverse_root(const std::string& block, int64_t version, int64_t deadline,
+                                    const at::Tensor& factor, double root, double epsilon,
+                                    at::ScalarType dtype);
+
+  void shutdown(bool wait = true) { pool_->shutdown(wait); }
+  bool is_shutdown() const { return pool_->is_shutdown(); }
+  // submitted, completed, cancelled, failed, queued, running.
+  std::map<std::string, int64_t> stats() const;
+  // The newest published result of `block` and its version, if any.
+  std::optional<std::tuple<int64_t, RefreshValue>> latest(const std::string& block) const;
+  std::optional<int64_t> published_version(const std::string& block) const;
+  int workers() const { return pool_->workers(); }
+  int lapack_threads() const { return lapack_threads_; }
+
+ private:
+  using Compute = std::function<RefreshValue()>;
+  RefreshFuture submit(core::JobSpec spec, Compute compute);
+
+  const int lapack_threads_;
+  core::VersionedSlots<RefreshValue> slots_;  // declared before pool_: outlives every job
+  std::unique_ptr<core::WorkerPool> pool_;
+};
+
+}  // namespace asteria

@@ -1,0 +1,356 @@
+#include "core/worker_pool.h"
+
+#include <set>
+#include <sstream>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+namespace asteria::core {
+namespace {
+
+std::string describe(const JobSpec& spec) {
+  std::ostringstream out;
+  out << "block '" << spec.block << "' (version " << spec.version << ")";
+  return out.str();
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception (not derived from std::exception)";
+  }
+}
+
+// Note [Pool registry]: every live pool is listed here so that shutdown_all_pools() can stop
+// them before interpreter exit. A pool leaves the list before its destructor shuts it down.
+std::mutex& registry_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::set<WorkerPool*>& registry() {
+  static std::set<WorkerPool*> pools;
+  return pools;
+}
+
+// Pins the calling thread to one CPU. Linux only; a no-op elsewhere.
+void pin_current_thread(int cpu) {
+#if defined(__linux__)
+  if (cpu < 0 || cpu >= CPU_SETSIZE) {
+    throw std::invalid_argument("WorkerPool: CPU id " + std::to_string(cpu) + " out of range");
+  }
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  const int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  if (rc != 0) {
+    throw std::invalid_argument("WorkerPool: cannot pin a worker to CPU " + std::to_string(cpu) +
+                                " (pthread_setaffinity_np error " + std::to_string(rc) + ")");
+  }
+#else
+  (void)cpu;
+#endif
+}
+
+JobSpec spec_of(const JobHandle& handle) {
+  return JobSpec{handle.block(), handle.version(), handle.deadline()};
+}
+
+}  // namespace
+
+const char* to_string(JobStatus status) {
+  switch (status) {
+    case JobStatus::kQueued:
+      return "queued";
+    case JobStatus::kRunning:
+      return "running";
+    case JobStatus::kSucceeded:
+      return "succeeded";
+    case JobStatus::kFailed:
+      return "failed";
+    case JobStatus::kCancelled:
+      return "cancelled";
+  }
+  return "unknown";
+}
+
+JobFailed::JobFailed(const JobSpec& spec, std::string original_message, std::exception_ptr original)
+    : std::runtime_error(describe(spec) + ": " + original_message),
+      block_(spec.block),
+      version_(spec.version),
+      original_message_(std::move(original_message)),
+      original_(std::move(original)) {}
+
+// ---- JobHandle ----------------------------------------------------------------------------
+
+JobStatus JobHandle::status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+bool JobHandle::done() const {
+  const JobStatus s = status();
+  return s != JobStatus::kQueued && s != JobStatus::kRunning;
+}
+
+void JobHandle::wait() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock,
+           [this] { return status_ != JobStatus::kQueued && status_ != JobStatus::kRunning; });
+}
+
+bool JobHandle::wait_for(std::chrono::nanoseconds timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [this] {
+    return status_ != JobStatus::kQueued && status_ != JobStatus::kRunning;
+  });
+}
+
+void JobHandle::rethrow_if_unsuccessful() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  switch (status_) {
+    case JobStatus::kSucceeded:
+      return;
+    case JobStatus::kFailed:
+      throw JobFailed(spec_, error_message_, error_);
+    case JobStatus::kCancelled:
+      throw JobCancelled(describe(spec_) + " was cancelled: " + cancel_reason_);
+    default:
+      throw std::logic_error(describe(spec_) + " is still " + to_string(status_));
+  }
+}
+
+std::optional<std::chrono::steady_clock::time_point> JobHandle::started_at() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return started_at_;
+}
+
+std::optional<std::chrono::steady_clock::time_point> JobHandle::finished_at() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return finished_at_;
+}
+
+bool JobHandle::start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (status_ != JobStatus::kQueued) return false;
+  status_ = JobStatus::kRunning;
+  started_at_ = std::chrono::steady_clock::now();
+  return true;
+}
+
+void JobHandle::finish(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_at_ = std::chrono::steady_clock::now();
+    if (error) {
+      error_message_ = message_of(error);
+      error_ = std::move(error);
+      status_ = JobStatus::kFailed;
+    } else {
+      status_ = JobStatus::kSucceeded;
+    }
+  }
+  cv_.notify_all();
+}
+
+bool JobHandle::cancel(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_ != JobStatus::kQueued) return false;
+    status_ = JobStatus::kCancelled;
+    cancel_reason_ = reason;
+  }
+  cv_.notify_all();
+  return true;
+}
+
+// ---- WorkerPool ---------------------------------------------------------------------------
+
+WorkerPool::WorkerPool(PoolOptions options) : options_(std::move(options)) {
+  if (options_.workers < 1) {
+    throw std::invalid_argument("WorkerPool: workers must be >= 1, got " +
+                                std::to_string(options_.workers));
+  }
+  if (options_.queue_capacity < 1) {
+    throw std::invalid_argument("WorkerPool: queue_capacity must be >= 1");
+  }
+  start_workers();
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().insert(this);
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().erase(this);
+  }
+  shutdown(true);
+}
+
+void WorkerPool::start_workers() {
+  threads_.reserve(static_cast<size_t>(options_.workers));
+  for (int i = 0; i < options_.workers; ++i) {
+    threads_.emplace_back([this, i] { worker_main(i); });
+  }
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    setup_cv_.wait(lock, [this] { return setup_done_ == options_.workers; });
+    error = setup_error_;
+  }
+  if (error) {
+    shutdown(true);
+    std::rethrow_exception(error);
+  }
+}
+
+bool WorkerPool::setup_worker(int index) {
+  std::exception_ptr error;
+  try {
+    if (!options_.affinity.empty()) {
+      pin_current_thread(options_.affinity[static_cast<size_t>(index) % options_.affinity.size()]);
+    }
+    if (options_.init) options_.init(index);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error && !setup_error_) setup_error_ = error;
+  ++setup_done_;
+  setup_cv_.notify_all();
+  return !error;
+}
+
+void WorkerPool::worker_main(int index) {
+  if (!setup_worker(index)) return;
+  for (;;) {
+    Queued job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and shutdown cancelled everything queued
+      auto it = queue_.begin();
+      job = std::move(it->second);
+      queued_by_block_.erase(job.handle->block());
+      queue_.erase(it);
+      --stats_.queued;
+      ++stats_.running;
+    }
+    space_cv_.notify_one();
+    run_job(std::move(job));
+  }
+}
+
+void WorkerPool::run_job(Queued job) {
+  std::exception_ptr error;
+  if (job.handle->start()) {
+    try {
+      job.fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    job.fn = nullptr;  // release captured inputs before waking waiters
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --stats_.running;
+    if (error) {
+      ++stats_.failed;
+    } else {
+      ++stats_.completed;
+    }
+  }
+  job.handle->finish(std::move(error));
+}
+
+void WorkerPool::cancel_queued_locked(std::map<QueueKey, Queued>::iterator it,
+                                      const std::string& reason) {
+  std::shared_ptr<JobHandle> handle = std::move(it->second.handle);
+  queued_by_block_.erase(handle->block());
+  queue_.erase(it);
+  --stats_.queued;
+  ++stats_.cancelled;
+  handle->cancel(reason);
+}
+
+std::shared_ptr<JobHandle> WorkerPool::submit(JobSpec spec, JobFn fn) {
+  if (!fn) throw std::invalid_argument("WorkerPool::submit: empty job function");
+  auto handle = std::make_shared<JobHandle>(std::move(spec));
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    space_cv_.wait(lock, [&] {
+      return stopping_ || queue_.size() < options_.queue_capacity ||
+             queued_by_block_.count(handle->block()) > 0;
+    });
+    if (stopping_) {
+      throw std::runtime_error("WorkerPool: submit for " + describe(spec_of(*handle)) +
+                               " after shutdown");
+    }
+    auto previous = queued_by_block_.find(handle->block());
+    if (previous != queued_by_block_.end()) {
+      auto it = queue_.find(previous->second);
+      const int64_t queued_version = it->second.handle->version();
+      if (handle->version() < queued_version) {
+        throw std::invalid_argument("WorkerPool: submit for " + describe(spec_of(*handle)) +
+                                    " is older than its queued version " +
+                                    std::to_string(queued_version));
+      }
+      cancel_queued_locked(it, "superseded by version " + std::to_string(handle->version()));
+    }
+    const QueueKey key{handle->deadline(), next_sequence_++};
+    queue_.emplace(key, Queued{handle, std::move(fn)});
+    queued_by_block_.emplace(handle->block(), key);
+    ++stats_.submitted;
+    ++stats_.queued;
+  }
+  work_cv_.notify_one();
+  return handle;
+}
+
+void WorkerPool::shutdown(bool wait) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping_) {
+      stopping_ = true;
+      while (!queue_.empty()) cancel_queued_locked(queue_.begin(), "the pool was shut down");
+    }
+  }
+  work_cv_.notify_all();
+  space_cv_.notify_all();
+  if (!wait) return;
+  std::lock_guard<std::mutex> join_lock(join_mu_);
+  for (std::thread& t : threads_) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      throw std::logic_error("WorkerPool::shutdown(wait=true) called from one of its own jobs");
+    }
+    if (t.joinable()) t.join();
+  }
+}
+
+bool WorkerPool::is_shutdown() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopping_;
+}
+
+PoolStats WorkerPool::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void shutdown_all_pools() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (WorkerPool* pool : registry()) pool->shutdown(true);
+}
+
+int default_worker_count() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+}  // namespace asteria::core

@@ -1,0 +1,177 @@
+"""Builds asteria._C, the C++ (and, with a CUDA torch and nvcc, CUDA) extension.
+
+Always build without build isolation, against the torch already installed:
+
+    pip install --no-build-isolation --no-deps -e .        # or: make build
+    python setup.py build_ext --inplace                     # same extension, no install
+
+Note [One source list]: every csrc/**/*.cpp is compiled, except that the CUDA build replaces each
+CPU stand-in csrc/cuda/*_cpu.cpp by the csrc/cuda/*.cu files (and defines ASTERIA_WITH_CUDA).
+
+CUDA is on when torch has CUDA (torch.version.cuda) and nvcc is found; ASTERIA_FORCE_CUDA=1 or
+ASTERIA_NO_CUDA=1 override. TORCH_CUDA_ARCH_LIST is respected (set it: there may be no GPU to
+query). MAX_JOBS caps parallel compile jobs. The build writes asteria/_build_info.py next to the
+extension; asteria/_ext.py compares it with the running torch at import.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).resolve().parent
+# -g0 drops the debug info Python's own CFLAGS ask for: with torch's headers it nearly doubles the
+# compile time of every file and makes a 19 MB library. ASTERIA_DEBUG=1 keeps it (and -O0).
+DEBUG = os.environ.get("ASTERIA_DEBUG", "") not in ("", "0")
+OPT_FLAGS = ["-O0", "-g"] if DEBUG else ["-O2", "-g0"]
+CXX_FLAGS = OPT_FLAGS + ["-std=c++20", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+NVCC_FLAGS = (["-O0", "-g"] if DEBUG else ["-O2"]) + ["-std=c++20"]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def _toolkit_from_nvcc(nvcc: str) -> str | None:
+    """The toolkit root nvcc reports (``#$ TOP=...`` in a dry run); wrappers hide it otherwise."""
+    try:
+        out = subprocess.run(
+            [nvcc, "-dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.MULTILINE)
+    return os.path.realpath(match.group(1).strip()) if match else None
+
+
+def _has_cuda_headers(home: str | None) -> bool:
+    return bool(home) and os.path.exists(os.path.join(home, "include", "cuda_runtime.h"))
+
+
+def _cuda_home() -> str | None:
+    """The CUDA toolkit root with nvcc and headers, or None. Points torch's builder at it."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or cpp_extension.CUDA_HOME
+    nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
+    if not _has_cuda_headers(home):
+        nvcc = nvcc if nvcc and os.path.exists(nvcc) else shutil.which("nvcc")
+        home = _toolkit_from_nvcc(nvcc) if nvcc else None
+    if not _has_cuda_headers(home) or not os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return None
+    cpp_extension.CUDA_HOME = home  # read by torch's builder when it compiles and links
+    os.environ["CUDA_HOME"] = home
+    return home
+
+
+def _use_cuda() -> bool:
+    if _env_flag("ASTERIA_NO_CUDA"):
+        if _env_flag("ASTERIA_FORCE_CUDA"):
+            sys.exit("setup.py: ASTERIA_FORCE_CUDA=1 and ASTERIA_NO_CUDA=1 contradict each other")
+        return False
+    has_cuda_torch = bool(torch.version.cuda)
+    home = _cuda_home() if has_cuda_torch else None
+    if _env_flag("ASTERIA_FORCE_CUDA"):
+        if not has_cuda_torch:
+            sys.exit(f"setup.py: ASTERIA_FORCE_CUDA=1 but torch {torch.__version__} has no CUDA")
+        if home is None:
+            sys.exit(
+                "setup.py: ASTERIA_FORCE_CUDA=1 but no CUDA toolkit (nvcc + headers) found; "
+                "set CUDA_HOME"
+            )
+        return True
+    return home is not None
+
+
+def _nvidia_include_dirs() -> list[str]:
+    """Headers of the pip CUDA wheels (cusparse.h, cublas_v2.h, ...) that torch's CUDA headers
+    include and a minimal system toolkit may lack."""
+    site_packages = Path(torch.__file__).resolve().parent.parent
+    return sorted(str(p) for p in site_packages.glob("nvidia/*/include") if p.is_dir())
+
+
+def _sources(with_cuda: bool) -> list[str]:
+    cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True, root_dir=ROOT))
+    if not with_cuda:
+        return cpp
+    cu = sorted(glob.glob("csrc/cuda/*.cu", root_dir=ROOT))
+    return [s for s in cpp if not re.fullmatch(r"csrc/cuda/.*_cpu\.cpp", s)] + cu
+
+
+def _extension(with_cuda: bool):
+    kwargs = {
+        "name": "asteria._C",
+        "sources": _sources(with_cuda),
+        "include_dirs": [str(ROOT / "csrc")],
+    }
+    if not with_cuda:
+        return cpp_extension.CppExtension(extra_compile_args={"cxx": CXX_FLAGS}, **kwargs)
+    kwargs["include_dirs"] += _nvidia_include_dirs()
+    macro = ["-DASTERIA_WITH_CUDA"]
+    return cpp_extension.CUDAExtension(
+        extra_compile_args={"cxx": CXX_FLAGS + macro, "nvcc": NVCC_FLAGS + macro}, **kwargs
+    )
+
+
+def _build_info_text(ext, with_cuda: bool) -> str:
+    fields = {
+        "TORCH_VERSION": torch.__version__,
+        "CUDA": with_cuda,
+        "CUDA_VERSION": torch.version.cuda if with_cuda else None,
+        "CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None,
+        "CXX_FLAGS": ext.extra_compile_args["cxx"],
+        "NVCC_FLAGS": ext.extra_compile_args.get("nvcc") if with_cuda else None,
+        "SOURCES": ext.sources,
+    }
+    lines = [
+        '"""How asteria._C was built. Written by setup.py; do not edit (gitignored)."""',
+        "",
+    ]
+    lines += [f"{key} = {value!r}" for key, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's builder, plus asteria/_build_info.py written next to the built extension.
+
+    Editable installs build in a fresh temporary directory by default; here they keep their object
+    files under build/ instead, so ``pip install --no-build-isolation -e .`` recompiles only what
+    changed (ninja tracks sources, headers and flags).
+    """
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if getattr(self, "editable_mode", False):
+            self.build_temp = str(
+                ROOT / "build" / f"temp-editable-{'cuda' if WITH_CUDA else 'cpu'}"
+            )
+
+    def run(self) -> None:
+        super().run()
+        for ext in self.extensions:
+            target = Path(self.get_ext_fullpath(ext.name)).parent / "_build_info.py"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(_build_info_text(ext, WITH_CUDA))
+
+
+WITH_CUDA = _use_cuda()
+print(
+    f"setup.py: building asteria._C with{'' if WITH_CUDA else 'out'} CUDA against torch "
+    f"{torch.__version__}" + (f" (CUDA_HOME={cpp_extension.CUDA_HOME})" if WITH_CUDA else ""),
+    file=sys.stderr,
+)
+
+setup(
+    ext_modules=[_extension(WITH_CUDA)],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

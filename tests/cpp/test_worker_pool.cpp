@@ -1,0 +1,321 @@
+// Tests of the torch-free worker pool and versioned slots (csrc/core). Run by ctest, also under
+// ThreadSanitizer and AddressSanitizer (CMakeLists.txt option ASTERIA_SANITIZE).
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/versioned_slots.h"
+#include "core/worker_pool.h"
+#include "harness.h"
+
+using asteria::core::JobCancelled;
+using asteria::core::JobFailed;
+using asteria::core::JobHandle;
+using asteria::core::JobSpec;
+using asteria::core::JobStatus;
+using asteria::core::PoolOptions;
+using asteria::core::VersionedSlots;
+using asteria::core::WorkerPool;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A gate a job can wait on, so that later submissions stay queued until the test opens it.
+class Gate {
+ public:
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return open_; });
+  }
+  void wait_entered() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return entered_; });
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false;
+  bool open_ = false;
+};
+
+PoolOptions options(int workers, size_t capacity = 1024) {
+  PoolOptions o;
+  o.workers = workers;
+  o.queue_capacity = capacity;
+  return o;
+}
+
+// Occupies the pool's only worker until the gate opens.
+std::shared_ptr<JobHandle> block_worker(WorkerPool& pool, Gate& gate) {
+  auto h = pool.submit({"gate", 0, -1}, [&gate] { gate.wait(); });
+  gate.wait_entered();
+  return h;
+}
+
+}  // namespace
+
+TEST(deadline_order) {
+  Gate gate;  // declared first: outlives the pool's workers
+  WorkerPool pool(options(1));
+  block_worker(pool, gate);
+  std::mutex mu;
+  std::vector<std::string> order;
+  const std::vector<std::pair<std::string, int64_t>> jobs = {
+      {"a", 5}, {"b", 1}, {"c", 3}, {"d", 1}, {"e", 2}};
+  std::vector<std::shared_ptr<JobHandle>> handles;
+  for (const auto& [block, deadline] : jobs) {
+    handles.push_back(pool.submit({block, 1, deadline}, [&mu, &order, block = block] {
+      std::lock_guard<std::mutex> lock(mu);
+      order.push_back(block);
+    }));
+  }
+  gate.open();
+  for (auto& h : handles) h->wait();
+  const std::vector<std::string> expected = {"b", "d", "e", "c", "a"};  // ties: submission order
+  CHECK(order == expected);
+}
+
+TEST(supersede_cancels_queued_job) {
+  Gate gate;  // declared first: outlives the pool's workers
+  WorkerPool pool(options(1));
+  block_worker(pool, gate);
+  std::atomic<int> ran_version{0};
+  auto v1 = pool.submit({"L0", 1, 10}, [&] { ran_version = 1; });
+  auto v2 = pool.submit({"L0", 2, 12}, [&] { ran_version = 2; });
+  CHECK(v1->status() == JobStatus::kCancelled);
+  CHECK(v1->done());
+  CHECK(!v1->started_at().has_value());
+  try {
+    v1->rethrow_if_unsuccessful();
+    CHECK(false);
+  } catch (const JobCancelled& e) {
+    CHECK(std::string(e.what()).find("block 'L0' (version 1)") != std::string::npos);
+    CHECK(std::string(e.what()).find("superseded by version 2") != std::string::npos);
+  }
+  CHECK_THROWS(pool.submit({"L0", 1, 1}, [] {}), std::invalid_argument);  // older than queued
+  gate.open();
+  v2->wait();
+  CHECK_EQ(ran_version.load(), 2);
+  CHECK_EQ(pool.stats().cancelled, int64_t{1});
+}
+
+TEST(running_job_is_not_superseded) {
+  Gate gate;  // declared first: outlives the pool's workers
+  WorkerPool pool(options(1));
+  auto running = pool.submit({"L0", 1, 0}, [&gate] { gate.wait(); });
+  gate.wait_entered();
+  auto next = pool.submit({"L0", 2, 0}, [] {});
+  CHECK(running->status() == JobStatus::kRunning);
+  gate.open();
+  running->wait();
+  next->wait();
+  CHECK(running->status() == JobStatus::kSucceeded);
+  CHECK(next->status() == JobStatus::kSucceeded);
+  CHECK(running->started_at().has_value() && running->finished_at().has_value());
+  CHECK(*running->started_at() <= *running->finished_at());
+  CHECK(*running->finished_at() <= *next->started_at());  // one worker: strictly one after another
+}
+
+TEST(error_propagates_with_block_name) {
+  WorkerPool pool(options(2));
+  auto h = pool.submit({"model.layer3.weight/L", 7, 0},
+                       [] { throw std::runtime_error("eigh: factor has non-finite entries"); });
+  h->wait();
+  CHECK(h->status() == JobStatus::kFailed);
+  try {
+    h->rethrow_if_unsuccessful();
+    CHECK(false);
+  } catch (const JobFailed& e) {
+    CHECK_EQ(e.block(), std::string("model.layer3.weight/L"));
+    CHECK_EQ(e.version(), int64_t{7});
+    CHECK_EQ(e.original_message(), std::string("eigh: factor has non-finite entries"));
+    CHECK_EQ(std::string(e.what()), std::string("block 'model.layer3.weight/L' (version 7): "
+                                                "eigh: factor has non-finite entries"));
+    CHECK_THROWS(std::rethrow_exception(e.original()), std::runtime_error);
+  }
+  auto odd = pool.submit({"x", 1, 0}, [] { throw 42; });
+  odd->wait();
+  CHECK_THROWS(odd->rethrow_if_unsuccessful(), JobFailed);
+  CHECK_EQ(pool.stats().failed, int64_t{2});
+}
+
+TEST(shutdown_with_running_jobs) {
+  auto pool = std::make_unique<WorkerPool>(options(2));
+  std::atomic<int> finished{0};
+  std::vector<std::shared_ptr<JobHandle>> handles;
+  for (int i = 0; i < 10; ++i) {
+    handles.push_back(pool->submit({"b" + std::to_string(i), 1, i}, [&finished] {
+      std::this_thread::sleep_for(50ms);
+      ++finished;
+    }));
+  }
+  while (pool->stats().running < 2) std::this_thread::sleep_for(1ms);
+  const auto start = std::chrono::steady_clock::now();
+  pool->shutdown(true);
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+  int succeeded = 0;
+  int cancelled = 0;
+  for (auto& h : handles) {
+    CHECK(h->done());
+    succeeded += h->status() == JobStatus::kSucceeded;
+    cancelled += h->status() == JobStatus::kCancelled;
+  }
+  CHECK_EQ(succeeded, finished.load());
+  CHECK_EQ(succeeded + cancelled, 10);
+  CHECK(succeeded >= 2);
+  CHECK_THROWS(pool->submit({"late", 1, 0}, [] {}), std::runtime_error);
+  pool->shutdown(true);  // idempotent
+  pool.reset();
+}
+
+TEST(shutdown_without_wait_then_destroy) {
+  auto pool = std::make_unique<WorkerPool>(options(1));
+  Gate gate;
+  auto running = block_worker(*pool, gate);
+  auto queued = pool->submit({"q", 1, 0}, [] {});
+  pool->shutdown(false);
+  CHECK(queued->status() == JobStatus::kCancelled);
+  CHECK(pool->is_shutdown());
+  gate.open();
+  pool.reset();  // joins
+  CHECK(running->status() == JobStatus::kSucceeded);
+}
+
+TEST(many_concurrent_submitters) {
+  WorkerPool pool(options(4, 64));
+  constexpr int kThreads = 8;
+  constexpr int kPerThread = 300;
+  std::atomic<int64_t> work{0};
+  std::vector<std::vector<std::shared_ptr<JobHandle>>> handles(kThreads);
+  std::vector<std::thread> submitters;
+  for (int t = 0; t < kThreads; ++t) {
+    submitters.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        // Half the jobs share a block per thread (supersede races), half are distinct.
+        const std::string block =
+            i % 2 ? "t" + std::to_string(t) : "t" + std::to_string(t) + "/" + std::to_string(i);
+        handles[t].push_back(pool.submit({block, i, i % 7}, [&work] { work += 1; }));
+      }
+    });
+  }
+  for (auto& s : submitters) s.join();
+  int64_t succeeded = 0;
+  int64_t cancelled = 0;
+  for (auto& per_thread : handles) {
+    for (auto& h : per_thread) {
+      h->wait();
+      succeeded += h->status() == JobStatus::kSucceeded;
+      cancelled += h->status() == JobStatus::kCancelled;
+    }
+  }
+  const auto stats = pool.stats();
+  CHECK_EQ(succeeded + cancelled, int64_t{kThreads * kPerThread});
+  CHECK_EQ(work.load(), succeeded);
+  CHECK_EQ(stats.submitted, int64_t{kThreads * kPerThread});
+  CHECK_EQ(stats.completed, succeeded);
+  CHECK_EQ(stats.cancelled, cancelled);
+  CHECK_EQ(stats.queued, int64_t{0});
+  CHECK_EQ(stats.running, int64_t{0});
+}
+
+TEST(bounded_queue_blocks_submitter) {
+  Gate gate;  // declared first: outlives the pool's workers
+  WorkerPool pool(options(1, 2));
+  block_worker(pool, gate);
+  pool.submit({"a", 1, 0}, [] {});
+  pool.submit({"b", 1, 0}, [] {});
+  std::atomic<bool> submitted{false};
+  std::thread late([&] {
+    pool.submit({"c", 1, 0}, [] {})->wait();
+    submitted = true;
+  });
+  std::this_thread::sleep_for(50ms);
+  CHECK(!submitted.load());
+  pool.submit({"a", 2, 0}, [] {});  // superseding needs no room
+  CHECK_EQ(pool.stats().queued, int64_t{2});
+  gate.open();
+  late.join();
+  CHECK(submitted.load());
+}
+
+TEST(init_hook_and_affinity) {
+  std::atomic<int> inits{0};
+  PoolOptions o = options(3);
+  o.init = [&inits](int) { ++inits; };
+  o.affinity = {0};
+  {
+    WorkerPool pool(o);
+    CHECK_EQ(inits.load(), 3);
+    CHECK_EQ(pool.workers(), 3);
+  }
+  PoolOptions throwing = options(2);
+  throwing.init = [](int index) {
+    if (index == 1) throw std::runtime_error("no LAPACK here");
+  };
+  CHECK_THROWS(WorkerPool{throwing}, std::runtime_error);
+#if defined(__linux__)
+  PoolOptions bad_cpu = options(1);
+  bad_cpu.affinity = {1 << 20};
+  CHECK_THROWS(WorkerPool{bad_cpu}, std::invalid_argument);
+#endif
+  CHECK_THROWS(WorkerPool{options(0)}, std::invalid_argument);
+}
+
+TEST(wait_for_times_out) {
+  Gate gate;  // declared first: outlives the pool's workers
+  WorkerPool pool(options(1));
+  auto h = block_worker(pool, gate);
+  CHECK(!h->wait_for(10ms));
+  CHECK_THROWS(h->rethrow_if_unsuccessful(), std::logic_error);
+  gate.open();
+  CHECK(h->wait_for(10s));
+}
+
+TEST(shutdown_all_pools_stops_live_pools) {
+  WorkerPool a(options(1));
+  WorkerPool b(options(2));
+  asteria::core::shutdown_all_pools();
+  CHECK(a.is_shutdown());
+  CHECK(b.is_shutdown());
+  asteria::core::shutdown_all_pools();
+}
+
+TEST(versioned_slots_are_monotonic) {
+  VersionedSlots<int> slots;
+  CHECK(!slots.latest("L").has_value());
+  CHECK(slots.publish("L", 3, std::make_shared<const int>(30)));
+  CHECK(!slots.publish("L", 2, std::make_shared<const int>(20)));
+  CHECK(!slots.publish("L", 3, std::make_shared<const int>(31)));
+  CHECK(slots.publish("L", 5, std::make_shared<const int>(50)));
+  auto latest = slots.latest("L");
+  CHECK(latest.has_value() && latest->version == 5 && *latest->value == 50);
+  CHECK_EQ(slots.version("L").value_or(-1), int64_t{5});
+  CHECK_EQ(slots.size(), size_t{1});
+}
+
+TEST(slots_under_concurrent_publishers) {
+  VersionedSlots<int> slots;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&slots, t] {
+      for (int v = t; v < 400; v += 4) slots.publish("L", v, std::make_shared<const int>(v));
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK_EQ(slots.version("L").value_or(-1), int64_t{399});
+}
+
+int main(int argc, char** argv) { return harness::run_tests(argc, argv); }

@@ -1,0 +1,387 @@
+"""The extension asteria._C as a whole: its build record and the import check, the info report,
+the refresh worker pool from Python, and the CPU stand-in of the shadow stream."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import asteria
+from asteria import _C
+from asteria.optim import matrix_functions as mf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _spd(n: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n + 3, generator=gen, dtype=torch.float64)
+    return (a @ a.T / n + 1e-3 * torch.eye(n, dtype=torch.float64)).to(dtype)
+
+
+def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture
+def pool():
+    p = _C.WorkerPool(2)
+    yield p
+    p.shutdown()
+
+
+def _occupy(pool: _C.WorkerPool, n: int = 640) -> _C.Future:
+    """A float64 eigh long enough (~0.1 s) to keep a worker busy while the test queues work."""
+    fut = pool.submit_eigh("busy", 0, -1, _spd(n, torch.float64), torch.float64)
+    while fut.status() == "queued":
+        time.sleep(0.001)
+    return fut
+
+
+# ---- build record, import check, info ---------------------------------------------------------
+
+
+def test_build_info_fields():
+    info = _C.build_info()
+    assert info["torch_version"] == torch.__version__.split("+")[0]
+    assert info["cuda"] is _C.cuda_enabled()
+    assert info["cuda"] == (info["cuda_version"] != "")
+    if torch.version.cuda is None:
+        assert info["cuda"] is False
+    assert info["lapack_backend"] in torch.__config__.show().lower()
+    assert info["eigh_path"] in ("aten", "mkl_direct")
+    assert info["default_workers"] == (os.cpu_count() or 1)
+    assert info["cplusplus"] >= 201703
+    assert isinstance(info["thread_local_openmp"], bool) and isinstance(info["compiler"], str)
+
+
+def test_version_and_recorded_build():
+    from asteria import _build_info
+
+    assert asteria.__version__ == "0.1.0"
+    assert _build_info.TORCH_VERSION == torch.__version__
+    assert _build_info.CUDA is _C.build_info()["cuda"]
+    assert "-O2" in _build_info.CXX_FLAGS
+    assert not any(f in _build_info.CXX_FLAGS for f in ("-fopenmp", "-march=native"))
+
+
+def test_info_report_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "asteria.info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert asteria.__version__ in out.stdout and torch.__version__ in out.stdout
+    assert "LAPACK backend" in out.stdout and "verdict" in out.stdout
+    cuda_line = next(line for line in out.stdout.splitlines() if line.startswith("CUDA extension"))
+    if not _C.cuda_enabled():
+        assert cuda_line.split()[-1] == "off"
+        assert "CUDA off" in out.stdout
+
+
+IMPORT_ASTERIA = """
+    try:
+        import asteria
+    except ImportError as e:
+        print("ImportError:", e)
+        sys.exit(3)
+"""
+FAKE_BUILD = (
+    """
+    import sys, types, torch
+    fake = types.ModuleType("asteria._build_info")
+    fake.TORCH_VERSION = {recorded!r}
+    sys.modules["asteria._build_info"] = fake
+    {patch}
+"""
+    + IMPORT_ASTERIA
+)
+
+
+def test_import_refuses_an_extension_built_for_another_torch():
+    out = _python(FAKE_BUILD.format(recorded="2.0.1+cu118", patch=""))
+    assert out.returncode == 3, out.stderr
+    assert "built against torch 2.0.1+cu118" in out.stdout
+    assert f"torch {torch.__version__} is running" in out.stdout
+    assert "pip install --no-build-isolation" in out.stdout and "make build" in out.stdout
+
+
+def test_import_checks_the_compiled_torch_version_too():
+    # The record agrees with the (patched) running torch, but the binary was compiled for 2.13.
+    patch = 'torch.__version__ = "9.9.9"'
+    out = _python(FAKE_BUILD.format(recorded="9.9.9", patch=patch))
+    assert out.returncode == 3, out.stderr
+    assert f"compiled against torch {torch.__version__.split('+')[0]}" in out.stdout
+    assert "torch 9.9.9 is running" in out.stdout
+
+
+def test_import_explains_an_unloadable_extension():
+    setup = """
+    import sys
+    sys.modules["asteria._C"] = None  # the importer then fails, as on a bad dlopen
+"""
+    out = _python(setup + IMPORT_ASTERIA)
+    assert out.returncode == 3, out.stderr
+    assert "asteria._C cannot be loaded" in out.stdout
+    assert f"running torch {torch.__version__}" in out.stdout
+
+
+def test_stub_covers_every_binding():
+    """asteria/_C.pyi names every function, class, method and property the module binds."""
+    tree = ast.parse(open(os.path.join(ROOT, "asteria", "_C.pyi")).read())
+    stub: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            stub[node.name] = set()
+        elif isinstance(node, ast.ClassDef):
+            stub[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+    bound = {name for name in dir(_C) if not name.startswith("__")}
+    assert bound <= set(stub) | {"RefreshResult"}, bound - set(stub)
+    for name, members in stub.items():
+        obj = getattr(_C, name)
+        if isinstance(obj, type) and not issubclass(obj, BaseException):
+            public = {m for m in vars(obj) if not m.startswith("_")}
+            assert public == members - {"__init__"}, (name, public ^ (members - {"__init__"}))
+
+
+# ---- worker pool ------------------------------------------------------------------------------
+
+
+def test_pool_results_equal_the_pure_torch_functions(pool):
+    a = _spd(48, seed=1)
+    basis = mf.eigh_descending(_spd(48, seed=2))[1]
+    f_eigh = pool.submit_eigh("L", 1, 3, a)
+    f_qr = pool.submit_qr_refresh("R", 1, 3, a, basis, True, torch.float32)
+    f_qr_unsorted = pool.submit_qr_refresh("R2", 1, 3, a, basis, sort=False)
+    f_root = pool.submit_inverse_root("P", 1, 3, a, 4.0, 1e-6, torch.float64)
+
+    evals, evecs = f_eigh.result()
+    ref_evals, ref_evecs = mf.eigh_descending(a)
+    assert torch.allclose(evals, ref_evals, atol=1e-5)
+    assert torch.allclose((evecs.T @ ref_evecs).abs(), torch.eye(48), atol=1e-3)
+    q, perm = f_qr.result()
+    ref_q, ref_perm = mf.qr_refresh(a, basis)
+    assert torch.equal(perm, ref_perm) and torch.allclose(q, ref_q, atol=1e-5)
+    q2, none = f_qr_unsorted.result()
+    assert none is None and torch.allclose(q2, mf.qr_refresh(a, basis, sort=False)[0], atol=1e-5)
+    root = f_root.result()
+    assert root.dtype == torch.float64
+    assert torch.allclose(root, mf.inverse_root(a, 4.0, 1e-6, torch.float64), atol=1e-10)
+
+    assert (f_eigh.block, f_eigh.version, f_eigh.deadline) == ("L", 1, 3)
+    assert f_eigh.done() and not f_eigh.cancelled() and f_eigh.status() == "succeeded"
+    assert f_eigh.started_at <= f_eigh.finished_at <= time.monotonic()
+    assert pool.published_version("L") == 1 and pool.published_version("nope") is None
+    version, (latest_evals, _) = pool.latest("L")
+    assert version == 1 and torch.equal(latest_evals, evals)
+    assert pool.stats()["completed"] == 4
+
+
+def test_deadline_order_with_one_worker():
+    pool = _C.WorkerPool(1)
+    busy = _occupy(pool)
+    deadlines = {"a": 5, "b": 1, "c": 3, "d": 1, "e": 2}
+    futures = {k: pool.submit_eigh(k, 1, d, _spd(32)) for k, d in deadlines.items()}
+    for f in futures.values():
+        f.result()
+    started = sorted(futures, key=lambda k: futures[k].started_at)
+    assert started == ["b", "d", "e", "c", "a"]  # ties: first submitted first
+    assert busy.finished_at <= futures["b"].started_at
+    pool.shutdown()
+
+
+def test_superseded_job_is_cancelled():
+    pool = _C.WorkerPool(1)
+    _occupy(pool)
+    old = pool.submit_eigh("L0", 1, 10, _spd(16))
+    new = pool.submit_eigh("L0", 2, 12, _spd(16, seed=1))
+    assert old.cancelled() and old.done() and old.started_at is None
+    with pytest.raises(
+        _C.CancelledError, match=r"block 'L0' \(version 1\).*superseded by version 2"
+    ):
+        old.result()
+    assert isinstance(_C.CancelledError("x"), RuntimeError)
+    assert torch.allclose(new.result()[0], mf.eigh_descending(_spd(16, seed=1))[0], atol=1e-5)
+    assert pool.stats()["cancelled"] == 1
+    with pytest.raises(ValueError, match="older than its queued version"):
+        _occupy(pool)
+        pool.submit_eigh("L1", 5, 0, _spd(4))
+        pool.submit_eigh("L1", 4, 0, _spd(4))
+    pool.shutdown()
+
+
+def test_errors_carry_the_block_and_the_original_message(pool):
+    non_square = pool.submit_eigh("model.w/L", 3, 0, torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"^block 'model.w/L' \(version 3\): factor must be a sq"):
+        non_square.result()
+    assert non_square.status() == "failed"
+    nan = torch.eye(5)
+    nan[0, 1] = float("nan")
+    bad = pool.submit_inverse_root("model.w/R", 4, 0, nan, 2.0)
+    with pytest.raises(
+        _C.MatrixFunctionError, match=r"^block 'model.w/R' \(version 4\): inverse_r"
+    ):
+        bad.result()
+    assert pool.published_version("model.w/R") is None
+    assert pool.stats()["failed"] == 2
+
+
+def test_submit_checks_arguments_at_once(pool):
+    with pytest.raises(ValueError, match="dtype"):
+        pool.submit_eigh("L", 0, 0, torch.eye(3), torch.float16)
+    with pytest.raises(ValueError, match="root"):
+        pool.submit_inverse_root("L", 0, 0, torch.eye(3), -1.0)
+    with pytest.raises(ValueError, match="workers"):
+        _C.WorkerPool(0)
+    with pytest.raises(ValueError, match="CPU"):
+        _C.WorkerPool(1, affinity=[1 << 20])
+
+
+def test_job_owns_its_inputs():
+    pool = _C.WorkerPool(1)
+    _occupy(pool)
+    a = _spd(12)
+    expected = mf.eigh_descending(a)[0]
+    fut = pool.submit_eigh("L", 1, 0, a)
+    a.fill_(float("nan"))  # the caller reuses its buffer before the job even started
+    assert torch.allclose(fut.result()[0], expected, atol=1e-5)
+    pool.shutdown()
+
+
+def test_result_timeout():
+    pool = _C.WorkerPool(1)
+    _occupy(pool, n=768)
+    fut = pool.submit_eigh("L", 1, 0, _spd(8))
+    with pytest.raises(TimeoutError, match="no result after"):
+        fut.result(timeout_s=0.001)
+    with pytest.raises(_C.FutureTimeoutError):
+        fut.result(timeout_s=0.0)
+    assert fut.result(timeout_s=60.0)[0].shape == (8,)
+    pool.shutdown()
+
+
+def test_result_releases_the_gil():
+    """A Python thread keeps running while the main thread blocks in result()."""
+    pool = _C.WorkerPool(1)
+    count = 0
+    stop = threading.Event()
+
+    def counter() -> None:
+        nonlocal count
+        while not stop.is_set():
+            count += 1
+
+    fut = pool.submit_eigh("big", 1, 0, _spd(768, torch.float64), torch.float64)
+    thread = threading.Thread(target=counter)
+    thread.start()
+    time.sleep(0.01)
+    before = count
+    fut.result()
+    during = count - before
+    stop.set()
+    thread.join()
+    pool.shutdown()
+    assert fut.finished_at - fut.started_at > 0.02  # the wait was real
+    assert during > 1000, f"counter advanced only {during} times while result() waited"
+
+
+def test_pool_leaves_the_main_threads_setting_alone():
+    before = torch.get_num_threads()
+    pool = _C.WorkerPool(2, lapack_threads=1)
+    pool.submit_eigh("L", 1, 0, _spd(64)).result()
+    assert torch.get_num_threads() == before
+    assert pool.workers == 2 and pool.lapack_threads == 1
+    pool.shutdown()
+
+
+def test_shutdown_cancels_queued_and_finishes_running():
+    pool = _C.WorkerPool(1)
+    running = _occupy(pool)
+    queued = [pool.submit_eigh(f"q{i}", 1, 0, _spd(8)) for i in range(3)]
+    pool.shutdown(wait=True)
+    assert running.status() == "succeeded"
+    assert all(f.cancelled() for f in queued)
+    with pytest.raises(_C.CancelledError, match="shut down"):
+        queued[0].result()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit_eigh("late", 1, 0, _spd(8))
+    assert pool.is_shutdown()
+    pool.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [
+        "pool.shutdown(wait=True)",
+        "pool.shutdown(wait=False)",
+        "pass  # interpreter exit with jobs running: the atexit hook stops the pool",
+        "del pool",
+    ],
+)
+def test_shutdown_while_jobs_run_does_not_hang(ending):
+    out = _python(
+        f"""
+        import time, torch
+        from asteria import _C
+        pool = _C.WorkerPool(2)
+        a = torch.randn(512, 512, dtype=torch.float64)
+        a = a @ a.T
+        futures = [pool.submit_eigh(f"b{{i}}", 1, i, a, torch.float64) for i in range(16)]
+        while pool.stats()["running"] == 0:
+            time.sleep(0.001)
+        {ending}
+        print("exited cleanly")
+        """,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "exited cleanly" in out.stdout
+
+
+# ---- shadow stream: the CPU stand-in ------------------------------------------------------------
+
+
+@pytest.mark.skipif(_C.cuda_enabled(), reason="checks the CPU build's stand-in")
+def test_shadow_stream_stand_in_copies_synchronously():
+    stream = _C.ShadowStream()
+    assert not stream.is_cuda and stream.device == -1 and stream.priority == 0
+    src = torch.randn(5, 7)
+    dst = stream.host_buffer_like(src)
+    assert dst.shape == src.shape and dst.dtype == src.dtype and not dst.is_pinned()
+    event = stream.copy_to_host(src, dst)
+    assert event.query()
+    event.synchronize()
+    stream.synchronize()
+    assert torch.equal(dst, src) and event.host.data_ptr() == dst.data_ptr()
+    with pytest.raises(RuntimeError, match="dst shape"):
+        stream.copy_to_host(src, torch.empty(3))
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        _C.ShadowStream(0)
+
+
+def test_count_nonfinite_on_cpu():
+    t = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
+    assert _C.count_nonfinite(t).item() == 3
+    assert _C.count_nonfinite(t.to(torch.bfloat16)).item() == 3
+    assert _C.count_nonfinite(torch.arange(4)).item() == 0
+    assert _C.count_nonfinite(torch.empty(0)).item() == 0
+    assert _C.count_nonfinite(torch.ones(3)).dtype == torch.long
