@@ -24,8 +24,12 @@ __all__ = [
 EIGH_SHIFT = 1e-30
 
 
-class MatrixFunctionError(RuntimeError):
-    """A refresh failed in ``dtype`` and again in float64, or produced a non-finite result."""
+try:  # One class for both twins: a pool future raises the same error this module raises.
+    from asteria._C import MatrixFunctionError
+except ImportError:  # pragma: no cover - only while the extension is not built
+
+    class MatrixFunctionError(RuntimeError):  # type: ignore[no-redef]
+        """A refresh failed in ``dtype`` and again in float64, or produced a non-finite result."""
 
 
 def _check_square(name: str, a: torch.Tensor) -> None:
