@@ -1,6 +1,10 @@
 """Asteria: second-order optimizers (Shampoo, SOAP, KL-Shampoo) whose matrix refreshes run on C++
 CPU workers, off the training critical path.
 
+``asteria.optim`` holds the optimizers (native, synchronous mode); ``asteria.Runtime`` with an
+``asteria.RuntimeConfig`` orchestrates their refreshes; ``asteria._C.WorkerPool`` is the pool on its
+own, for people writing their own optimizers.
+
 Importing the package checks the C++ extension first (asteria/_ext.py): a missing extension, or
 one built against another torch, raises ImportError saying how to rebuild.
 """
@@ -11,6 +15,8 @@ __version__ = "0.1.0"
 
 _C = load_extension()
 
-from asteria import optim  # noqa: E402  (after the extension check, on purpose)
+# After the extension check, on purpose.
+from asteria import optim  # noqa: E402
+from asteria.runtime import Runtime, RuntimeConfig  # noqa: E402
 
-__all__ = ["__version__", "optim"]
+__all__ = ["Runtime", "RuntimeConfig", "__version__", "optim"]
