@@ -38,7 +38,7 @@ def _check_square(name: str, a: torch.Tensor) -> None:
 
 
 def _finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 def _canonical(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,7 +67,7 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str):
         try:
             out = fn(torch.float64)
             if _finite(*out):
-                return tuple(t.to(dtype) for t in out)
+                return tuple(t.to(dtype) if t.is_floating_point() else t for t in out)
             retry_error = "non-finite result"
         except torch.linalg.LinAlgError as e:
             retry_error = str(e)

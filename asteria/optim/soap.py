@@ -215,17 +215,27 @@ class SOAP(KroneckerOptimizer):
     ) -> None:
         """Install new bases: permute ``v`` along each refreshed dim, carry ``m`` over exactly.
 
-        ``m`` lives in the old basis: ``Q_old m Q_old^T`` is the original-space moment and
-        ``Q_new^T (.) Q_new`` takes it into the new basis (cheaper than forming
-        ``Q_old^T Q_new`` for the rectangular blocks of a transformer).
+        ``m`` lives in the old basis; along dim ``i`` it moves to the new one either through the
+        original space (``Q_old`` then ``Q_new^T``: two products with the block's other dims) or
+        by ``R_i = Q_old^T Q_new`` (one product plus the ``d_i^3`` to form ``R_i``), whichever
+        costs fewer flops: ``R_i`` when ``d_i`` is smaller than the product of the other dims.
         """
-        old_bases = list(block["bases"])
+        m = block["exp_avg"]
+        back: list[torch.Tensor | None] = [None] * m.dim()
+        forth: list[torch.Tensor | None] = [None] * m.dim()
         for i, res in enumerate(result):
             if res is None:
                 continue
             new_q, perm = res
             v = block["exp_avg_sq"]
             block["exp_avg_sq"] = v.index_select(i, perm.to(v.device))
-            block["bases"][i] = new_q.to(dtype=v.dtype, device=v.device)
-        original = mode_products(block["exp_avg"], old_bases, transpose=False)
-        block["exp_avg"] = mode_products(original, block["bases"], transpose=True)
+            new_q = new_q.to(dtype=v.dtype, device=v.device)
+            old_q = block["bases"][i]
+            if old_q.shape[0] ** 2 < m.numel():  # d_i < numel / d_i
+                forth[i] = old_q.T @ new_q
+            else:
+                back[i], forth[i] = old_q, new_q
+            block["bases"][i] = new_q
+        if any(b is not None for b in back):
+            m = mode_products(m, back, transpose=False)
+        block["exp_avg"] = mode_products(m, forth, transpose=True)
