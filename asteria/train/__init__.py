@@ -1,0 +1,26 @@
+"""asteria.train: the main job. Train a small OLMo-2-style LM and compare optimizers.
+
+``python -m asteria.train`` (or ``asteria-train``) runs it; ``--help`` lists the options.
+Modules: data (byte-level corpus and batches), models (presets), optimizers (name -> constructor
+and default learning rates), loop (the training loop), report (output files), env (machine
+facts), cli (arguments).
+"""
+
+from asteria.train.data import VOCAB_SIZE, Corpus, load_corpus
+from asteria.train.loop import RunResult, TrainConfig, train
+from asteria.train.models import PRESETS, build_model, get_preset
+from asteria.train.optimizers import OPTIMIZERS, build_optimizer
+
+__all__ = [
+    "OPTIMIZERS",
+    "PRESETS",
+    "VOCAB_SIZE",
+    "Corpus",
+    "RunResult",
+    "TrainConfig",
+    "build_model",
+    "build_optimizer",
+    "get_preset",
+    "load_corpus",
+    "train",
+]

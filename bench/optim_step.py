@@ -1,0 +1,245 @@
+"""Time of one optimizer step, ordinary steps and refresh steps apart, for Asteria and its peers.
+
+Every optimizer gets the same parameters (the shapes of a small transformer, all dims <= 1024)
+and the same random gradients, in native (synchronous) mode with a preconditioner refresh due
+every 10 steps. After ``--warmup`` steps (the first one initialises factors with an eigh) it
+times ``--steps`` calls of ``step()`` one by one and reports the median of the ordinary steps
+and the median of the refresh steps. A step counts as a refresh when the optimizer itself would
+refresh at it:
+
+* asteria: ``optimizer.is_refresh_step()``;
+* pytorch-optimizer SOAP: a call refreshes when ``group["step"]`` (before the call) is a positive
+  multiple of ``precondition_frequency``;
+* heavyball 3.2.1 SOAP / KLShampoo: with ``use_precond_schedule=False`` the schedule is
+  fractional: each step adds ``1 / precondition_frequency`` to ``inner_group["cumulative_prob"]``
+  and a refresh runs when its integer part increases. With ``precondition_frequency=10`` the
+  float sum refreshes at steps 11, 20, 30, 40, 51, 61, ... (gaps of 9 to 11, 10 on average),
+  which is as close to "every 10" as heavyball can be configured. torch.compile is off
+  (``heavyball.utils.compile_mode = None``), as on CPU it only adds minutes of compilation.
+
+Usage: ``python bench/optim_step.py [--threads 1] [--steps 60] [--only asteria_soap,...]``.
+The last line of output is one JSON object: env, results {name: {median_ms, refresh_ms, ...}},
+and ratios ``ours / peer`` (below 1: ours is faster) for every Asteria-vs-peer pair and every
+optimizer against torch.optim.AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from _common import emit_json, env_header, median, print_table, ratio, set_threads, time_ms
+from torch.optim import Optimizer
+
+FREQ = 10
+Params = list[torch.nn.Parameter]
+
+
+def transformer_shapes(d: int, layers: int, mlp: int, vocab: int) -> list[tuple[int, ...]]:
+    """Weight shapes of an OLMo-2-style decoder: attention, SwiGLU MLP, 4 norms per layer."""
+    layer = [(d, d)] * 4 + [(mlp, d), (mlp, d), (d, mlp)] + [(d,)] * 4
+    return [(vocab, d), *(layer * layers), (d,), (vocab, d)]
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One optimizer under test: how to build it and how to tell that its next step refreshes."""
+
+    name: str
+    build: Callable[[Params], Optimizer]
+    refreshes: Callable[[Optimizer], bool]
+
+
+def _never(_: Optimizer) -> bool:
+    return False
+
+
+def _asteria_refreshes(opt: Optimizer) -> bool:
+    return bool(opt.is_refresh_step())
+
+
+def _pytorch_optimizer_refreshes(opt: Optimizer) -> bool:
+    step = opt.param_groups[0].get("step", 0)
+    return step > 0 and step % FREQ == 0
+
+
+def _heavyball_refreshes(opt: Optimizer) -> bool:
+    cumulative = opt.inner_group.get("cumulative_prob", 0)
+    return int(cumulative + opt.precond_schedule) > int(cumulative)
+
+
+def contenders() -> dict[str, Contender]:
+    """Every optimizer the benchmark knows, configured alike (lr 3e-3, wd 0.01, refresh 10)."""
+    import heavyball
+    import pytorch_optimizer
+
+    from asteria.optim import SOAP, KLShampoo, Shampoo
+
+    heavyball.utils.compile_mode = None
+    hb_common = {
+        "weight_decay": 0.01,
+        "precondition_frequency": FREQ,
+        "max_precond_dim": 10000,
+        "merge_dims": False,
+        "precondition_1d": False,
+        "use_precond_schedule": False,
+    }
+    table = [
+        Contender(
+            "torch_adamw", lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01), _never
+        ),
+        Contender(
+            "asteria_soap",
+            lambda p: SOAP(p, lr=3e-3, betas=(0.95, 0.95), precondition_frequency=FREQ),
+            _asteria_refreshes,
+        ),
+        Contender(
+            "asteria_kl_shampoo",
+            lambda p: KLShampoo(p, lr=3e-3, betas=(0.9, 0.98), precondition_frequency=FREQ),
+            _asteria_refreshes,
+        ),
+        Contender(
+            "asteria_shampoo",
+            lambda p: Shampoo(p, lr=3e-3, precondition_frequency=FREQ),
+            _asteria_refreshes,
+        ),
+        Contender(
+            "pytorch_optimizer_soap",
+            lambda p: pytorch_optimizer.SOAP(
+                p, lr=3e-3, betas=(0.95, 0.95), precondition_frequency=FREQ
+            ),
+            _pytorch_optimizer_refreshes,
+        ),
+        Contender(
+            "heavyball_soap",
+            lambda p: heavyball.SOAP(
+                p, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=0.95, **hb_common
+            ),
+            _heavyball_refreshes,
+        ),
+        Contender(
+            "heavyball_kl_shampoo",
+            lambda p: heavyball.KLShampoo(
+                p, lr=3e-3, betas=(0.9, 0.98), shampoo_beta=0.98, init_factor=0.1, **hb_common
+            ),
+            _heavyball_refreshes,
+        ),
+    ]
+    return {c.name: c for c in table}
+
+
+# (ours, peer) pairs whose ratio the JSON reports, besides everything against torch_adamw.
+PAIRS = [
+    ("asteria_soap", "pytorch_optimizer_soap"),
+    ("asteria_soap", "heavyball_soap"),
+    ("asteria_kl_shampoo", "heavyball_kl_shampoo"),
+]
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def run_one(
+    contender: Contender,
+    shapes: list[tuple[int, ...]],
+    *,
+    warmup: int,
+    steps: int,
+    seed: int,
+    device: torch.device,
+) -> dict[str, float | int | None]:
+    """Time ``steps`` optimizer steps after ``warmup``; gradients depend only on seed and step."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    params = [torch.nn.Parameter(0.02 * torch.randn(s, generator=gen).to(device)) for s in shapes]
+    opt = contender.build(params)
+    ordinary: list[float] = []
+    refresh: list[float] = []
+    for i in range(warmup + steps):
+        gen.manual_seed(seed + 1 + i)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        is_refresh = contender.refreshes(opt)
+        ms = time_ms(opt.step, device)
+        if i >= warmup:
+            (refresh if is_refresh else ordinary).append(ms)
+    return {
+        "median_ms": _round(median(ordinary), 3),
+        "refresh_ms": _round(median(refresh), 3),
+        "mean_ms": _round(sum(ordinary + refresh) / (len(ordinary) + len(refresh)), 3),
+        "refreshes": len(refresh),
+        "steps": steps,
+    }
+
+
+def ratios(results: dict[str, dict]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for ours, peer in PAIRS:
+        if ours in results and peer in results:
+            for key, field in (("median", "median_ms"), ("refresh", "refresh_ms")):
+                value = ratio(results[ours][field], results[peer][field])
+                out[f"{ours}_vs_{peer}_{key}"] = _round(value, 4)
+    if "torch_adamw" in results:
+        for name, res in results.items():
+            if name != "torch_adamw":
+                value = ratio(res["median_ms"], results["torch_adamw"]["median_ms"])
+                out[f"{name}_vs_torch_adamw_median"] = _round(value, 4)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--steps", type=int, default=60, help="timed steps per optimizer")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--only", help="comma-separated subset of optimizers")
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--mlp", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=1024)
+    args = ap.parse_args()
+
+    set_threads(args.threads)
+    device = torch.device(args.device)
+    env = env_header("optimizer step time (bench/optim_step.py)", "heavyball", "pytorch-optimizer")
+    shapes = transformer_shapes(args.d_model, args.layers, args.mlp, args.vocab)
+    n_params = sum(torch.Size(s).numel() for s in shapes)
+    env |= {"device": str(device), "params": n_params, "tensors": len(shapes), "freq": FREQ}
+    print(f"   model: {len(shapes)} tensors, {n_params:,} params, refresh every {FREQ} steps")
+    table = contenders()
+    names = list(table) if not args.only else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        ap.error(f"unknown optimizer(s) {unknown}; choose from {', '.join(table)}")
+
+    results: dict[str, dict] = {}
+    for name in names:
+        results[name] = run_one(
+            table[name],
+            shapes,
+            warmup=args.warmup,
+            steps=args.steps,
+            seed=args.seed,
+            device=device,
+        )
+        r = results[name]
+        print(f"   {name}: done ({r['refreshes']} refresh steps)", flush=True)
+
+    print()
+    rows = [
+        [n, r["median_ms"], r["refresh_ms"], r["mean_ms"], r["refreshes"], r["steps"]]
+        for n, r in results.items()
+    ]
+    print_table(
+        ["optimizer", "step ms (median)", "refresh ms (median)", "mean ms", "refreshes", "steps"],
+        rows,
+    )
+    emit_json({"env": env, "results": results, "ratios": ratios(results)})
+
+
+if __name__ == "__main__":
+    main()
