@@ -1,5 +1,34 @@
-"""Asteria's memory tiers: host staging for snapshots (staging.py); more tiers come with issue 4."""
+"""Asteria's memory tiers below the device: host memory it owns (aligned, pinned and mapped where a
+GPU is visible) with the staging ring and device views (host.py), host staging for snapshots
+(staging.py), and the NVMe spill store (nvme.py). The placement policy comes later (tiers.py)."""
 
+from asteria.memory.host import (
+    StagingRing,
+    StagingSlot,
+    device_view,
+    host_copy,
+    host_empty,
+    host_empty_like,
+    host_memory_stats,
+    host_tensor_info,
+    is_host_tensor,
+)
+from asteria.memory.nvme import SpillChecksumError, SpillFuture, SpillIOError, SpillStore
 from asteria.memory.staging import StagingSlots
 
-__all__ = ["StagingSlots"]
+__all__ = [
+    "SpillChecksumError",
+    "SpillFuture",
+    "SpillIOError",
+    "SpillStore",
+    "StagingRing",
+    "StagingSlot",
+    "StagingSlots",
+    "device_view",
+    "host_copy",
+    "host_empty",
+    "host_empty_like",
+    "host_memory_stats",
+    "host_tensor_info",
+    "is_host_tensor",
+]

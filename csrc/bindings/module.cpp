@@ -10,6 +10,10 @@
 #include "core/refresh_pool.h"
 #include "core/worker_pool.h"
 #include "cuda/shadow_stream.h"
+#include "io/spill_tensor.h"
+#include "memory/fence.h"
+#include "memory/host_tensor.h"
+#include "memory/staging_ring.h"
 
 namespace py = pybind11;
 
@@ -23,6 +27,27 @@ void register_errors(py::module_& m) {
   py::register_local_exception<asteria::core::JobCancelled>(m, "CancelledError",
                                                             PyExc_RuntimeError);
   py::register_local_exception<asteria::FutureTimeout>(m, "FutureTimeoutError", PyExc_TimeoutError);
+}
+
+void register_memory_errors(py::module_& m) {
+  py::register_local_exception<asteria::memory::WaitTimeout>(m, "WaitTimeoutError",
+                                                             PyExc_TimeoutError);
+  py::register_local_exception<asteria::io::ChecksumError>(m, "SpillChecksumError",
+                                                           PyExc_RuntimeError);
+  py::register_local_exception<asteria::io::KeyNotFound>(m, "SpillKeyError", PyExc_KeyError);
+  py::register_local_exception<asteria::io::StoreClosed>(m, "SpillClosedError", PyExc_RuntimeError);
+  // An OSError subclass that carries the errno: `except OSError as e: e.errno == errno.ENOSPC`.
+  static PyObject* const io_error = PyErr_NewExceptionWithDoc(
+      "asteria._C.SpillIOError", "A spill-store read or write failed; errno says why.",
+      PyExc_OSError, nullptr);
+  m.attr("SpillIOError") = py::handle(io_error);
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const asteria::io::IoError& e) {
+      PyErr_SetObject(io_error, py::make_tuple(e.error_code(), e.what()).ptr());
+    }
+  });
 }
 
 void register_matrix_functions(py::module_& m) {
@@ -107,13 +132,107 @@ void register_cuda(py::module_& m) {
       .def_property_readonly("priority", &asteria::cuda::ShadowStream::priority);
 }
 
+void register_host_memory(py::module_& m) {
+  namespace mem = asteria::memory;
+  m.def("host_empty", &mem::host_empty, py::arg("sizes"), py::arg("dtype"),
+        py::arg("pinned") = py::none(), ReleaseGil(),
+        "An uninitialized contiguous CPU tensor over a fresh 4 KiB-aligned host block.");
+  m.def("host_memory_stats", &mem::host_memory_stats_dict,
+        "live_blocks, live_bytes, registered_blocks, registered_bytes, peak_bytes, "
+        "allocated_blocks.");
+  m.def("device_view", &mem::device_view, py::arg("host"), py::arg("device") = -1,
+        "A CUDA tensor aliasing pinned host memory (zero-copy); keeps the memory alive.");
+  m.def("host_tensor_info", &mem::host_tensor_info, py::arg("tensor"),
+        "Where an asteria.memory tensor's memory lives, or None for any other tensor.");
+  m.def("_testing_hold_fences", &mem::testing_hold_fences,
+        "Test hook: CPU stand-in fences recorded from now on stay pending.");
+  m.def("_testing_release_fences", &mem::testing_release_fences,
+        "Test hook: complete the held stand-in fences and stop holding.");
+
+  py::class_<mem::HostTensorInfo>(m, "HostTensorInfo")
+      .def_readonly("block_bytes", &mem::HostTensorInfo::block_bytes)
+      .def_readonly("offset", &mem::HostTensorInfo::offset)
+      .def_readonly("pinned", &mem::HostTensorInfo::pinned)
+      .def_readonly("device_view", &mem::HostTensorInfo::device_view)
+      .def_readonly("staging_slot", &mem::HostTensorInfo::staging_slot);
+
+  py::class_<mem::RingStats>(m, "RingStats")
+      .def_readonly("slots", &mem::RingStats::slots)
+      .def_readonly("slot_bytes", &mem::RingStats::slot_bytes)
+      .def_readonly("leased", &mem::RingStats::leased)
+      .def_readonly("held_by_views", &mem::RingStats::held_by_views)
+      .def_readonly("pending_copies", &mem::RingStats::pending_copies)
+      .def_readonly("acquires", &mem::RingStats::acquires)
+      .def_readonly("waited", &mem::RingStats::waited)
+      .def_readonly("pinned", &mem::RingStats::pinned);
+
+  py::class_<mem::SlotLease>(m, "StagingSlot")
+      .def_property_readonly("index", &mem::SlotLease::index)
+      .def_property_readonly("nbytes", &mem::SlotLease::bytes)
+      .def_property_readonly("released", &mem::SlotLease::released)
+      .def("view", &mem::slot_view, py::arg("sizes"), py::arg("dtype"))
+      .def("copy_to_host", &mem::slot_copy_to_host, py::arg("src"), py::arg("shadow"), ReleaseGil())
+      .def("record", &mem::slot_record, py::arg("stream"), py::arg("device"))
+      .def("query", &mem::SlotLease::query)
+      .def("wait", &mem::wait_slot, py::arg("timeout_s") = py::none(), ReleaseGil())
+      .def("release", &mem::SlotLease::release);
+
+  py::class_<mem::StagingRing>(m, "StagingRing")
+      .def(py::init(&mem::make_staging_ring), py::arg("slots"), py::arg("slot_bytes"),
+           py::arg("pinned") = py::none(), ReleaseGil())
+      .def("acquire", &mem::acquire_slot, py::arg("timeout_s") = py::none(), ReleaseGil())
+      .def("stats", &mem::StagingRing::stats)
+      .def_property_readonly("slots", &mem::StagingRing::slots)
+      .def_property_readonly("slot_bytes", &mem::StagingRing::slot_bytes);
+}
+
+void register_spill(py::module_& m) {
+  namespace io = asteria::io;
+  py::class_<io::SpillFuture>(m, "SpillFuture")
+      .def("done", &io::SpillFuture::done)
+      .def("result", &io::SpillFuture::result, py::arg("timeout_s") = py::none(), ReleaseGil())
+      .def_property_readonly("is_read", &io::SpillFuture::is_read)
+      .def_property_readonly("started_at", &io::SpillFuture::started_at)
+      .def_property_readonly("finished_at", &io::SpillFuture::finished_at);
+
+  py::class_<io::TensorSpillStore>(m, "SpillStore")
+      .def(py::init<const std::string&, int64_t, int, const std::string&>(), py::arg("path_dir"),
+           py::arg("capacity_bytes"), py::arg("io_threads") = 2, py::arg("mode") = "auto",
+           ReleaseGil())
+      .def("write", &io::TensorSpillStore::write, py::arg("key"), py::arg("tensor"), ReleaseGil())
+      .def("read", &io::TensorSpillStore::read, py::arg("key"), py::arg("out") = py::none(),
+           ReleaseGil())
+      .def("remove", &io::TensorSpillStore::remove, py::arg("key"), ReleaseGil())
+      .def("contains", &io::TensorSpillStore::contains, py::arg("key"))
+      .def("nbytes", &io::TensorSpillStore::nbytes, py::arg("key"))
+      .def("extent", &io::TensorSpillStore::extent, py::arg("key"))
+      .def("keys", &io::TensorSpillStore::keys)
+      .def("close", &io::TensorSpillStore::close, ReleaseGil())
+      .def("closed", &io::TensorSpillStore::closed)
+      .def("stats", &io::TensorSpillStore::stats)
+      .def_property_readonly("path", &io::TensorSpillStore::path)
+      .def_property_readonly("mode", &io::TensorSpillStore::mode)
+      .def_property_readonly("mode_reason", &io::TensorSpillStore::mode_reason)
+      .def_property_readonly("io_threads", &io::TensorSpillStore::io_threads);
+
+  m.def("_testing_io_fail_next", &io::testing_io_fail_next, py::arg("n"), py::arg("errno"),
+        py::arg("op") = "write",
+        "Test hook: the next n spill-file operations of kind op ('write', 'read', "
+        "'open_direct') fail with this errno.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Asteria's C++ core: matrix functions, the refresh worker pool, the shadow stream.";
+  m.doc() =
+      "Asteria's C++ core: matrix functions, the refresh worker pool, the shadow stream, host "
+      "memory and the staging ring, the NVMe spill store.";
   m.def("build_info", &asteria::build_info, "How this extension was built (a dict).");
   register_errors(m);
+  register_memory_errors(m);
   register_matrix_functions(m);
   register_pool(m);
   register_cuda(m);
+  register_host_memory(m);
+  register_spill(m);
 }

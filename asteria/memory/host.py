@@ -1,0 +1,235 @@
+"""Host memory that Asteria owns: aligned tensors (pinned and mapped where a GPU is visible), the
+staging ring, and zero-copy device views.
+
+Owns: the Python face of ``csrc/memory`` in ``asteria._C``. ``host_empty`` makes tensors over 4 KiB
+aligned host blocks (``posix_memalign``; ``cudaHostRegister``-ed in chunks of at most 256 MiB on a
+CUDA build with a GPU, exactly the requested size rounded to 4 KiB, never a power of two).
+``StagingRing`` hands out N reusable slots of one such block, each again only after the copies
+that touched it completed and no tensor view of it is alive. ``device_view`` gives a CUDA tensor
+that aliases pinned host memory (zero-copy reads over the interconnect, or directly on
+unified-memory machines). Every tensor made here owns its memory through its storage: views keep
+it alive, and the last one to go frees it (``host_memory_stats`` counts live blocks and bytes).
+
+Must not: decide what lives in host memory or when (the tier policy and the runtime do), or hand
+out memory whose lifetime it does not track. See docs/memory.md for how to use these from an
+optimizer of your own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from asteria import _C
+
+__all__ = [
+    "StagingRing",
+    "StagingSlot",
+    "device_view",
+    "host_copy",
+    "host_empty",
+    "host_empty_like",
+    "host_memory_stats",
+    "host_tensor_info",
+    "is_host_tensor",
+]
+
+Shape = int | Sequence[int] | torch.Size
+
+
+def _sizes(shape: Shape) -> list[int]:
+    if isinstance(shape, int):
+        return [shape]
+    return [int(s) for s in shape]
+
+
+def _device_index(device: int | str | torch.device | None) -> int:
+    """The CUDA device index that ``device`` names; the current device for None or bare 'cuda'."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else -1
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device_view needs a CUDA device, got {device}")
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
+def host_empty(
+    shape: Shape, dtype: torch.dtype = torch.float32, pinned: bool | None = None
+) -> torch.Tensor:
+    """An uninitialized, contiguous CPU tensor over a fresh 4 KiB-aligned host block.
+
+    ``pinned``: None pins (page-locks and maps for the GPU) where a GPU is visible to a CUDA build
+    and stays pageable elsewhere; True requires pinning (RuntimeError on a CPU-only build or
+    machine); False never pins. Pinned memory makes ``copy_(..., non_blocking=True)`` truly
+    asynchronous and allows ``device_view``.
+    """
+    return _C.host_empty(_sizes(shape), dtype, pinned)
+
+
+def host_empty_like(tensor: torch.Tensor, pinned: bool | None = None) -> torch.Tensor:
+    """``host_empty`` of ``tensor``'s shape and dtype."""
+    return host_empty(tensor.shape, tensor.dtype, pinned)
+
+
+def host_copy(tensor: torch.Tensor, pinned: bool | None = None) -> torch.Tensor:
+    """A copy of ``tensor`` (from any device) in a fresh host block; synchronous."""
+    return host_empty_like(tensor, pinned).copy_(tensor)
+
+
+def host_memory_stats() -> dict[str, int]:
+    """Process-wide counters of Asteria's host blocks: ``live_blocks``, ``live_bytes``,
+    ``registered_blocks``, ``registered_bytes`` (pinned), ``peak_bytes`` and
+    ``allocated_blocks`` (ever). Bytes are allocated sizes (requests rounded up to 4 KiB)."""
+    return dict(_C.host_memory_stats())
+
+
+def host_tensor_info(tensor: torch.Tensor) -> dict[str, int | bool] | None:
+    """Where ``tensor``'s memory lives if it comes from here, else None: ``block_bytes``,
+    ``offset`` (of its storage in the block), ``pinned``, ``device_view``, ``staging_slot``."""
+    info = _C.host_tensor_info(tensor)
+    if info is None:
+        return None
+    keys = ("block_bytes", "offset", "pinned", "device_view", "staging_slot")
+    return {key: getattr(info, key) for key in keys}
+
+
+def is_host_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is an Asteria host block (a device view of one included)."""
+    return _C.host_tensor_info(tensor) is not None
+
+
+def device_view(host: torch.Tensor, device: int | str | torch.device | None = None) -> torch.Tensor:
+    """A CUDA tensor with ``host``'s shape, strides and dtype that aliases its pinned memory.
+
+    Zero-copy: kernels read (and write) the host memory over PCIe/NVLink-C2C at every access, so
+    use it for data read once or on unified-memory machines (GH200, GB10); copy per-step operands
+    to the device instead. The view keeps the host memory alive; keep it (or ``host``) alive until
+    the kernels that use it have completed. Raises RuntimeError on a CPU-only build or without a
+    GPU, ValueError for memory that is not from ``host_empty``/a staging slot or is not pinned.
+    """
+    return _C.device_view(host, _device_index(device))
+
+
+class StagingSlot:
+    """A lease on one slot of a ``StagingRing``: the right to fill and read the slot until
+    ``release()`` (or the end of a ``with`` block).
+
+    The slot is handed out again only after every copy recorded on it (``record``,
+    ``copy_to_host``) completed and every tensor from ``view`` and ``copy_to_host`` is gone, so
+    releasing early is safe.
+    """
+
+    def __init__(self, lease: _C.StagingSlot) -> None:
+        self._lease = lease
+
+    @property
+    def index(self) -> int:
+        return self._lease.index
+
+    @property
+    def nbytes(self) -> int:
+        return self._lease.nbytes
+
+    @property
+    def released(self) -> bool:
+        return self._lease.released
+
+    def view(self, shape: Shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A contiguous CPU tensor over the start of the slot (ValueError if it does not fit).
+        The slot stays busy while this tensor or any view of it is alive."""
+        return self._lease.view(_sizes(shape), dtype)
+
+    def copy_to_host(self, src: torch.Tensor, shadow: _C.ShadowStream) -> torch.Tensor:
+        """Copy ``src`` into the slot on the shadow stream (asynchronous for a CUDA ``src`` and a
+        pinned ring); returns the destination view. Read it after ``wait()``/``query()``."""
+        return self._lease.copy_to_host(src, shadow)
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Fence the slot with the work queued so far on ``stream``: call it after issuing a
+        ``non_blocking`` copy into or out of the slot. None means the current CUDA stream where a
+        GPU is in use, and the CPU stand-in (complete at once) elsewhere."""
+        if stream is None and _C.cuda_enabled() and torch.cuda.is_available():
+            stream = torch.cuda.current_stream()
+        if stream is None:
+            self._lease.record(0, -1)
+        else:
+            self._lease.record(stream.cuda_stream, stream.device.index)
+
+    def query(self) -> bool:
+        """Whether every copy recorded on the slot has completed."""
+        return self._lease.query()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (GIL released) for the recorded copies; False if ``timeout`` seconds passed."""
+        return self._lease.wait(timeout)
+
+    def release(self) -> None:
+        """Give the slot back (idempotent). Views made earlier stay valid."""
+        self._lease.release()
+
+    def __enter__(self) -> StagingSlot:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"StagingSlot(index={self.index}, nbytes={self.nbytes}, {state})"
+
+
+class StagingRing:
+    """``slots`` reusable host slots of ``slot_bytes`` bytes (rounded up to 4 KiB) in one block,
+    allocated and pinned once (``pinned`` as in ``host_empty``).
+
+    ``acquire`` leases the next free slot in ring order, waiting (GIL released) for copies to
+    complete, views to be dropped and leases to be released; after ``timeout`` seconds it raises
+    ``TimeoutError`` saying what holds the slots. The memory lives until the ring, every lease and
+    every view are gone.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, pinned: bool | None = None) -> None:
+        self._ring = _C.StagingRing(slots, slot_bytes, pinned)
+
+    @property
+    def slots(self) -> int:
+        return self._ring.slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._ring.slot_bytes
+
+    def acquire(self, timeout: float | None = None) -> StagingSlot:
+        return StagingSlot(self._ring.acquire(timeout))
+
+    def stats(self) -> dict[str, Any]:
+        """``slots``, ``slot_bytes``, ``leased``, ``held_by_views`` and ``pending_copies``
+        (released slots not free yet, and why), ``acquires``, ``waited`` (acquires that had to
+        wait), ``pinned``."""
+        s = self._ring.stats()
+        keys = (
+            "slots",
+            "slot_bytes",
+            "leased",
+            "held_by_views",
+            "pending_copies",
+            "acquires",
+            "waited",
+            "pinned",
+        )
+        return {key: getattr(s, key) for key in keys}
+
+    def __repr__(self) -> str:
+        return f"StagingRing(slots={self.slots}, slot_bytes={self.slot_bytes})"

@@ -1,0 +1,151 @@
+#include "memory/host_block.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/host_memory.h"
+
+namespace asteria::memory {
+namespace {
+
+struct Counters {
+  std::atomic<int64_t> live_blocks{0};
+  std::atomic<int64_t> live_bytes{0};
+  std::atomic<int64_t> registered_blocks{0};
+  std::atomic<int64_t> registered_bytes{0};
+  std::atomic<int64_t> peak_bytes{0};
+  std::atomic<int64_t> allocated_blocks{0};
+};
+
+Counters& counters() {
+  static Counters c;
+  return c;
+}
+
+void note_allocated(int64_t bytes) {
+  Counters& c = counters();
+  c.live_blocks.fetch_add(1);
+  c.allocated_blocks.fetch_add(1);
+  const int64_t live = c.live_bytes.fetch_add(bytes) + bytes;
+  int64_t peak = c.peak_bytes.load();
+  while (live > peak && !c.peak_bytes.compare_exchange_weak(peak, live)) {
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+std::vector<std::pair<size_t, size_t>> split_chunks(size_t total, size_t max_chunk) {
+  if (max_chunk == 0) throw std::invalid_argument("split_chunks: max_chunk must be positive");
+  std::vector<std::pair<size_t, size_t>> pieces;
+  for (size_t offset = 0; offset < total; offset += max_chunk) {
+    pieces.emplace_back(offset, std::min(max_chunk, total - offset));
+  }
+  return pieces;
+}
+
+void register_pieces(char* base, const std::vector<std::pair<size_t, size_t>>& pieces,
+                     const RangeFn& reg, const RangeFn& unreg) {
+  size_t done = 0;
+  try {
+    for (; done < pieces.size(); ++done) reg(base + pieces[done].first, pieces[done].second);
+  } catch (...) {
+    while (done > 0) {
+      --done;
+      unreg(base + pieces[done].first, pieces[done].second);
+    }
+    throw;
+  }
+}
+
+}  // namespace detail
+
+std::shared_ptr<HostBlock> HostBlock::allocate(size_t bytes, HostPinning pinning) {
+  const size_t size = round_up(std::max<size_t>(bytes, 1));
+  if (size < bytes) throw std::bad_alloc();  // the rounding overflowed
+  void* data = nullptr;
+  if (posix_memalign(&data, kHostAlignment, size) != 0) throw std::bad_alloc();
+  std::shared_ptr<HostBlock> block(new HostBlock(static_cast<char*>(data), size));
+  note_allocated(static_cast<int64_t>(size));
+  const bool pin = pinning == HostPinning::kPinned ||
+                   (pinning == HostPinning::kAuto && cuda::host_registration_available());
+  if (pin) block->pin(cuda::host_current_device());  // on failure ~HostBlock frees the memory
+  return block;
+}
+
+void HostBlock::pin(int device) {
+  const auto pieces = detail::split_chunks(size_, kMaxRegistrationBytes);
+  chunks_.reserve(pieces.size());
+  detail::register_pieces(
+      data_, pieces, [device](void* p, size_t n) { cuda::host_register(p, n, device); },
+      [device](void* p, size_t n) { cuda::host_unregister(p, n, device); });
+  device_ = device;
+  for (const auto& [offset, bytes] : pieces) chunks_.push_back({offset, bytes});
+  madvise(data_, size_, MADV_DONTFORK);  // best effort: an old kernel may refuse
+  counters().registered_blocks.fetch_add(1);
+  counters().registered_bytes.fetch_add(static_cast<int64_t>(size_));
+}
+
+HostBlock::~HostBlock() {
+  if (!chunks_.empty()) {
+    madvise(data_, size_, MADV_DOFORK);  // the C library may hand these pages out again
+    for (auto it = chunks_.rbegin(); it != chunks_.rend(); ++it) {
+      cuda::host_unregister(data_ + it->offset, it->bytes, device_);
+    }
+    counters().registered_blocks.fetch_sub(1);
+    counters().registered_bytes.fetch_sub(static_cast<int64_t>(size_));
+  }
+  std::free(data_);
+  counters().live_blocks.fetch_sub(1);
+  counters().live_bytes.fetch_sub(static_cast<int64_t>(size_));
+}
+
+void* HostBlock::device_pointer(size_t offset, size_t bytes, int device) const {
+  if (chunks_.empty()) {
+    throw std::invalid_argument(
+        "this host memory is not pinned (allocated pageable, or on a machine without a GPU); "
+        "allocate it pinned to get a device view");
+  }
+  if (offset > size_ || bytes > size_ - offset) {
+    throw std::out_of_range("device_pointer: range [" + std::to_string(offset) + ", +" +
+                            std::to_string(bytes) + ") is outside a block of " +
+                            std::to_string(size_) + " bytes");
+  }
+  const size_t last = offset + std::max<size_t>(bytes, 1) - 1;
+  const size_t first_chunk = offset / kMaxRegistrationBytes;
+  const size_t last_chunk = std::min(last / kMaxRegistrationBytes, chunks_.size() - 1);
+  const Chunk& head = chunks_[first_chunk];
+  char* base = static_cast<char*>(cuda::host_device_pointer(data_ + head.offset, device));
+  for (size_t i = first_chunk + 1; i <= last_chunk; ++i) {
+    const Chunk& chunk = chunks_[i];
+    char* expected = base + (chunk.offset - head.offset);
+    if (cuda::host_device_pointer(data_ + chunk.offset, device) != expected) {
+      throw std::runtime_error(
+          "this tensor spans host registration chunks that the GPU does not see contiguously "
+          "(no unified addressing); keep device views under " +
+          std::to_string(kMaxRegistrationBytes >> 20) + " MiB");
+    }
+  }
+  return base + (offset - head.offset);
+}
+
+HostMemoryStats host_memory_stats() {
+  const Counters& c = counters();
+  HostMemoryStats s;
+  s.live_blocks = c.live_blocks.load();
+  s.live_bytes = c.live_bytes.load();
+  s.registered_blocks = c.registered_blocks.load();
+  s.registered_bytes = c.registered_bytes.load();
+  s.peak_bytes = c.peak_bytes.load();
+  s.allocated_blocks = c.allocated_blocks.load();
+  return s;
+}
+
+}  // namespace asteria::memory
