@@ -85,7 +85,7 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
             t2 = time.perf_counter()
             step_ms.append((t2 - t0) * 1e3)
             opt_ms.append((t2 - t1) * 1e3)
-            losses.append(float(loss))
+            losses.append(loss.item())
         stats = runtime.stats() if runtime is not None else None
     finally:
         if runtime is not None:

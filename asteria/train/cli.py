@@ -28,7 +28,7 @@ DEFAULT_COMPARE = "adamw,soap"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    opt_help = "; ".join(f"{s.name} (lr {s.lr:g})" for s in OPTIMIZERS.values())
+    opt_help = "; ".join(f"{s.name} (lr {s.lr_for('tiny'):g} on tiny)" for s in OPTIMIZERS.values())
     p = argparse.ArgumentParser(
         prog="asteria-train",
         description="Train a small OLMo-2-style byte-level LM and compare optimizers.",

@@ -56,7 +56,7 @@ class TrainConfig:
 
     @property
     def peak_lr(self) -> float:
-        return get_spec(self.optimizer).lr if self.lr is None else self.lr
+        return get_spec(self.optimizer).lr_for(self.model) if self.lr is None else self.lr
 
 
 @dataclass

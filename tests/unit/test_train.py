@@ -47,14 +47,14 @@ def test_cli_compare_writes_every_output(tmp_path: Path, capsys: pytest.CaptureF
     for name, run in summary["runs"].items():
         assert run["config"]["optimizer"] == name and run["config"]["steps"] == 4
         assert run["final_val_loss"] == records[4 * ("adamw", "soap").index(name) + 3]["val_loss"]
-        assert run["lr"] == OPTIMIZERS[name].lr and not run["diverged"]
+        assert run["lr"] == OPTIMIZERS[name].lr_for("tiny") and not run["diverged"]
 
     report = (out / "report.md").read_text()
     assert "| adamw |" in report and "| soap |" in report and "(loss.png)" in report
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     for name in ("adamw", "soap"):
-        assert f"{name}: lr {OPTIMIZERS[name].lr:g}  final loss" in printed
+        assert f"{name}: lr {OPTIMIZERS[name].lr_for('tiny'):g}  final loss" in printed
 
 
 def test_module_entry_point_runs(tmp_path: Path) -> None:
@@ -167,8 +167,12 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_optimizer_table_builds_each(name: str) -> None:
-    opt = build_optimizer(name, [torch.nn.Parameter(torch.zeros(4, 3))])
-    assert opt.param_groups[0]["lr"] == OPTIMIZERS[name].lr
+    for model in ("nano", "tiny", "olmo2-7b"):
+        opt = build_optimizer(name, [torch.nn.Parameter(torch.zeros(4, 3))], model=model)
+        assert (
+            opt.param_groups[0]["lr"]
+            == OPTIMIZERS[name].lrs[model if model != "olmo2-7b" else "tiny"]
+        )
 
 
 # -- input errors -------------------------------------------------------------------------------
