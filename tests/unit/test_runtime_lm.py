@@ -1,4 +1,7 @@
-"""SOAP orchestrated with a staleness budget of 5 converges like native SOAP on a small LM."""
+"""SOAP orchestrated with a staleness budget of 5 converges like native SOAP on a small LM.
+
+Every refresh is installed exactly 5 steps late (fixed_delay = staleness = 5), the worst case the
+budget allows, which also makes the run deterministic."""
 
 from __future__ import annotations
 
@@ -20,7 +23,11 @@ def _train(corpus, staleness: int | None) -> tuple[float, dict | None]:
     opt = SOAP(model.parameters(), lr=3e-3, precondition_frequency=10)
     runtime = None
     if staleness is not None:
-        runtime = Runtime(model, opt, RuntimeConfig(staleness=staleness, workers=1))
+        # fixed_delay = S: every refresh installed exactly S steps late, the worst the budget
+        # allows, and the run is deterministic (an install "as soon as ready" depends on timing).
+        runtime = Runtime(
+            model, opt, RuntimeConfig(staleness=staleness, fixed_delay=staleness, workers=1)
+        )
     batches = train_batches(corpus, batch_size=BATCH, seq_len=SEQ, seed=0)
     for _ in range(STEPS):
         tokens = next(batches)
