@@ -34,6 +34,7 @@ __all__ = [
     "check_betas",
     "check_range",
     "check_shampoo_beta",
+    "shampoo_beta",
 ]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
@@ -137,6 +138,12 @@ def check_shampoo_beta(value: Any) -> None:
     """``None`` or a negative number (the authors' spelling) mean ``betas[1]``; else ``[0, 1)``."""
     if value is not None and not (isinstance(value, (int, float)) and value < 0):
         check_range("shampoo_beta", value, 0.0, 1.0, high_inclusive=False)
+
+
+def shampoo_beta(group: dict[str, Any]) -> float:
+    """The group's factor EMA coefficient: ``shampoo_beta``, or ``betas[1]`` when unset/negative."""
+    sb = group["shampoo_beta"]
+    return group["betas"][1] if sb is None or sb < 0 else sb
 
 
 def adamw_update(
@@ -351,7 +358,11 @@ class KroneckerOptimizer(Optimizer):
         raise NotImplementedError
 
     def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
-        raise NotImplementedError
+        """Preconditioned parameters refresh every ``precondition_frequency`` steps (t > 0)."""
+        if "blocks" not in state:
+            return False
+        t = state["step"] + (1 if next_step else 0)
+        return t > 0 and t % group["precondition_frequency"] == 0
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

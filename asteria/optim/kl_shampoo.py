@@ -37,6 +37,7 @@ from asteria.optim.base import (
     check_betas,
     check_range,
     check_shampoo_beta,
+    shampoo_beta,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products, mode_scale
@@ -99,17 +100,6 @@ class KLShampoo(KroneckerOptimizer):
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         return make_layout(p.shape, group["max_preconditioner_dim"], squeeze=True, factor_1d=False)
 
-    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
-        if "blocks" not in state:
-            return False
-        t = state["step"] + (1 if next_step else 0)
-        return t > 0 and t % group["precondition_frequency"] == 0
-
-    @staticmethod
-    def _shampoo_beta(group: dict[str, Any]) -> float:
-        sb = group["shampoo_beta"]
-        return group["betas"][1] if sb is None or sb < 0 else sb
-
     # -- the algorithm ------------------------------------------------------------------------
 
     def _init_param(self, pid, p, grad, group, state, layout) -> None:
@@ -120,7 +110,7 @@ class KLShampoo(KroneckerOptimizer):
             self._update_param(pid, p, grad, group, state, layout)
             return
         # First gradient: factors and bases only, no parameter update (the authors' rule).
-        beta = self._shampoo_beta(group)
+        beta = shampoo_beta(group)
         state["step"] = 0
         blocks = []
         for spec, g in zip(layout.blocks, block_views(grad, layout)):
@@ -153,7 +143,7 @@ class KLShampoo(KroneckerOptimizer):
             )
             return
         beta1 = group["betas"][0]
-        beta = self._shampoo_beta(group)
+        beta = shampoo_beta(group)
         state["step"] += 1
         refresh = state["step"] % group["precondition_frequency"] == 0
         for bi, (spec, b, g, w) in enumerate(

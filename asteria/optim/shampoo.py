@@ -105,12 +105,6 @@ class Shampoo(KroneckerOptimizer):
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         return make_layout(p.shape, group["max_preconditioner_dim"], squeeze=True, factor_1d=False)
 
-    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
-        if "blocks" not in state:
-            return False
-        t = state["step"] + (1 if next_step else 0)
-        return t > 0 and t % group["precondition_frequency"] == 0
-
     @staticmethod
     def _start(group: dict[str, Any]) -> int:
         start = group["start_preconditioning_step"]

@@ -30,6 +30,7 @@ from asteria.optim.base import (
     block_views,
     check_betas,
     check_shampoo_beta,
+    shampoo_beta,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
@@ -136,16 +137,11 @@ class SOAP(KroneckerOptimizer):
             and any(q is not None for b in state["blocks"] for q in b["bases"])
         )
 
-    @staticmethod
-    def _shampoo_beta(group: dict[str, Any]) -> float:
-        sb = group["shampoo_beta"]
-        return group["betas"][1] if sb is None or sb < 0 else sb
-
     # -- the algorithm ------------------------------------------------------------------------
 
     def _init_param(self, pid, p, grad, group, state, layout) -> None:
         """First gradient: factors and eigenbases only, no parameter update (the authors' rule)."""
-        beta = self._shampoo_beta(group)
+        beta = shampoo_beta(group)
         state["step"] = 0
         blocks = []
         for spec, g in zip(layout.blocks, block_views(grad, layout)):
@@ -193,7 +189,7 @@ class SOAP(KroneckerOptimizer):
         if group["weight_decay"] > 0.0:
             p.add_(p, alpha=-group["lr"] * group["weight_decay"])
 
-        beta = self._shampoo_beta(group)
+        beta = shampoo_beta(group)
         refresh = t % group["precondition_frequency"] == 0
         for bi, (b, g) in enumerate(zip(state["blocks"], grads)):
             for i, f in enumerate(b["factors"]):
