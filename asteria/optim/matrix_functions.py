@@ -41,24 +41,47 @@ def _finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
+def _finite_orthonormal(q: torch.Tensor, *rest: torch.Tensor) -> bool:
+    """Validity gate for an orthonormal ``q`` (plus integer outputs): its entries are bounded by 1,
+    so its sum cannot overflow, and a NaN or Inf anywhere makes the sum non-finite. One reduction
+    instead of ``isfinite`` + ``all`` (four passes), on the refresh's hot path."""
+    return bool(torch.isfinite(q.sum())) and _finite(*rest)
+
+
 def _canonical(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a`` in ``dtype`` and row-major: BLAS results depend on the operands' memory layout, and
     the C++ twins receive contiguous copies, so both compute on the same layout, bit for bit."""
     return a.to(dtype).contiguous()
 
 
+def _shifted(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A row-major copy of ``a`` in ``dtype`` with ``EIGH_SHIFT`` added to its diagonal (in
+    place: the same values as ``a + EIGH_SHIFT * I`` without building the identity)."""
+    out = torch.empty(a.shape, dtype=dtype, device=a.device)
+    out.copy_(a)
+    out.diagonal().add_(EIGH_SHIFT)
+    return out
+
+
 def _eigh(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    a = _canonical(a, dtype)
-    eye = torch.eye(a.shape[0], dtype=dtype, device=a.device)
-    return torch.linalg.eigh(a + EIGH_SHIFT * eye)
+    return torch.linalg.eigh(_shifted(a, dtype))
 
 
-def _with_fp64_retry(fn, dtype: torch.dtype, what: str):
-    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result run ``fn(float64)`` once."""
+def _qr_q(a: torch.Tensor) -> torch.Tensor:
+    """The Q factor of a reduced QR, by ``geqrf`` + ``orgqr`` (the same LAPACK calls, bit for
+    bit, as ``torch.linalg.qr``, without forming and copying out R)."""
+    return torch.linalg.householder_product(*torch.geqrf(a))
+
+
+def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite):
+    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result run ``fn(float64)`` once.
+
+    ``valid(*outputs)`` is the finiteness gate (``_finite`` unless the caller knows a cheaper
+    exact one)."""
     first_error: str
     try:
         out = fn(dtype)
-        if _finite(*out):
+        if valid(*out):
             return out
         first_error = "non-finite result"
     except torch.linalg.LinAlgError as e:  # LAPACK did not converge
@@ -66,7 +89,7 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str):
     if dtype != torch.float64:
         try:
             out = fn(torch.float64)
-            if _finite(*out):
+            if valid(*out):
                 return tuple(t.to(dtype) if t.is_floating_point() else t for t in out)
             retry_error = "non-finite result"
         except torch.linalg.LinAlgError as e:
@@ -89,7 +112,9 @@ def eigh_descending(
     _check_square("factor", factor)
     if not _finite(factor):
         raise MatrixFunctionError("eigh: factor has non-finite entries")
-    evals, evecs = _with_fp64_retry(lambda dt: _eigh(factor, dt), dtype, "eigh")
+    evals, evecs = _with_fp64_retry(
+        lambda dt: _eigh(factor, dt), dtype, "eigh", valid=lambda w, v: _finite_orthonormal(v, w)
+    )
     return evals.flip(0), evecs.flip(1)
 
 
@@ -113,16 +138,20 @@ def qr_refresh(
     # validity gate of _with_fp64_retry catches (the refresh is on the hot path of native mode).
 
     def run(dt: torch.dtype):
+        # Note [QR layout]: everything is computed transposed, P^T = Q^T F^T, so that the basis
+        # LAPACK returned (column-major) is read without a copy, the estimates reduce along
+        # contiguous rows, the sort gathers whole rows, and the sorted power iteration reaches
+        # geqrf already column-major (its working copy is then a plain memcpy).
         f = _canonical(factor, dt)
-        q = _canonical(basis, dt)
-        power = f @ q  # one n^3 product serves both the estimates and the power iteration
+        qt = _canonical(basis.T, dt)
+        power_t = torch.mm(qt, f.T)  # (F Q)^T: one n^3 product for estimates and iteration
         if not sort:
-            return (torch.linalg.qr(power)[0],)
-        est = (q * power).sum(dim=0)  # diag(Q^T F Q)
+            return (_qr_q(power_t.T),)
+        est = (qt * power_t).sum(dim=1)  # diag(Q^T F Q)
         perm = torch.argsort(est, descending=True)
-        return torch.linalg.qr(power[:, perm])[0], perm
+        return _qr_q(power_t.index_select(0, perm).T), perm
 
-    out = _with_fp64_retry(run, dtype, "qr_refresh")
+    out = _with_fp64_retry(run, dtype, "qr_refresh", valid=_finite_orthonormal)
     return (out[0], None) if len(out) == 1 else (out[0], out[1].to(torch.long))
 
 

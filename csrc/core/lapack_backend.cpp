@@ -155,7 +155,10 @@ std::tuple<at::Tensor, at::Tensor> eigh(const at::Tensor& a) {
 at::Tensor qr_q(const at::Tensor& a) {
   check_matrix("qr", a);
   maybe_inject_failure("qr", a);
-  return std::get<0>(at::linalg_qr(a, "reduced"));
+  // geqrf + orgqr: the LAPACK calls of at::linalg_qr(a, "reduced"), bit for bit, without forming
+  // and copying out R (as _qr_q in matrix_functions.py).
+  auto [h, tau] = at::geqrf(a);
+  return at::linalg_householder_product(h, tau);
 }
 
 at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) { return at::matmul(a, b); }

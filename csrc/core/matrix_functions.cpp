@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <vector>
 
 #include "core/lapack_backend.h"
@@ -45,13 +46,27 @@ bool all_finite(const Outputs& outputs) {
   return true;
 }
 
-// One attempt in `dtype`: the outputs when LAPACK succeeded and they are finite, else nullopt with
-// the reason in *error.
+// The validity gate of outputs whose first tensor is orthonormal (entries bounded by 1): its sum
+// cannot overflow and any NaN/Inf makes it non-finite, so one reduction replaces isfinite + all.
+// Mirrors _finite_orthonormal in matrix_functions.py.
+bool finite_orthonormal(const Outputs& outputs) {
+  if (!std::isfinite(outputs.at(0).sum().item<double>())) return false;
+  for (size_t i = 1; i < outputs.size(); ++i) {
+    if (!all_finite(outputs[i])) return false;
+  }
+  return true;
+}
+
+using ValidFn = bool (*)(const Outputs&);
+
+// One attempt in `dtype`: the outputs when LAPACK succeeded and they pass `valid`, else nullopt
+// with the reason in *error.
 template <typename Fn>
-std::optional<Outputs> attempt(const Fn& fn, at::ScalarType dtype, std::string* error) {
+std::optional<Outputs> attempt(const Fn& fn, at::ScalarType dtype, ValidFn valid,
+                               std::string* error) {
   try {
     Outputs out = fn(dtype);
-    if (all_finite(out)) return out;
+    if (valid(out)) return out;
     *error = "non-finite result";
   } catch (const c10::LinAlgError& e) {
     *error = e.msg();
@@ -62,12 +77,13 @@ std::optional<Outputs> attempt(const Fn& fn, at::ScalarType dtype, std::string* 
 // Note [fp64 retry]: run fn(dtype); on a LAPACK error or a non-finite result run fn(float64) once
 // and convert its floating outputs back to dtype. Mirrors _with_fp64_retry in matrix_functions.py.
 template <typename Fn>
-Outputs with_fp64_retry(const Fn& fn, at::ScalarType dtype, const char* what) {
+Outputs with_fp64_retry(const Fn& fn, at::ScalarType dtype, const char* what,
+                        ValidFn valid = all_finite) {
   std::string first_error;
-  if (auto out = attempt(fn, dtype, &first_error)) return std::move(*out);
+  if (auto out = attempt(fn, dtype, valid, &first_error)) return std::move(*out);
   std::string retry_error = first_error;
   if (dtype != at::kDouble) {
-    if (auto out = attempt(fn, at::kDouble, &retry_error)) {
+    if (auto out = attempt(fn, at::kDouble, valid, &retry_error)) {
       for (at::Tensor& t : *out) {
         if (at::isFloatingType(t.scalar_type())) t = t.to(dtype);
       }
@@ -87,12 +103,16 @@ std::tuple<at::Tensor, at::Tensor> eigh_descending(const at::Tensor& factor, at:
     throw MatrixFunctionError("eigh_descending: factor has non-finite entries");
   }
   const auto run = [&factor](at::ScalarType dt) -> Outputs {
-    const at::Tensor a = canonical(factor, dt);
-    const at::Tensor eye = at::eye(a.size(0), a.options());
-    auto [evals, evecs] = lapack::eigh(a + eye * kEighShift);
-    return {evals, evecs};
+    // A row-major copy with the shift added to its diagonal in place: the values of
+    // factor + shift * I without building the identity (as _shifted in matrix_functions.py).
+    at::Tensor a = at::empty(factor.sizes(), factor.options().dtype(dt));
+    a.copy_(factor);
+    a.diagonal().add_(kEighShift);
+    auto [evals, evecs] = lapack::eigh(a);
+    return {evecs, evals};
   };
-  Outputs out = with_fp64_retry(run, dtype, "eigh_descending");
+  Outputs out = with_fp64_retry(run, dtype, "eigh_descending", finite_orthonormal);
+  std::swap(out[0], out[1]);
   return {out[0].flip(0), out[1].flip(1)};
 }
 
@@ -107,18 +127,19 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> qr_refresh(const at::Tensor& f
   if (!all_finite(factor) || !all_finite(basis)) {
     throw MatrixFunctionError("qr_refresh: factor or basis has non-finite entries");
   }
-  // The same operations, in the same order, as qr_refresh in matrix_functions.py: one F @ Q
-  // serves the eigenvalue estimates diag(Q^T F Q) and the power iteration.
+  // The same operations, in the same order, as qr_refresh in matrix_functions.py, transposed
+  // (Note [QR layout] there): one P^T = Q^T F^T serves the eigenvalue estimates diag(Q^T F Q)
+  // and the power iteration, and reaches geqrf column-major.
   const auto run = [&factor, &basis, sort](at::ScalarType dt) -> Outputs {
     const at::Tensor f = canonical(factor, dt);
-    const at::Tensor q = canonical(basis, dt);
-    const at::Tensor power = lapack::matmul(f, q);
-    if (!sort) return {lapack::qr_q(power)};
-    const at::Tensor est = (q * power).sum(0);
+    const at::Tensor qt = canonical(basis.t(), dt);
+    const at::Tensor power_t = lapack::matmul(qt, f.t());
+    if (!sort) return {lapack::qr_q(power_t.t())};
+    const at::Tensor est = (qt * power_t).sum(1);
     const at::Tensor perm = at::argsort(est, /*dim=*/-1, /*descending=*/true);
-    return {lapack::qr_q(power.index_select(1, perm)), perm};
+    return {lapack::qr_q(power_t.index_select(0, perm).t()), perm};
   };
-  Outputs out = with_fp64_retry(run, dtype, "qr_refresh");
+  Outputs out = with_fp64_retry(run, dtype, "qr_refresh", finite_orthonormal);
   if (out.size() == 1) return {out[0], std::nullopt};
   return {out[0], out[1].to(at::kLong)};
 }
