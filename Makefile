@@ -1,6 +1,6 @@
 # Asteria developer entry points.
 #
-#   make demo          set up .venv, build, compare AdamW and SOAP on a tiny LM (a few minutes on CPU)
+#   make demo          set up .venv, build, compare AdamW, SOAP and Asteria SOAP on a tiny LM (CPU)
 #   make test          set up .venv, build, run the test suite
 #   make build         set up .venv and build the extension (asteria._C)
 #   make bench         set up .venv, build, time one optimizer step vs peers (bench/optim_step.py)
@@ -60,8 +60,12 @@ setup: $(STAMPS)/requirements
 
 build: $(STAMPS)/build
 
+# A fresh run folder each time: asteria.train refuses to overwrite one (--resume continues it).
+DEMO_OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+
 demo: build
-	$(PY) -m asteria.train
+	time $(PY) -m asteria.train --model tiny --compare adamw,soap:native,soap:asteria \
+		--out $(DEMO_OUT)
 
 test: build
 	$(PY) -m pytest -q

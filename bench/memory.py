@@ -1,8 +1,26 @@
-"""Throughput of the NVMe spill store against plain sequential file I/O on the same disk.
+"""Optimizer state per memory tier (analytical and measured), and the NVMe spill store's throughput.
 
-Only the spill-store part of the memory benchmark exists so far (the per-tier accounting is not
-measured here). ``--total-mib`` (default 512) of data in tensors of ``--tensor-mib`` (default 16)
-are written and read back two ways, in the same directory and the same run:
+Part 1, accounting. State bytes per tier for OLMo-2 1B (d 2048, 24 layers, MLP 8192) and OLMo-2 7B
+(d 4096, 32 layers, MLP 11008 per projection, 22016 fused), vocabulary 100352 (OLMo-2's padded
+embedding), every parameter given to the optimizer, fp32 state, ``max_preconditioner_dim=2048``,
+for SOAP and KL-Shampoo. Sizes come from ``asteria.memory.accounting.estimate_blocks`` (the
+optimizers' own blocking, on ``meta`` parameters: nothing allocated) and tiers from
+``asteria.memory.tiers.plan``:
+  * native device = factors (L, R) + bases (Q_L, Q_R) + moments (SOAP: m, v; KL-Shampoo: m and
+    the eigenvalue estimates; AdamW m, v for vectors);
+  * Asteria device = factors + moments, bases in host memory, on a unified-memory GPU (GH200:
+    mapped reads; what the runtime does there) and, as designed, on a discrete GPU with a device
+    window of two blocks (needs an optimizer that reads its bases through the runtime; today's
+    runtime keeps bases on a discrete GPU's device: ``device_ratio_discrete_today`` = 1.0);
+  * ``device_ratio`` = Asteria device bytes / native device bytes (goal <= 0.7).
+Host bytes: bases, one waiting refresh result per block, and on CUDA the staging slots (a factor
+and basis snapshot per block).
+The same accounting is then measured on a small OLMo-shaped stack of parameters trained here
+(SOAP and KL-Shampoo under ``fixed_delay`` with results spilled to ``--dir``): the policy's
+figures against ``Runtime.memory_report()`` and against the native optimizer's state tensors.
+
+Part 2, spill throughput. ``--total-mib`` (default 512) of data in tensors of ``--tensor-mib``
+(default 16) are written and read back two ways, in the same directory and the same run:
 
   * plain (the baseline): one thread ``os.write``s each tensor's bytes, in order, to a file
     preallocated with ``posix_fallocate``, then ``os.read``s them back in order;
@@ -27,8 +45,9 @@ comparison matches the baseline to the spill store's mode:
 With ``--mode auto`` both comparisons run where the filesystem takes O_DIRECT (the headline ratios
 are the 'direct' ones, the store's default there), else only 'buffered'.
 
-Last line: JSON with the throughputs and ``spill_write_ratio`` / ``spill_read_ratio`` = spill
-throughput / plain throughput in the store's default mode (higher is better; the goal is >= 0.8),
+Last line: JSON with ``accounting`` (part 1), ``device_ratio`` per model and optimizer, the
+throughputs and ``spill_write_ratio`` / ``spill_read_ratio`` = spill throughput / plain
+throughput in the store's default mode (higher is better; the goal is >= 0.8),
 plus the same per mode under ``modes``.
 Usage: ``python bench/memory.py [--dir /mnt/nvme] [--total-mib 512] [--tensor-mib 16]
 [--io-threads 2] [--mode auto|direct|buffered] [--repeats 3]``.
@@ -53,6 +72,10 @@ from asteria._ext import load_extension  # noqa: E402
 load_extension()
 
 from asteria.memory import SpillStore, host_empty  # noqa: E402
+from asteria.memory.accounting import estimate_blocks  # noqa: E402
+from asteria.memory.tiers import Arch, plan  # noqa: E402
+from asteria.optim import SOAP, KLShampoo  # noqa: E402
+from asteria.runtime import Runtime, RuntimeConfig  # noqa: E402
 from bench._common import emit_json, env_header, median, print_table, ratio  # noqa: E402
 
 MiB = 1 << 20
@@ -159,6 +182,169 @@ def spill_run(
         return Run(write_s, read_s), store.mode, store.mode_reason
 
 
+# ---- part 1: accounting ------------------------------------------------------------------------
+
+OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo}
+MODELS = {  # name: (d_model, layers, MLP width per projection, vocab)
+    "olmo2-1b": (2048, 24, 8192, 100352),
+    "olmo2-7b": (4096, 32, 11008, 100352),
+}
+GiB = 1 << 30
+
+
+def olmo2_shapes(d: int, layers: int, mlp: int, vocab: int) -> list[tuple[int, ...]]:
+    """OLMo-2's parameters in ``named_parameters`` order (no biases, untied embeddings)."""
+    shapes: list[tuple[int, ...]] = [(vocab, d)]
+    for _ in range(layers):
+        shapes += [(d, d)] * 4 + [(d,), (d,)]  # q, k, v, o; q_norm, k_norm
+        shapes += [(mlp, d), (mlp, d), (d, mlp)]  # gate, up, down
+        shapes += [(d,), (d,)]  # post-attention and post-feedforward norms
+    return shapes + [(d,), (vocab, d)]  # final norm, lm_head
+
+
+def tiers_of(blocks, arch: Arch, **kw) -> dict[str, dict[str, int]]:
+    return plan(blocks, arch, **kw).bytes
+
+
+def analytical(model: str, optimizer: str, max_dim: int) -> dict[str, object]:
+    params = [
+        torch.nn.Parameter(torch.empty(s, device="meta")) for s in olmo2_shapes(*MODELS[model])
+    ]
+    opt = OPTIMIZERS[optimizer](params, max_preconditioner_dim=max_dim)
+    blocks = estimate_blocks(opt)
+    native = tiers_of(blocks, Arch(cuda=True), placement={"bases": "device"})
+    unified = tiers_of(blocks, Arch(cuda=True, unified_memory=True))
+    window = tiers_of(blocks, Arch(cuda=True), bases_window=True, window_blocks=2)
+    staging = sum(b.snapshots for b in blocks)
+    native_device = sum(native["device"].values())
+
+    def asteria(bytes_: dict[str, dict[str, int]]) -> dict[str, object]:
+        device = sum(bytes_["device"].values())
+        return {
+            "device": bytes_["device"],
+            "host": {**bytes_["host"], "staging": staging},
+            "device_gib": device / GiB,
+            "device_ratio": device / native_device,
+        }
+
+    return {
+        "params": sum(p.numel() for p in params),
+        "blocks": sum(1 for b in blocks if b.factors),
+        "native": {"device": native["device"], "device_gib": native_device / GiB},
+        "asteria_unified": asteria(unified),
+        "asteria_discrete_window": asteria(window),
+        "device_ratio": asteria(unified)["device_ratio"],
+        "device_ratio_discrete_window": asteria(window)["device_ratio"],
+        "device_ratio_discrete_today": 1.0,
+    }
+
+
+def _state_bytes(opt) -> dict[str, int]:
+    out = {"factors": 0, "moments": 0, "bases": 0}
+    for state in opt.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out["moments"] += value.nbytes
+            if key != "blocks":
+                continue
+            for block in value:
+                for field, v in block.items():
+                    kind = {"factors": "factors", "bases": "bases"}.get(field, "moments")
+                    for t in v if isinstance(v, list) else [v]:
+                        out[kind] += 0 if t is None else t.nbytes
+    return out
+
+
+def measured(optimizer: str, directory: str, steps: int = 13) -> dict[str, object]:
+    """A small OLMo-shaped stack trained here: memory_report() against the policy's figures and
+    the native optimizer's state."""
+    shapes = olmo2_shapes(64, 2, 176, 512)
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+    noise = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+
+    def run(orchestrated: bool):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = OPTIMIZERS[optimizer](params, precondition_frequency=5, max_preconditioner_dim=64)
+        rt = None
+        if orchestrated:
+            config = RuntimeConfig(
+                staleness=4, fixed_delay=4, workers=1, nvme_path=directory,
+                placement={"results": "nvme"},
+            )  # fmt: skip
+            rt = Runtime(None, opt, config)
+        for t in range(steps):  # refreshes requested at step 10 wait, spilled, for step 14
+            opt.zero_grad()
+            sum(((p - 0.1 * n) ** 2).sum() for p, n in zip(params, noise[t])).backward()
+            opt.step()
+        if rt is None:
+            return _state_bytes(opt), None, None
+        for e in rt.registry.entries.values():
+            if e.pending is not None and e.pending.spilled is not None:
+                rt._spiller.poll(e.pending.spilled, wait=True)
+                rt._spiller.poll(e.pending.snapshots, wait=True)
+        report = rt.memory_report()
+        rt.close()
+        return _state_bytes(opt), report, report["planned"]
+
+    native_state, _, _ = run(False)
+    allocated, report, planned = run(True)
+    native_device = sum(native_state.values())
+    asteria_device = sum(report["device"].values())
+    checks = {
+        "device_factors": [report["device"]["factors"], planned["device"]["factors"]],
+        "device_moments": [report["device"]["moments"], planned["device"]["moments"]],
+        "host_bases": [report["host"]["bases"], planned["host"]["bases"]],
+        "nvme_results": [report["nvme"]["results"], planned["nvme"]["results"]],
+        "nvme_snapshots": [report["nvme"]["snapshots"], planned["nvme"]["snapshots"]],
+    }
+    return {
+        "model": "olmo2-shaped d64, 2 layers, MLP 176, vocab 512, max_preconditioner_dim 64",
+        "memory_report": {t: report[t] for t in ("device", "host", "nvme")},
+        "planned": planned,
+        "report_vs_planned": checks,
+        "report_matches_plan": all(a == b for a, b in checks.values()),
+        "report_matches_allocated": report["device"]["factors"] == allocated["factors"]
+        and report["device"]["moments"] == allocated["moments"]
+        and report["host"]["bases"] == allocated["bases"],
+        "native_device_bytes": native_device,
+        "asteria_device_bytes": asteria_device,
+        "device_ratio": asteria_device / native_device,
+    }
+
+
+def accounting(directory: str, max_dim: int) -> dict[str, object]:
+    out: dict[str, object] = {"max_preconditioner_dim": max_dim, "models": {}, "measured": {}}
+    rows = []
+    for model in MODELS:
+        for name in OPTIMIZERS:
+            a = analytical(model, name, max_dim)
+            out["models"].setdefault(model, {})[name] = a
+            rows.append(
+                [f"{model} {name}", a["native"]["device_gib"],
+                 a["asteria_unified"]["device_gib"], a["device_ratio"],
+                 a["device_ratio_discrete_window"]]
+            )  # fmt: skip
+    print_table(
+        ["model optimizer", "native dev GiB", "asteria dev GiB", "ratio (unified)",
+         "ratio (window)"], rows,
+    )  # fmt: skip
+    rows = []
+    for name in OPTIMIZERS:
+        m = measured(name, directory)
+        out["measured"][name] = m
+        rows.append([name, m["native_device_bytes"], m["asteria_device_bytes"], m["device_ratio"],
+                     m["report_matches_plan"], m["report_matches_allocated"]])  # fmt: skip
+    print_table(
+        ["measured here", "native dev B", "asteria dev B", "ratio", "report==plan",
+         "report==allocated"], rows,
+    )  # fmt: skip
+    return out
+
+
+# ---- part 2: spill throughput --------------------------------------------------------------------
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -171,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--io-threads", type=int, default=2)
     parser.add_argument("--mode", choices=["auto", "direct", "buffered"], default="auto")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-preconditioner-dim", type=int, default=2048)
     args = parser.parse_args(argv)
     if args.total_mib < 1 or args.tensor_mib < 1 or args.repeats < 1 or args.io_threads < 1:
         raise SystemExit("--total-mib, --tensor-mib, --io-threads and --repeats must be >= 1")
@@ -179,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isdir(args.dir):
         raise SystemExit(f"--dir {args.dir!r} is not a directory")
 
-    env = env_header("asteria bench/memory.py (spill store vs plain file I/O)")
+    env = env_header("asteria bench/memory.py (state per tier; spill store vs plain file I/O)")
+    acct = accounting(args.dir, args.max_preconditioner_dim)
     tensors = make_tensors(args.total_mib, args.tensor_mib)
     nbytes = sum(t.numel() for t in tensors)
 
@@ -240,6 +428,17 @@ def main(argv: list[str] | None = None) -> None:
                 "mode_requested": args.mode,
                 "repeats": args.repeats,
             },
+            "device_ratio": {
+                f"{model}/{name}": r["device_ratio"]
+                for model, per in acct["models"].items()
+                for name, r in per.items()
+            },
+            "device_ratio_discrete_window": {
+                f"{model}/{name}": r["device_ratio_discrete_window"]
+                for model, per in acct["models"].items()
+                for name, r in per.items()
+            },
+            "accounting": acct,
             "spill_mode": modes[0],
             "spill_write_ratio": headline["spill_write_ratio"],
             "spill_read_ratio": headline["spill_read_ratio"],

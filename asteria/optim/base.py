@@ -2,8 +2,19 @@
 
 Owns: what SOAP, KL-Shampoo and Shampoo share: validation of the familiar arguments, the step
 skeleton (closure, parameters without gradients, sparse/complex rejection, fp32 state for
-low-precision parameters), per-parameter layouts (``blocking.py``), the Adam fallback for
-parameters that are not preconditioned, and an exact ``state_dict`` round trip.
+low-precision parameters, skipping non-finite gradients), per-parameter layouts
+(``blocking.py``), the Adam fallback for parameters that are not preconditioned, and an exact
+``state_dict`` round trip.
+
+Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
+fused reduction per gradient (its inf-norm, a max of absolute values, so large finite values
+cannot overflow into a false alarm) and one host sync per device. A parameter whose gradient has
+a NaN or an Inf is skipped for that step as a whole: its step count, factors, moments, pending
+refreshes and the parameter itself stay exactly as they were (the algorithms' math runs
+per parameter, so a per-block skip would leave the parameter half-updated). Other parameters
+update as usual, with arithmetic identical to a step without the check. Skips are counted in
+``nonfinite_grads`` (``Runtime.stats()["nonfinite_grads"]``) and the first one warns
+(``RuntimeWarning`` naming the parameter). ``skip_nonfinite_grads = False`` turns the check off.
 
 Must not: hold any algorithm's math (that is each subclass's file) or know about the runtime that
 may later take refreshes off the critical path. Subclasses implement ``_layout``, ``_init_param``
@@ -14,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -86,11 +98,33 @@ class Refresher(Protocol):
 
     def step_end(self, opt: KroneckerOptimizer) -> None: ...
 
+    def accumulate(self, opt: KroneckerOptimizer, key: BlockKey, fn: Callable, *args: Any) -> None:
+        """Run ``fn(*args)``, the block's statistics update of this step, now or later: nothing
+        the step reads afterwards depends on it before ``block_begin``/a refresh of ``key``."""
+        ...
+
+    def block_begin(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> None:
+        """Called before an update reads state that ``accumulate`` writes (KL-Shampoo)."""
+        ...
+
+    def sync(self, opt: KroneckerOptimizer) -> None:
+        """Finish every deferred statistics update (before ``state_dict`` and the like)."""
+        ...
+
 
 class NativeRefresher:
     """The synchronous algorithm: a due refresh is computed and installed in the step itself."""
 
     def step_begin(self, opt: KroneckerOptimizer) -> None:
+        pass
+
+    def accumulate(self, opt, key, fn, *args) -> None:
+        fn(*args)
+
+    def block_begin(self, opt, key, block) -> None:
+        pass
+
+    def sync(self, opt) -> None:
         pass
 
     def block_boundary(self, opt, key, block, group, step, due) -> None:
@@ -113,12 +147,14 @@ def check_range(
     integer: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming ``name`` and the allowed range when ``value`` is outside it."""
-    kind = "an integer" if integer else "a number"
+    kind = "an integer" if integer else "a finite number"
     lo = "-inf" if low is None else f"{low}"
     hi = "inf" if high is None else f"{high}"
-    allowed = f"{'[' if low_inclusive else '('}{lo}, {hi}{']' if high_inclusive else ')'}"
+    closed_high = high_inclusive and high is not None
+    allowed = f"{'[' if low_inclusive else '('}{lo}, {hi}{']' if closed_high else ')'}"
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or (not integer and math.isnan(value)):
+    # NaN and +-inf are never meaningful hyperparameters (a bound of None means "no limit").
+    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
         raise ValueError(f"{name} must be {kind} in {allowed}, got {value!r}")
     if low is not None and (value < low or (value == low and not low_inclusive)):
         raise ValueError(f"{name} must be in {allowed}, got {value!r}")
@@ -185,8 +221,17 @@ class KroneckerOptimizer(Optimizer):
     _common_keys = ("lr", "betas", "eps", "weight_decay", "precondition_frequency")
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        params = _param_list(type(self).__name__, params)
         self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}
         self._refresher: Refresher = NativeRefresher()
+        #: Skip (and count) parameters whose gradient has NaN/Inf (Note [Non-finite gradients]).
+        self.skip_nonfinite_grads = True
+        #: How many (parameter, step) updates were skipped for a non-finite gradient.
+        self.nonfinite_grads = 0
+        #: Optional names of parameters by flattened index, used in messages (the runtime fills
+        #: it from the model's ``named_parameters``); unnamed ones are ``param<index>``.
+        self.param_names: dict[int, str] = {}
+        self._nonfinite_warned = False
         super().__init__(params, defaults)
 
     # -- who computes refreshes ------------------------------------------------------------------
@@ -231,10 +276,31 @@ class KroneckerOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyperparameters (given or inherited) are validated first."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        name = type(self).__name__
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise ValueError(f"a parameter group of {name} must be a dict with a 'params' key")
+        ps = param_group["params"]
+        if isinstance(ps, set):
+            raise ValueError(f"params of {name} must be an ordered collection, not a set")
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # a generator is read once
+        for p in ps:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"params of {name} must be tensors, got {type(p).__name__}")
+        super().add_param_group({**param_group, "params": ps})
+        try:
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()  # a refused group is not added
+            raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        name = type(self).__name__
         self._validate_group(group)
         for p in group["params"]:
+            if p.layout != torch.strided:
+                raise RuntimeError(
+                    f"{name} does not support sparse parameters (got layout {p.layout})"
+                )
             if p.is_complex():
                 raise RuntimeError(
                     f"{type(self).__name__} does not support complex parameters "
@@ -257,6 +323,18 @@ class KroneckerOptimizer(Optimizer):
                 f"got {group['refresh_dtype']}"
             )
 
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim``'s ``state_dict``, after any deferred statistics update has run."""
+        self._refresher.sync(self)
+        return super().state_dict()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim``'s ``zero_grad``; zeroing in place first lets deferred statistics
+        updates, which read this step's gradients, finish."""
+        if not set_to_none:
+            self._refresher.sync(self)
+        super().zero_grad(set_to_none=set_to_none)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping every state tensor's saved dtype.
 
@@ -264,6 +342,7 @@ class KroneckerOptimizer(Optimizer):
         dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so the exact saved tensors are
         restored (moved to the parameter's device) after the base class has loaded the groups.
         """
+        self._refresher.sync(self)
         saved = copy.deepcopy(state_dict["state"])
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -281,37 +360,68 @@ class KroneckerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._refresher.step_begin(self)
+        todo: list[tuple[int, dict[str, Any], torch.Tensor]] = []
         pid = -1
         for group in self.param_groups:
             for p in group["params"]:
                 pid += 1
                 if p.grad is None or p.numel() == 0:
                     continue
-                grad = self._checked_grad(p)
-                state = self.state[p]
-                layout = self.layout(p, group)
-                # The update runs on a contiguous tensor in the state dtype: the parameter itself
-                # when it already is one, otherwise a working copy written back afterwards (fp32
-                # math for bf16/fp16 parameters, one rounding per step).
-                work = p
-                if p.dtype != grad.dtype or not p.is_contiguous():
-                    work = p.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
-                if not state:
-                    self._init_param(pid, work, grad, group, state, layout)
-                else:
-                    self._update_param(pid, work, grad, group, state, layout)
-                if work is not p:
-                    p.copy_(work)
+                self._check_grad_kind(p.grad)
+                todo.append((pid, group, p))
+        finite = (
+            _finite_flags([p.grad for _, _, p in todo])
+            if self.skip_nonfinite_grads
+            else [True] * len(todo)
+        )
+        self._refresher.step_begin(self)
+        for (pid, group, p), ok in zip(todo, finite):
+            if not ok:
+                self._skip_nonfinite(pid, p)
+                continue
+            grad = self._checked_grad(p)
+            state = self.state[p]
+            layout = self.layout(p, group)
+            # The update runs on a contiguous tensor in the state dtype: the parameter itself
+            # when it already is one, otherwise a working copy written back afterwards (fp32
+            # math for bf16/fp16 parameters, one rounding per step).
+            work = p
+            if p.dtype != grad.dtype or not p.is_contiguous():
+                work = p.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
+            if not state:
+                self._init_param(pid, work, grad, group, state, layout)
+            else:
+                self._update_param(pid, work, grad, group, state, layout)
+            if work is not p:
+                p.copy_(work)
         self._refresher.step_end(self)
         return loss
 
-    def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
-        grad = p.grad
+    def _check_grad_kind(self, grad: torch.Tensor) -> None:
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if grad.is_complex():
             raise RuntimeError(f"{type(self).__name__} does not support complex gradients")
+
+    def _skip_nonfinite(self, pid: int, p: torch.Tensor) -> None:
+        """Count a skipped update (Note [Non-finite gradients]); the first one warns."""
+        self.nonfinite_grads += 1
+        if self._nonfinite_warned:
+            return
+        self._nonfinite_warned = True
+        name = self.param_names.get(pid, f"param{pid}")
+        warnings.warn(
+            f"{type(self).__name__}: the gradient of parameter '{name}' (index {pid}, shape "
+            f"{tuple(p.shape)}) has NaN or Inf values; its update is skipped for this step "
+            "(factors, moments and the parameter are left unchanged). Later skips are counted "
+            "in optimizer.nonfinite_grads without a warning.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
+        grad = p.grad
+        self._check_grad_kind(grad)
         dtype = state_dtype(p)
         if grad.dtype != dtype or not grad.is_contiguous():
             grad = grad.to(dtype=dtype, memory_format=torch.contiguous_format)
@@ -363,6 +473,46 @@ class KroneckerOptimizer(Optimizer):
             return False
         t = state["step"] + (1 if next_step else 0)
         return t > 0 and t % group["precondition_frequency"] == 0
+
+
+def _param_list(name: str, params: Any) -> list:
+    """``params`` as a list; an empty one becomes one empty group (an optimizer with nothing to
+    do steps as a no-op, where ``torch.optim`` raises)."""
+    if isinstance(params, torch.Tensor):
+        raise ValueError(
+            f"params of {name} must be an iterable of tensors or of parameter-group dicts, "
+            f"got a single tensor (wrap it in a list)"
+        )
+    if isinstance(params, set):
+        raise ValueError(f"params of {name} must be an ordered collection, not a set")
+    try:
+        params = list(params)
+    except TypeError:
+        raise ValueError(
+            f"params of {name} must be an iterable of tensors or of parameter-group dicts, "
+            f"got {type(params).__name__}"
+        ) from None
+    return params if params else [{"params": []}]
+
+
+def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether each gradient is finite: one inf-norm per gradient, one host sync per device.
+
+    The inf-norm is a max of absolute values: NaN and Inf propagate and large finite values
+    cannot overflow (a sum could). Sharded (DTensor) gradients are reduced over their mesh, so
+    every rank takes the same decision.
+    """
+    flags = [True] * len(grads)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    for indices in by_device.values():
+        norms = torch._foreach_norm([grads[i] for i in indices], math.inf)
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        ok = torch.isfinite(torch.stack(norms)).tolist()
+        for i, v in zip(indices, ok):
+            flags[i] = bool(v)
+    return flags
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

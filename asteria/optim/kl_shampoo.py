@@ -149,21 +149,40 @@ class KLShampoo(KroneckerOptimizer):
         for bi, (spec, b, g, w) in enumerate(
             zip(layout.blocks, state["blocks"], block_views(grad, layout), block_views(p, layout))
         ):
+            key = (pid, bi)
+            self._refresher.block_begin(self, key, b)  # the last step's statistics are in
             b["exp_avg"].lerp_(g, 1 - beta1)
             scaled = mode_scale(mode_products(b["exp_avg"], b["bases"], True), b["eigen_sqrt_inv"])
             delta = mode_products(scaled, b["bases"], False)
-            self._update_statistics(b, g, spec.numel, beta, group["max_clamp_value"])
-            self._refresher.block_boundary(self, (pid, bi), b, group, state["step"], refresh)
+            # The statistics read this step's bases: a list of them travels with the update, so
+            # a refresh installed at the boundary below cannot change what they read.
+            self._refresher.accumulate(
+                self,
+                key,
+                self._update_statistics,
+                b,
+                list(b["bases"]),
+                g,
+                spec.numel,
+                beta,
+                group["max_clamp_value"],
+            )
+            self._refresher.block_boundary(self, key, b, group, state["step"], refresh)
             w.add_(delta, alpha=-group["lr"])
         if group["weight_decay"] > 0.0:
             p.add_(p, alpha=-group["lr"] * group["weight_decay"])
 
     @staticmethod
     def _update_statistics(
-        b: dict[str, Any], g: torch.Tensor, numel: int, beta: float, max_clamp_value: float
+        b: dict[str, Any],
+        bases: list[torch.Tensor],
+        g: torch.Tensor,
+        numel: int,
+        beta: float,
+        max_clamp_value: float,
     ) -> None:
         """Factor and eigenvalue EMAs of one step, all from the bases/eigenvalues before it."""
-        bases, s = b["bases"], b["eigen_sqrt_inv"]
+        s = b["eigen_sqrt_inv"]
         k = g.dim()
         # S_i += (1-beta)/d_other * H H^T with H = G whitened along every other dim.
         for i in range(k):

@@ -145,7 +145,7 @@ class Shampoo(KroneckerOptimizer):
         if blocks is not None:
             due = self._refresh_due(state, group, next_step=False)
             for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout))):
-                self._update_factors(b, g, group)
+                self._refresher.accumulate(self, (pid, bi), self._update_factors, b, g, group)
                 self._refresher.block_boundary(self, (pid, bi), b, group, t, due)
         preconditioning = blocks is not None and t >= self._start(group)
 

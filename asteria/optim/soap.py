@@ -192,9 +192,10 @@ class SOAP(KroneckerOptimizer):
         beta = shampoo_beta(group)
         refresh = t % group["precondition_frequency"] == 0
         for bi, (b, g) in enumerate(zip(state["blocks"], grads)):
-            for i, f in enumerate(b["factors"]):
-                if f is not None:
-                    f.lerp_(gram(g, i), 1 - beta)
+            if any(f is not None for f in b["factors"]):
+                self._refresher.accumulate(
+                    self, (pid, bi), _accumulate_factors, b["factors"], g, beta
+                )
             self._refresher.block_boundary(self, (pid, bi), b, group, t, refresh)
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
@@ -235,3 +236,10 @@ class SOAP(KroneckerOptimizer):
         if any(b is not None for b in back):
             m = mode_products(m, back, transpose=False)
         block["exp_avg"] = mode_products(m, forth, transpose=True)
+
+
+def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, beta: float) -> None:
+    """One step of the factor EMAs: ``F_i <- beta F_i + (1 - beta) G_(i) G_(i)^T``."""
+    for i, f in enumerate(factors):
+        if f is not None:
+            f.lerp_(gram(g, i), 1 - beta)

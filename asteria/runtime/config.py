@@ -7,7 +7,12 @@ Must not: create threads, pools or streams (``runtime.py`` does, from a validate
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+
+from asteria.memory.tiers import explicit_tiers
 
 __all__ = ["RuntimeConfig", "default_workers"]
 
@@ -41,6 +46,16 @@ class RuntimeConfig:
             fewer failures keep the previous version and are counted.
         hooks: register module hooks as scheduling signals (flush finished refreshes before a
             module runs); the runtime is correct without them.
+        device_budget_bytes: the most optimizer state the device may hold (``None``: no limit);
+            smaller than what must stay there (factors, moments) is a ``ValueError``.
+        host_budget_bytes: the most state Asteria keeps in host memory (``None``: no limit);
+            when it binds, the refresh results used last in a step go to ``nvme_path``.
+        nvme_path: an existing writable directory (a local NVMe drive) for the spill file.
+        placement: ``"auto"`` (docs/memory.md, "Placement") or a dict state kind -> tier, e.g.
+            ``{"bases": "device"}`` or ``{"results": "nvme"}`` (asteria.memory.tiers.PLACEABLE).
+        statistics_lane: run the factor statistics of CPU-resident parameters on a background
+            thread (Note [Statistics lane] in lane.py); ``None`` (default) and ``True``: on when
+            every parameter is on the CPU, ``False``: in the training thread.
     """
 
     staleness: int = 5
@@ -51,6 +66,11 @@ class RuntimeConfig:
     barrier_timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     hooks: bool = True
+    device_budget_bytes: int | None = None
+    host_budget_bytes: int | None = None
+    nvme_path: str | os.PathLike[str] | None = None
+    placement: str | Mapping[str, str] = "auto"
+    statistics_lane: bool | None = None
 
     def __post_init__(self) -> None:
         _int("staleness", self.staleness, 0)
@@ -83,7 +103,59 @@ class RuntimeConfig:
         _int("max_consecutive_failures", self.max_consecutive_failures, 1)
         if not isinstance(self.hooks, bool):
             raise ValueError(f"hooks must be True or False, got {self.hooks!r}")
+        if self.statistics_lane is not None and not isinstance(self.statistics_lane, bool):
+            raise ValueError(
+                f"statistics_lane must be True, False or None, got {self.statistics_lane!r}"
+            )
+        for name in ("device_budget_bytes", "host_budget_bytes"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 0)
+        if self.nvme_path is not None:
+            object.__setattr__(self, "nvme_path", _check_nvme_path(self.nvme_path))
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        placement = self.placement
+        if isinstance(placement, str):
+            if placement != "auto":
+                raise ValueError(
+                    f"placement must be 'auto' or a dict state kind -> tier, got {placement!r}"
+                )
+            return
+        if not isinstance(placement, Mapping):
+            raise ValueError(
+                f"placement must be 'auto' or a dict state kind -> tier, got {placement!r}"
+            )
+        explicit_tiers(placement)  # ValueError naming the kind or tier
+        object.__setattr__(self, "placement", MappingProxyType(dict(placement)))
 
     @property
     def resolved_workers(self) -> int:
         return default_workers() if self.workers is None else self.workers
+
+
+#: Below this much free space a spill directory counts as full.
+MIN_FREE_BYTES = 16 << 20
+
+
+def _check_nvme_path(path: object) -> str:
+    """An existing, writable directory with free space; ``ValueError`` saying what to change."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"nvme_path must be a directory path or None, got {path!r}")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"nvme_path {path!r} does not exist; create it or pick another directory")
+    if not os.path.isdir(path):
+        raise ValueError(f"nvme_path {path!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"nvme_path {path!r} is not writable by this process; fix its permissions or pick "
+            "another directory"
+        )
+    free = shutil.disk_usage(path).free
+    if free < MIN_FREE_BYTES:
+        raise ValueError(
+            f"nvme_path {path!r} is full ({free} bytes free); free space there or pick another "
+            "directory"
+        )
+    return path

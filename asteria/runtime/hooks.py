@@ -6,6 +6,11 @@ be used": the runtime flushes refreshes that are ready (installs them) and, on d
 results must travel, starts their transfer. The hooks are signals, never math: removing them
 changes when a ready refresh is installed, never what is computed, and never the staleness bound.
 
+Also a gradient hook on every parameter, for the statistics lane (lane.py): it runs before the
+backward accumulates a new gradient into ``.grad`` and waits until the lane no longer reads the
+previous one. That hook is a guard, not a signal: it is what makes reading gradients in place
+safe when ``.grad`` is accumulated instead of replaced.
+
 Must not: touch optimizer state directly (the runtime does, under its lock).
 """
 
@@ -16,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["ModuleSignals"]
+__all__ = ["GradientGuards", "ModuleSignals"]
 
 Signal = Callable[[tuple[int, ...], str], None]
 
@@ -63,6 +68,26 @@ class ModuleSignals:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class GradientGuards:
+    """Tensor hooks that make the backward wait for ``lane`` before writing any ``.grad``."""
+
+    def __init__(self, params: Iterable[torch.Tensor], lane: object) -> None:
+        self._handles = [p.register_hook(self._guard(lane)) for p in params if p.requires_grad]
+
+    @staticmethod
+    def _guard(lane: object):
+        def hook(grad: torch.Tensor) -> None:
+            if lane.pending():  # the lane is nearly always done by the next backward
+                lane.wait_all()
+
+        return hook
 
     def remove(self) -> None:
         for h in self._handles:

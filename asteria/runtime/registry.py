@@ -44,6 +44,10 @@ class PendingRefresh:
     requested: int
     futures: list[Any]  # asteria._C.Future or None (dims without a factor)
     copies: list[Any] = field(default_factory=list)  # CUDA snapshot copies not yet submitted
+    jobs: list[Any] = field(default_factory=list)  # per dim: the job's options (no tensors)
+    group: dict | None = None  # the parameter group (a recompute needs it)
+    spilled: Any = None  # a spill.SpilledRefresh once the results went to the spill store
+    snapshots: Any = None  # a spill.Snapshots: the job inputs, for an exact recompute
 
     def done(self) -> bool:
         return not self.copies and all(f is None or f.done() for f in self.futures)

@@ -15,12 +15,22 @@ and, on CUDA, the shadow stream. It attaches to a SOAP / KL-Shampoo / Shampoo op
 4. a newer request for a block supersedes an older one still in flight (cancelled when queued,
    discarded when running), so a job's input basis is always the basis its result replaces.
 
+Memory tiers (asteria.memory.tiers decides, this file carries it out): finished refreshes that
+wait for their install step (``fixed_delay``) are written to the NVMe spill store for the blocks
+the policy spills, with the job's inputs, and paged back ahead of use in access order at the step
+before their install; a corrupt or unreadable slot is recomputed from those inputs on the pool
+(same inputs, same result, same install step). On unified-memory GPUs the bases in use live in
+pinned host memory that the device reads through mapped views. ``memory_report()`` accounts every
+byte by tier and kind.
+
 Must not: change any algorithm's math (the optimizer's ``refresh_jobs``/``install_refresh`` are
 the only way in), or register hooks itself (hooks.py does).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
 import warnings
@@ -30,11 +40,15 @@ from typing import Any
 import torch
 
 from asteria._ext import load_extension
+from asteria.memory.accounting import detect_arch, estimate_blocks
+from asteria.memory.host import device_view, host_copy
 from asteria.memory.staging import StagingSlots
+from asteria.memory.tiers import KINDS, TIERS, Placement, plan
 from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.runtime.config import RuntimeConfig
-from asteria.runtime.hooks import ModuleSignals
+from asteria.runtime.hooks import GradientGuards, ModuleSignals
+from asteria.runtime.lane import StatisticsLane
 from asteria.runtime.registry import (
     BlockEntry,
     PendingRefresh,
@@ -42,6 +56,7 @@ from asteria.runtime.registry import (
     Registry,
     StalenessTimeoutError,
 )
+from asteria.runtime.spill import SpilledRefresh, Spiller, SpillLost
 
 __all__ = ["Runtime"]
 
@@ -72,8 +87,15 @@ class Runtime:
         self.optimizer = optimizer
         self.registry = Registry(self.config.staleness)
         self._lock = threading.RLock()
+        self._closed = False
         self._names = self._param_names(model, optimizer)
         self._pid_of = {id(p): i for i, p in enumerate(_params(optimizer))}
+        self.placement = self._plan(optimizer)
+        self._mapped: set[int] = set()  # data_ptr of bases read through mapped views
+        self._pool_names: set[str] = set()
+        self._spiller: Spiller | None = None
+        if self.placement.spilled and self._spill_waits():
+            self._spiller = self._open_spill_store()  # before any thread or hook exists
         _C = load_extension()
         self._C = _C
         self._pool = _C.WorkerPool(
@@ -86,10 +108,27 @@ class Runtime:
         self._staging: StagingSlots | None = None
         if any(p.is_cuda for p in _params(optimizer)):
             self._staging = StagingSlots(_C.ShadowStream())
+        # Factor statistics of CPU-resident parameters run on the statistics lane, off the
+        # training thread (Note [Statistics lane] in lane.py); a gradient hook per parameter
+        # keeps the next backward from writing a gradient the lane still reads.
+        self._lane: StatisticsLane | None = None
+        self._grad_guards: GradientGuards | None = None
+        cpu_only = all(p.device.type == "cpu" for p in _params(optimizer))
+        if cpu_only and self.config.statistics_lane is not False:
+            names = self._names
+            self._lane = StatisticsLane(
+                lambda key: f"{names.get(key[0], f'param{key[0]}')}[{key[1]}]"
+            )
+            self._grad_guards = GradientGuards(_params(optimizer), self._lane)
         optimizer.attach_refresher(self)  # raises ValueError when already orchestrated
+        for pid, name in self._names.items():  # messages name parameters (issue 7)
+            optimizer.param_names.setdefault(pid, name)
         self._signals = None
         if model is not None and self.config.hooks:
-            self._signals = ModuleSignals(model, self._pid_of.keys(), self._on_signal)
+            # issue 7: the hooks hold the runtime weakly and go when it is collected without
+            # close(), so a model that outlives its optimizer keeps no runtime (or pool) alive
+            self._signals = ModuleSignals(model, self._pid_of.keys(), _weak_signal(self))
+            weakref.finalize(self, self._signals.remove)
         self._closed = False
         self._step = 0
         self._step_t0 = 0.0
@@ -98,7 +137,52 @@ class Runtime:
         self._failed = 0
         self._cancelled = 0
         self.per_step: dict[str, list[float]] = {"step_ms": [], "barrier_wait_ms": []}
-        self._finalizer = weakref.finalize(self, Runtime._shutdown_pool, self._pool)
+        self._finalizer = weakref.finalize(
+            self, Runtime._shutdown, self._pool, self._spiller, self._lane, self._grad_guards
+        )
+
+    def _plan(self, optimizer: KroneckerOptimizer) -> Placement:
+        """The tier policy's placement for this optimizer's state (ValueError: what to change)."""
+        c = self.config
+        params = _params(optimizer)
+        self.arch = detect_arch(params[0].device if params else "cpu")
+        try:
+            self._sizes = estimate_blocks(optimizer, lambda pid, bi: self._block_name((pid, bi)))
+        except ValueError:
+            if c.device_budget_bytes is not None or c.host_budget_bytes is not None:
+                raise
+            self._sizes = []  # an optimizer without a size model: no budgets to check
+        staging = sum(b.snapshots for b in self._sizes) if self.arch.cuda else 0
+        return plan(
+            self._sizes,
+            self.arch,
+            device_budget_bytes=c.device_budget_bytes,
+            host_budget_bytes=c.host_budget_bytes,
+            nvme=c.nvme_path is not None,
+            placement=c.placement,
+            staging_bytes=staging,
+        )
+
+    def _spill_waits(self) -> bool:
+        """Results wait for their install across a step boundary only with fixed_delay >= 2."""
+        return self.config.fixed_delay is not None and self.config.fixed_delay >= 2
+
+    def _open_spill_store(self) -> Spiller:
+        path = os.fspath(self.config.nvme_path)
+        spilled = [b for b in self._sizes if b.name in self.placement.spilled]
+        # every slot is rounded up to 4 KiB: at most 4 tensors per dim, 4 dims per block
+        capacity = sum(b.results + b.snapshots for b in spilled) + len(spilled) * 64 * 4096
+        capacity += 1 << 20
+        free = shutil.disk_usage(path).free
+        if capacity > free:
+            raise ValueError(
+                f"nvme_path {path!r} has {free} bytes free, the spill file needs {capacity}; "
+                "free space there, pick another directory, or raise host_budget_bytes"
+            )
+        try:
+            return Spiller(path, capacity)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"nvme_path {path!r}: cannot create the spill file: {err}") from err
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -117,13 +201,22 @@ class Runtime:
             if self._signals is not None:
                 self._signals.remove()
             try:
+                if self._lane is not None:
+                    self._lane.wait_all()
                 if install_pending:
                     self._install_in_flight()
             finally:
                 self.optimizer.detach_refresher()
+                if self._grad_guards is not None:
+                    self._grad_guards.remove()
+                if self._lane is not None:
+                    self._lane.close()
                 self._pool.shutdown(wait=False)
                 if self._staging is not None:
                     self._staging.clear()
+                if self._spiller is not None:
+                    self._spiller.close()  # deletes the spill file
+                self._unmap_bases()
                 self._finalizer.detach()
 
     def _install_in_flight(self) -> None:
@@ -140,14 +233,39 @@ class Runtime:
             self._install(key, e, self._current_step(key))
 
     @staticmethod
-    def _shutdown_pool(pool: Any) -> None:
+    def _shutdown(
+        pool: Any,
+        spiller: Spiller | None,
+        lane: StatisticsLane | None = None,
+        guards: GradientGuards | None = None,
+    ) -> None:
+        if guards is not None:
+            guards.remove()
+        if lane is not None:
+            lane.abandon()
         pool.shutdown(wait=False)
+        if spiller is not None:
+            spiller.close()
 
     # -- the Refresher protocol (called by the optimizer's step) ------------------------------
 
     def step_begin(self, opt: KroneckerOptimizer) -> None:
         self._step_t0 = time.perf_counter()
         self._step_wait = 0.0
+
+    def accumulate(self, opt: KroneckerOptimizer, key: BlockKey, fn: Any, *args: Any) -> None:
+        if self._lane is None:
+            fn(*args)
+        else:
+            self._lane.submit(key, fn, *args)
+
+    def block_begin(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> None:
+        if self._lane is not None:
+            self._lane.wait(key)
+
+    def sync(self, opt: KroneckerOptimizer) -> None:
+        if self._lane is not None:
+            self._lane.wait_all()
 
     def block_boundary(
         self,
@@ -158,6 +276,8 @@ class Runtime:
         step: int,
         due: bool,
     ) -> None:
+        if due and self._lane is not None:
+            self._lane.wait(key)  # the snapshot reads the factors this step's statistics write
         with self._lock:
             e = self.registry.entry(key, self._block_name(key))
             fixed = self.config.fixed_delay
@@ -167,6 +287,8 @@ class Runtime:
                     if age >= fixed:
                         self._wait(e, step)
                         self._install(key, e, step, block)
+                    else:
+                        self._maybe_spill(e)
                 elif e.pending.done() or age >= self.config.staleness:
                     self._wait(e, step)
                     self._install(key, e, step, block)
@@ -186,6 +308,11 @@ class Runtime:
             for e in self.registry.entries.values():
                 if e.pending is not None and e.pending.copies:
                     self._submit_copied(e, wait=False)
+            if self._spiller is not None:
+                self._page_in()
+            if self.placement.bases_access == "mapped":
+                for _, _, block, _ in opt.blocks():
+                    self._map_bases(block)
         self._step += 1
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._step_wait * 1e3)
@@ -196,7 +323,19 @@ class Runtime:
         jobs = self.optimizer.refresh_jobs(block, group)
         if all(job is None for job in jobs):
             return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-        e.pending = PendingRefresh(requested=step, futures=[None] * len(jobs))
+        e.pending = PendingRefresh(
+            requested=step,
+            futures=[None] * len(jobs),
+            jobs=[
+                None
+                if j is None
+                else RefreshJob(j.kind, None, None, j.sort, j.root, j.epsilon, j.dtype)
+                for j in jobs
+            ],
+            group=group,
+        )
+        if self._spiller is not None and e.name in self.placement.spilled:
+            e.pending.snapshots = SpilledRefresh(f"{e.name}/v{step}/s", len(jobs))
         for dim, job in enumerate(jobs):
             if job is None:
                 continue
@@ -215,10 +354,17 @@ class Runtime:
         job: RefreshJob,
         factor: torch.Tensor,
         basis: torch.Tensor | None,
+        pending: PendingRefresh | None = None,
     ) -> Any:
-        """One job on the pool (it copies its inputs): version = request step, deadline t + S."""
+        """One job on the pool (it copies its inputs): version = request step, deadline t + S.
+        A spilled block's inputs are written to the spill store too (an exact recompute)."""
+        pending = e.pending if pending is None else pending
+        if pending.snapshots is not None and pending is e.pending:
+            self._spiller.add(pending.snapshots, dim, (factor, basis), clone=True)
+            self._spiller.counts["snapshots"] += 1
         self._submitted += 1
-        name, version = f"{e.name}.dim{dim}", e.pending.requested
+        name, version = f"{e.name}.dim{dim}", pending.requested
+        self._pool_names.add(name)
         deadline = version + self.config.staleness
         if job.kind == "qr":
             return self._pool.submit_qr_refresh(
@@ -247,6 +393,9 @@ class Runtime:
         for f in e.pending.futures:
             if f is not None and not f.done():
                 self._cancelled += 1
+        if self._spiller is not None:
+            self._spiller.discard(e.pending.spilled)
+            self._spiller.discard(e.pending.snapshots)
         self.registry.superseded += 1
         e.pending = None
 
@@ -261,7 +410,7 @@ class Runtime:
                 continue
             remaining = limit - (time.perf_counter() - t0)
             try:
-                f.result(timeout_s=max(remaining, 0.0))
+                _interruptible_result(f, max(remaining, 0.0), self._C.FutureTimeoutError)
             except self._C.FutureTimeoutError:
                 raise StalenessTimeoutError(
                     f"Asteria: the refresh of block '{e.name}' requested at step "
@@ -276,7 +425,7 @@ class Runtime:
     def _install(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None = None) -> None:
         pending, e.pending = e.pending, None
         try:
-            results = [None if f is None else f.result() for f in pending.futures]
+            results = self._results(key, e, pending, block)
         except (self._C.MatrixFunctionError, MatrixFunctionError) as err:
             self._failed += 1
             e.failures += 1
@@ -297,7 +446,142 @@ class Runtime:
             block = self._block_state(key)
         results = [self._to_device(r, block) for r in results]
         self.optimizer.install_refresh(block, results)
+        if self.placement.bases_access == "mapped":
+            self._map_bases(block)
         self.registry.record_install(e, pending.requested, step)
+
+    # -- the spill tier ---------------------------------------------------------------------------
+
+    def _results(
+        self, key: BlockKey, e: BlockEntry, pending: PendingRefresh, block: dict | None
+    ) -> list[Any]:
+        """A refresh's results: from its futures, or read back from the spill store (a lost
+        slot is recomputed, see ``_recompute``)."""
+        if pending.spilled is None:
+            results = [None if f is None else f.result() for f in pending.futures]
+            if self._spiller is not None:
+                self._spiller.discard(pending.snapshots)
+            return results
+        try:
+            return self._spiller.load(pending.spilled)
+        except SpillLost as err:
+            return self._recompute(key, e, pending, block, err)
+        finally:
+            self._spiller.discard(pending.spilled)
+            self._spiller.discard(pending.snapshots)
+
+    def _recompute(
+        self,
+        key: BlockKey,
+        e: BlockEntry,
+        pending: PendingRefresh,
+        block: dict | None,
+        err: SpillLost,
+    ) -> list[Any]:
+        """Run a lost refresh again on the pool and wait for it (the install step is kept): from
+        its snapshot when that reads back intact (the same inputs, so the same result), else from
+        the block's current factors and basis (a fresher refresh than the lost one)."""
+        inputs = None
+        if pending.snapshots is not None:
+            try:
+                inputs = self._spiller.load(pending.snapshots)
+                self._spiller.counts["recomputed_from_snapshot"] += 1
+                source = "its spilled inputs (same result)"
+            except SpillLost:
+                inputs = None
+        if inputs is None:
+            if block is None:
+                block = self._block_state(key)
+            jobs = self.optimizer.refresh_jobs(block, pending.group)
+            inputs = [None if j is None else (j.factor, j.basis) for j in jobs]
+            self._spiller.counts["recomputed_from_factors"] += 1
+            source = "the current factors (its inputs were lost too)"
+        warnings.warn(
+            f"Asteria: the spilled refresh of block '{e.name}' (version {pending.requested}) "
+            f"could not be read back ({err}); recomputed from {source}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        futures = [
+            None
+            if job is None or inp is None
+            else self._submit(e, dim, job, inp[0], inp[1], pending=pending)
+            for dim, (job, inp) in enumerate(zip(pending.jobs, inputs))
+        ]
+        t0 = time.perf_counter()
+        results = [
+            None if f is None else f.result(timeout_s=self.config.barrier_timeout_s)
+            for f in futures
+        ]
+        self._step_wait += time.perf_counter() - t0
+        return results
+
+    def _maybe_spill(self, e: BlockEntry) -> None:
+        """A finished refresh that waits for its install step goes to the spill store when the
+        policy spills its block; a failed job stays put (``_install`` reports it)."""
+        pending = e.pending
+        if (
+            self._spiller is None
+            or pending.spilled is not None
+            or e.name not in self.placement.spilled
+            or not pending.done()
+        ):
+            return
+        try:
+            results = [None if f is None else f.result() for f in pending.futures]
+        except Exception:
+            return
+        rec = SpilledRefresh(f"{e.name}/v{pending.requested}/r", len(results))
+        for dim, r in enumerate(results):
+            self._spiller.add(rec, dim, tuple(r) if isinstance(r, tuple) else r)
+        self._spiller.counts["spilled_refreshes"] += 1
+        pending.spilled = rec
+        pending.futures = [None] * len(results)
+
+    def _page_in(self) -> None:
+        """Settle finished writes; start reading, in access order, the spilled refreshes that
+        the next step installs."""
+        fixed = self.config.fixed_delay
+        due = []
+        for key in sorted(self.registry.entries):
+            p = self.registry.entries[key].pending
+            if p is None:
+                continue
+            if p.snapshots is not None:
+                self._spiller.poll(p.snapshots)
+            if p.spilled is None:
+                continue
+            self._spiller.poll(p.spilled)
+            if p.requested + fixed <= self._current_step(key) + 1:
+                due.append(p.spilled)
+        self._spiller.prefetch(due)
+
+    # -- bases in mapped host memory (unified-memory GPUs) ----------------------------------------
+
+    @staticmethod
+    def _bases_list(block: dict) -> list[Any]:
+        return block["bases"] if "bases" in block else block.get("roots", [])
+
+    def _map_bases(self, block: dict) -> None:
+        """Move a block's bases in use to pinned host memory, read by the GPU through views."""
+        bases = self._bases_list(block)
+        for i, q in enumerate(bases):
+            if q is None or not q.is_cuda or q.data_ptr() in self._mapped:
+                continue
+            view = device_view(host_copy(q, pinned=True), q.device)
+            self._mapped.add(view.data_ptr())
+            bases[i] = view
+
+    def _unmap_bases(self) -> None:
+        """Back to native mode: bases in device memory again."""
+        if not self._mapped:
+            return
+        for _, _, block, _ in self.optimizer.blocks():
+            bases = self._bases_list(block)
+            for i, q in enumerate(bases):
+                if q is not None and q.data_ptr() in self._mapped:
+                    bases[i] = q.clone()
+        self._mapped.clear()
 
     @staticmethod
     def _to_device(result: Any, block: dict) -> Any:
@@ -346,7 +630,98 @@ class Runtime:
             "max_staleness": max(hist) if hist else 0,
             "installs": sum(hist.values()),
             "blocks": self.registry.snapshot(),
+            # updates skipped for NaN/Inf gradients (Note [Non-finite gradients], optim/base.py)
+            "nonfinite_grads": self.optimizer.nonfinite_grads,
+            "statistics_lane": None
+            if self._lane is None
+            else {"updates": self._lane.submitted, "wait_ms": self._lane.wait_s * 1e3},
         }
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes per tier per state kind, measured on the tensors that exist now.
+
+        ``report[tier][kind]`` for tier in ``device``, ``host``, ``nvme`` and kind in
+        ``factors``, ``moments``, ``bases``, ``results``, ``snapshots``, ``staging``. Counted:
+        the optimizer's state tensors (by kind; bases by where they are: on a CPU-only machine
+        the placement says which tier the CPU tensors stand for), refresh results waiting for
+        install (in their futures, in host memory, paged in, or in the spill store), the pool's
+        copy of each block's newest result (``WorkerPool.latest``), the job inputs kept for a
+        spilled refresh, and the CUDA staging slots. A storage shared by several of these is
+        counted once, under the first. Also: ``planned`` (the policy's figures), ``placement``
+        (kind -> tier, spilled blocks, how the device reads host bases) and ``spill`` (the spill
+        store's counters, or None).
+        """
+        report = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
+        seen: set[tuple[int, int]] = set()
+
+        def add(tier: str, kind: str, value: Any) -> None:
+            if isinstance(value, (list, tuple)):
+                for v in value:
+                    add(tier, kind, v)
+                return
+            if not isinstance(value, torch.Tensor) or value.nbytes == 0:
+                return
+            ident = (value.data_ptr(), value.nbytes)
+            if ident in seen:
+                return
+            seen.add(ident)
+            report[tier][kind] += value.nbytes
+
+        bases_tier = self.placement.tiers["bases"]
+
+        def where(t: Any) -> str:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                return "host" if t.data_ptr() in self._mapped else "device"
+            return "host" if self.arch.cuda else bases_tier
+
+        with self._lock:
+            for p in _params(self.optimizer):
+                state = self.optimizer.state.get(p, {})
+                for name, value in state.items():
+                    if name != "blocks":
+                        add("device", "moments", value)
+                        continue
+                    for block in value:
+                        for field, v in block.items():
+                            if field == "factors":
+                                add("device", "factors", v)
+                            elif field in ("bases", "roots"):
+                                for q in v:
+                                    add(where(q), "bases", q)
+                            else:
+                                add("device", "moments", v)
+            spiller = self._spiller
+            for e in self.registry.entries.values():
+                pending = e.pending
+                if pending is None:
+                    continue
+                for f in pending.futures:
+                    if f is not None and f.done():
+                        try:
+                            add("host", "results", f.result())
+                        except Exception:
+                            pass
+                for kind, rec in (("results", pending.spilled), ("snapshots", pending.snapshots)):
+                    if rec is None:
+                        continue
+                    add("host", kind, rec.host_tensors())
+                    report["nvme"][kind] += spiller.nvme_bytes(rec)
+                    report["host"][kind] += spiller.paged_bytes(rec)
+            for name in sorted(self._pool_names):
+                latest = self._pool.latest(name)
+                if latest is not None:
+                    add("host", "results", latest[1])
+            if self._staging is not None:
+                add("host", "staging", [buf for buf, _ in self._staging._slots.values()])
+        report["planned"] = {tier: dict(kinds) for tier, kinds in self.placement.bytes.items()}
+        report["placement"] = {
+            "tiers": dict(self.placement.tiers),
+            "spilled_blocks": sorted(self.placement.spilled),
+            "bases_access": self.placement.bases_access,
+            "notes": list(self.placement.notes),
+        }
+        report["spill"] = None if self._spiller is None else self._spiller.stats()
+        return report
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -359,7 +734,9 @@ class Runtime:
         return self.optimizer.state[p]["blocks"][key[1]]
 
     def _block_name(self, key: BlockKey) -> str:
-        return f"{self._names.get(key[0], f'param{key[0]}')}[{key[1]}]"
+        """``name[i]`` for block ``i`` of a parameter; ``name`` for its parameter-level state."""
+        param = self._names.get(key[0], f"param{key[0]}")
+        return param if key[1] < 0 else f"{param}[{key[1]}]"
 
     @staticmethod
     def _param_names(model: torch.nn.Module | None, opt: KroneckerOptimizer) -> dict[int, str]:
@@ -374,6 +751,33 @@ class Runtime:
             f"asteria.Runtime(staleness={c.staleness}, workers={c.resolved_workers}, "
             f"fixed_delay={c.fixed_delay}, closed={self._closed})"
         )
+
+
+# -- issue 7: shutdown helpers -----------------------------------------------------------------
+
+
+def _weak_signal(runtime: Runtime) -> Any:
+    """``runtime._on_signal`` through a weak reference (a no-op once the runtime is gone)."""
+    ref = weakref.WeakMethod(runtime._on_signal)
+
+    def signal(param_ids: tuple[int, ...], event: str) -> None:
+        method = ref()
+        if method is not None:
+            method(param_ids, event)
+
+    return signal
+
+
+def _interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> Any:
+    """``future.result(timeout_s)`` in slices of 0.1 s: between slices the interpreter runs, so
+    Ctrl-C (SIGINT) raises KeyboardInterrupt promptly during a long barrier wait."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        try:
+            return future.result(timeout_s=min(0.1, max(deadline - time.perf_counter(), 0.0)))
+        except timeout_error:
+            if time.perf_counter() >= deadline:
+                raise
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -1,9 +1,10 @@
 """asteria.train: the main job. Train a small OLMo-2-style LM and compare optimizers.
 
 ``python -m asteria.train`` (or ``asteria-train``) runs it; ``--help`` lists the options.
-Modules: data (byte-level corpus and batches), models (presets), optimizers (name -> constructor
-and default learning rates), loop (the training loop), report (output files), env (machine
-facts), cli (arguments).
+Modules: data (byte-level corpus, token files and batches), models (presets), optimizers (name ->
+constructor and default learning rates, run specs like ``soap:asteria``), loop (the training loop),
+checkpoint (save and resume), distributed (FSDP2/HSDP under torchrun), energy (NVML and RAPL),
+report (output files and plots), env (machine facts), cli (arguments).
 """
 
 from asteria.train.data import VOCAB_SIZE, Corpus, load_corpus

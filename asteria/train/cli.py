@@ -1,119 +1,436 @@
 """Command line of `asteria.train` (``python -m asteria.train`` / ``asteria-train``).
 
-Owns: argument parsing, turning bad inputs into clear usage errors, running one optimizer or a
-comparison with identical model init and data order, and printing the final losses. Must not:
-contain training math (loop.py) or output formats (report.py).
+Owns: argument parsing, turning bad inputs into clear usage errors (exit 2, nothing written),
+the run folder (refused when it exists without ``--resume``; ``run.json`` keeps the settings a
+resume must match), running one optimizer or a comparison with identical model init and data
+order, Ctrl-C (stop after the step in progress, checkpoint, exit 130), and printing the results.
+Must not: contain training math (loop.py) or output formats (report.py).
 
-With no arguments it compares AdamW and SOAP on the ``tiny`` model for 200 steps (a few minutes
-on 2 CPU cores) and writes ``runs/tiny-adamw-soap/``.
+With no arguments it compares AdamW, native SOAP and Asteria-orchestrated SOAP on the ``tiny``
+model for 200 steps on the CPU and writes ``runs/tiny-adamw-soap_native-soap_asteria/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from asteria.train.data import DEFAULT_MAX_BYTES, STDLIB, VOCAB_SIZE, load_corpus
+from asteria.train import checkpoint as ckpt
+from asteria.train import distributed as dist_util
+from asteria.train.data import DEFAULT_MAX_BYTES, STDLIB, TOKEN_DTYPES, load_corpus
+from asteria.train.energy import EnergyMeter
 from asteria.train.env import environment
-from asteria.train.loop import TrainConfig, train
+from asteria.train.loop import RunResult, StopFlag, TrainConfig, train
 from asteria.train.models import PRESETS
-from asteria.train.optimizers import OPTIMIZERS, parse_names
-from asteria.train.report import MetricsWriter, plot_losses, write_report, write_summary
+from asteria.train.optimizers import MODES, OPTIMIZERS, parse_runs
+from asteria.train.report import (
+    PLOTS,
+    MetricsWriter,
+    add_efficiency,
+    write_plots,
+    write_report,
+    write_summary,
+)
 
-DEFAULT_COMPARE = "adamw,soap"
+DEFAULT_COMPARE = "adamw,soap:native,soap:asteria"
+RUN_JSON = "run.json"
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+
+# Settings that decide a run's result: a --resume must not change them (run.json keeps them).
+FIXED_ON_RESUME = (
+    "model", "optimizer", "compare", "mode", "steps", "batch_size", "seq_len", "lr", "seed",
+    "val_every", "val_batches", "data", "data_bytes", "token_dtype", "vocab_size", "fsdp", "hsdp",
+    "hsdp_shards",
+)  # fmt: skip
+
+
+# -- the runtime's knobs as flags, straight from RuntimeConfig's fields --------------------------
+
+
+def _runtime_fields() -> list[dataclasses.Field]:
+    from asteria.runtime import RuntimeConfig
+
+    return list(dataclasses.fields(RuntimeConfig))
+
+
+def _knob_parser(annotation: str) -> Any:
+    """argparse ``type``/``action`` for a RuntimeConfig field's annotation (None: no flag)."""
+    a = str(annotation).replace(" ", "")
+    if a.startswith("bool"):
+        return "bool"
+    if a.startswith("tuple[int"):
+        return lambda text: tuple(int(x) for x in text.split(",") if x.strip())
+    if a.startswith("int"):
+        return int
+    if a.startswith("float"):
+        return float
+    if a.startswith(("str", "Path", "os.PathLike")):
+        return str
+    return None
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "Asteria runtime (asteria mode only; every default is asteria.RuntimeConfig's)"
+    )
+    taken = {s for a in p._actions for s in a.option_strings}
+    for f in _runtime_fields():
+        kind = _knob_parser(f.type)
+        if kind is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if flag in taken:
+            flag = "--runtime-" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = "cores - 1" if f.name == "workers" and default is None else default
+        help_text = f"RuntimeConfig.{f.name} (library default: {shown})"
+        if kind == "bool":
+            g.add_argument(
+                flag, dest=f"rt_{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                help=help_text,
+            )  # fmt: skip
+        else:
+            g.add_argument(flag, dest=f"rt_{f.name}", type=kind, default=None, help=help_text)
+
+
+def runtime_config(args: argparse.Namespace) -> Any:
+    """A RuntimeConfig with the knobs given on the command line, the library's defaults else."""
+    from asteria.runtime import RuntimeConfig
+
+    given = {
+        f.name: getattr(args, f"rt_{f.name}")
+        for f in _runtime_fields()
+        if getattr(args, f"rt_{f.name}", None) is not None
+    }
+    return RuntimeConfig(**given)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    opt_help = "; ".join(f"{s.name} (lr {s.lr_for('tiny'):g} on tiny)" for s in OPTIMIZERS.values())
+    opt_help = ", ".join(f"{s.name} (lr {s.lr_for('tiny'):g} on tiny)" for s in OPTIMIZERS.values())
     p = argparse.ArgumentParser(
         prog="asteria-train",
-        description="Train a small OLMo-2-style byte-level LM and compare optimizers.",
+        description=(
+            "Train an OLMo-2-style LM with AdamW and second-order optimizers (native or "
+            "Asteria-orchestrated) and write a report with plots."
+        ),
     )
-    p.add_argument("--model", default="tiny", choices=list(PRESETS), help="model preset")
+    p.add_argument(
+        "--model", default="tiny", choices=list(PRESETS),
+        help=f"model preset: {', '.join(PRESETS)}",
+    )  # fmt: skip
     which = p.add_mutually_exclusive_group()
     which.add_argument("--optimizer", help=f"train with one optimizer: {opt_help}")
     which.add_argument(
-        "--compare", help=f"comma-separated optimizers to compare (default {DEFAULT_COMPARE})"
+        "--compare",
+        help=(
+            "comma-separated runs to compare on identical data and init, each NAME or "
+            f"NAME:MODE (default {DEFAULT_COMPARE})"
+        ),
     )
+    p.add_argument(
+        "--mode", default="native", choices=MODES,
+        help="mode of second-order optimizers named without :MODE (default native)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, help="peak learning rate for every optimizer run")
+    p.add_argument("--lr", type=float, help="peak learning rate for every run")
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed")
     p.add_argument("--val-every", type=int, default=50, help="validation interval in steps")
-    p.add_argument(
+    p.add_argument("--val-batches", type=int, default=4, help="validation batches per check")
+    d = p.add_argument_group("data")
+    d.add_argument(
         "--data",
         default=STDLIB,
-        help=f"{STDLIB!r} (Python's own .py sources), a text file, or a directory of text files",
+        help=(
+            f"{STDLIB!r} (Python's own .py sources, byte-level), a text file, a directory of text "
+            "files, or a token file (OLMo's numpy layout with --token-dtype, or a .npy)"
+        ),
     )
-    p.add_argument("--data-bytes", type=int, default=DEFAULT_MAX_BYTES, help="corpus size cap")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", type=Path, help="output folder (default runs/<model>-<optimizers>)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.add_argument(
+        "--data-bytes", type=int, default=DEFAULT_MAX_BYTES, help="bytes read from the data"
+    )
+    d.add_argument(
+        "--token-dtype", choices=list(TOKEN_DTYPES), help="--data is a flat token file of these"
+    )
+    d.add_argument("--vocab-size", type=int, help="token files: vocabulary (default max id + 1)")
+    r = p.add_argument_group("run folder, checkpoints, machine")
+    r.add_argument("--out", type=Path, help="run folder (default runs/<model>-<runs>)")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out")
+    r.add_argument(
+        "--checkpoint-every", type=int, default=0,
+        help="also checkpoint every N steps (default: at the end and on Ctrl-C only)",
+    )  # fmt: skip
+    r.add_argument(
+        "--stop-after", type=int,
+        help="stop after N steps of this invocation with a checkpoint; --resume continues",
+    )  # fmt: skip
+    r.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda[:i]")
+    r.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sharding = r.add_mutually_exclusive_group()
+    sharding.add_argument("--fsdp", action="store_true", help="FSDP2 under torchrun")
+    sharding.add_argument(
+        "--hsdp", action="store_true", help="HSDP (FSDP2, 2-D mesh) under torchrun"
+    )
+    r.add_argument("--hsdp-shards", type=int, help="processes per HSDP shard group (default: node)")
+    _add_runtime_flags(p)
     return p
+
+
+def _explicit(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The ``dest`` of every option given on the command line."""
+    saved = {a.dest: a.default for a in parser._actions}
+    try:
+        for a in parser._actions:
+            a.default = argparse.SUPPRESS
+        ns, _ = parser.parse_known_args(argv)
+    finally:
+        for a in parser._actions:
+            a.default = saved[a.dest]
+    return set(vars(ns))
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    s = {k: getattr(args, k) for k in FIXED_ON_RESUME}
+    s |= {k: v for k, v in vars(args).items() if k.startswith("rt_")}
+    return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+            for k, v in s.items()}  # fmt: skip
+
+
+def _flag(dest: str) -> str:
+    return "--" + (dest[3:] if dest.startswith("rt_") else dest).replace("_", "-")
+
+
+def _prepare_folder(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, explicit: set[str]
+) -> None:
+    """Refuse an existing run folder without --resume; with it, take the stored settings."""
+    out: Path = args.out
+    if not args.resume:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            parser.error(
+                f"run folder {out} already exists; pass --resume to continue it, or choose "
+                "another --out (nothing was written)"
+            )
+        return
+    stored_path = out / RUN_JSON
+    if not stored_path.is_file():
+        parser.error(f"--resume: {out} holds no run to continue ({RUN_JSON} is missing)")
+    stored = json.loads(stored_path.read_text("utf-8"))["settings"]
+    current = _settings(args)
+    changed = [
+        f"{_flag(k)} {current[k]!r} (the run has {stored.get(k)!r})"
+        for k in current
+        if k in explicit and current[k] != stored.get(k)
+    ]
+    if changed:
+        parser.error("--resume cannot change a run's settings: " + "; ".join(changed))
+    for k, v in stored.items():
+        if hasattr(args, k):
+            setattr(args, k, Path(v) if k == "out" else tuple(v) if isinstance(v, list) else v)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    explicit = _explicit(parser, argv)
+    ctx = None
     try:
-        names = parse_names(args.optimizer or args.compare or DEFAULT_COMPARE)
+        if args.out is None:
+            labels = [
+                r.label
+                for r in parse_runs(args.optimizer or args.compare or DEFAULT_COMPARE, args.mode)
+            ]
+            args.out = Path("runs") / "-".join([args.model, *labels]).replace(":", "_")
+        _prepare_folder(parser, args, explicit)
+        specs = parse_runs(args.optimizer or args.compare or DEFAULT_COMPARE, args.mode)
         configs = [
             TrainConfig(
                 model=args.model,
-                optimizer=name,
+                optimizer=spec.name,
+                mode=spec.mode,
                 steps=args.steps,
                 batch_size=args.batch_size,
                 seq_len=args.seq_len,
                 lr=args.lr,
                 seed=args.seed,
                 val_every=args.val_every,
+                val_batches=args.val_batches,
             )
-            for name in names
+            for spec in specs
         ]
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        corpus = load_corpus(args.data, max_bytes=args.data_bytes, min_tokens=args.seq_len)
+        rt_config = runtime_config(args)
+        for name in ("threads", "stop_after"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+                )
+        if args.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+        corpus = load_corpus(
+            args.data,
+            max_bytes=args.data_bytes,
+            min_tokens=args.seq_len,
+            token_dtype=args.token_dtype,
+            vocab_size=args.vocab_size,
+        )
+        device = _device(args.device)
+        if args.fsdp or args.hsdp:
+            kind = "fsdp" if args.fsdp else "hsdp"
+            second_order = [s.label for s in specs if s.name != "adamw"]
+            if second_order:
+                raise ValueError(
+                    f"--{kind} with {', '.join(second_order)}: Asteria's second-order optimizers "
+                    "do not take FSDP2-sharded (DTensor) parameters yet (the distributed issue, "
+                    f"#5); under torchrun --{kind} only adamw runs for now"
+                )
+            ctx = dist_util.init(kind, args.hsdp_shards)
+            if args.batch_size % ctx.world:
+                raise ValueError(
+                    f"--batch-size {args.batch_size} is not divisible by the {ctx.world} processes"
+                )
     except ValueError as err:
+        dist_util.shutdown(ctx)
         parser.error(str(err))
+    try:
+        return _run(args, configs, rt_config, corpus, device, ctx)
+    finally:
+        dist_util.shutdown(ctx)
+
+
+def _device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError as err:
+        raise ValueError(f"--device {text!r}: {err}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: torch sees no CUDA device")
+    return device
+
+
+def _run(args, configs, rt_config, corpus, device, ctx) -> int:
+    main_rank = ctx is None or ctx.is_main
+    out: Path = args.out
+    say = print if main_rank else (lambda *a, **k: None)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    out = args.out or Path("runs") / "-".join([args.model, *names])
-    env = environment("transformers") | {"data": corpus.name, "data_tokens": corpus.num_tokens}
-    print(
-        f"asteria.train: model {args.model}, {corpus.num_tokens:,} tokens from "
-        f"{corpus.num_documents} files, torch {env['torch']} ({env['torch_threads']} threads)",
+    env = environment("transformers") | {
+        "data": corpus.name,
+        "data_tokens": corpus.num_tokens,
+        "vocab_size": corpus.vocab_size,
+        "device": str(ctx.device if ctx else device),
+        "distributed": f"{ctx.kind} over {ctx.world} processes" if ctx else None,
+    }
+    meter = EnergyMeter.probe() if main_rank else None
+    energy_info = (
+        {"sources": meter.sources, "unavailable": meter.unavailable} if meter is not None else {}
+    )
+    dist_util.barrier(ctx)
+    if main_rank:
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            payload = {"settings": _settings(args), "argv": sys.argv[1:]}
+            (out / RUN_JSON).write_text(json.dumps(payload, indent=2) + "\n", "utf-8")
+    say(
+        f"asteria.train: model {args.model}, {corpus.num_tokens:,} tokens "
+        f"({corpus.kind}, vocab {corpus.vocab_size}) from {corpus.name}, torch {env['torch']} "
+        f"({env['torch_threads']} threads) on {env['device']}"
+        f"{', ' + env['distributed'] if ctx else ''}; energy: "
+        f"{meter.describe() if meter is not None else '-'}",
         flush=True,
     )
-    writer = MetricsWriter(out)
+    writer = MetricsWriter(out) if main_rank else None
     runs: dict[str, dict] = {}
     records: dict[str, list[dict]] = {}
-    try:
-        for cfg in configs:
-            result = train(
-                cfg, corpus, vocab_size=VOCAB_SIZE, on_record=writer, progress=not args.no_progress
-            )
-            runs[cfg.optimizer], records[cfg.optimizer] = result.summary(), result.records
-            print(_result_line(cfg.optimizer, runs[cfg.optimizer]), flush=True)
-    finally:
-        writer.close()
-    write_summary(out, env, runs)
-    plot_losses(out, records)
-    write_report(out, env, runs, title=f"asteria.train: {' vs '.join(names)}")
-    print(f"wrote {out}/: metrics.jsonl summary.json report.md loss.png")
+    incomplete = False  # a run was stopped early or not started: --resume continues
+    budget = args.stop_after  # steps this invocation may still train (None: no limit)
+    with StopFlag() as stop:
+        try:
+            for cfg in configs:
+                path = ckpt.checkpoint_path(out, cfg.label)
+                resume = ckpt.load(path) if args.resume and path.is_file() else None
+                if resume is not None and resume["status"] in ("finished", "diverged"):
+                    result = RunResult.from_checkpoint(cfg, resume)
+                    say(f"{cfg.label:>14}: done in an earlier invocation", flush=True)
+                    for rec in result.records if writer is not None else ():
+                        writer(rec)
+                else:
+                    if budget == 0:
+                        incomplete = True
+                        break
+                    if resume is not None:
+                        say(f"{cfg.label:>14}: resuming at step {resume['step']}", flush=True)
+                        for rec in resume["records"] if writer is not None else ():
+                            writer(rec)
+                    result = train(
+                        cfg,
+                        corpus,
+                        runtime_config=rt_config if cfg.mode == "asteria" else None,
+                        on_record=writer,
+                        progress=not args.no_progress,
+                        checkpoint=path,
+                        resume=resume,
+                        stop=stop,
+                        stop_after=budget,
+                        checkpoint_every=args.checkpoint_every,
+                        energy=meter,
+                        device=device,
+                        ctx=ctx,
+                    )
+                    if budget is not None:
+                        budget -= len(result.records) - (len(resume["records"]) if resume else 0)
+                runs[cfg.label], records[cfg.label] = result.summary(), result.records
+                if result.status == "stopped":
+                    incomplete = True
+                    say(
+                        f"{cfg.label:>14}: stopped at step {len(result.records)} of {cfg.steps}",
+                        flush=True,
+                    )
+                    break
+                say(_result_line(cfg.label, runs[cfg.label]), flush=True)
+        finally:
+            if writer is not None:
+                writer.close()
+    if main_rank and runs and any(records.values()):
+        add_efficiency(runs, corpus.vocab_size)
+        write_summary(out, env, runs, energy_info)
+        runs_with_steps = {k: v for k, v in records.items() if v}
+        write_plots(out, runs_with_steps, {k: runs[k] for k in runs_with_steps},
+                    "byte" if corpus.kind == "bytes" else "token")  # fmt: skip
+        labels = [c.label for c in configs]
+        write_report(out, env, runs, f"asteria.train: {' vs '.join(labels)}", energy_info,
+                     corpus.vocab_size)  # fmt: skip
+    if incomplete:
+        say(
+            f"checkpoints in {out / ckpt.CHECKPOINTS}/; continue with: "
+            f"asteria-train --resume --out {out}",
+            flush=True,
+        )
+        return EXIT_INTERRUPTED if stop.requested else 0
+    say(f"report: {(out / 'report.md').resolve()}")
+    say(f"  also in {out}/: metrics.jsonl summary.json {' '.join(PLOTS)} checkpoints/")
     return 0
 
 
 def _result_line(name: str, s: dict) -> str:
     val = "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.4f}"
+    wait = s.get("barrier_wait_ms_total")
     return (
-        f"{name:>12}: lr {s['lr']:g}  final loss {s['final_loss_mean10']:.4f} (mean of last 10)"
+        f"{name:>14}: lr {s['lr']:g}  final loss {s['final_loss_mean10']:.4f} (mean of last 10)"
         f"  val loss {val}  median step {s['median_step_ms']:.0f} ms"
-        f" (optimizer {s['median_opt_ms']:.0f} ms){'  DIVERGED' if s['diverged'] else ''}"
+        f" (optimizer {s['median_opt_ms']:.0f} ms)"
+        f"{'' if wait is None else f'  barrier wait {wait / 1e3:.2f} s'}"
+        f"{'  DIVERGED' if s['diverged'] else ''}"
     )
 
 

@@ -8,6 +8,13 @@ global random state (every batch stream has its own seeded ``torch.Generator``).
 Tokenization: token ids 0-255 are the bytes themselves and id 256 (``EOD``) separates documents
 (files), so ``VOCAB_SIZE == 257``. There is no BOS and no padding token: every window is full.
 
+Sources (``--data``): ``"stdlib"``; a text file or a directory of text files (byte-level, as
+above; a file with NUL bytes is not text and is refused, naming the file); or a pre-tokenized
+token file in OLMo's numpy layout: a flat array of ``uint16`` or ``uint32`` token ids with no
+header (``np.memmap``), read when ``token_dtype`` is given, or a ``.npy`` file with a header
+holding a 1-D ``uint16``/``uint32`` array. A token file's vocabulary is ``vocab_size`` when given,
+else its largest id + 1; it already holds its own document separators.
+
 Split: the corpus is one token stream cut into ``SLICES`` (100) equal slices; every
 ``VAL_EVERY``-th slice (the 20th, 40th, ..., 100th: 5 % of the tokens, spread over the whole corpus
 so that validation looks like training) is validation, the rest is training, each concatenated in
@@ -24,7 +31,9 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 VOCAB_SIZE = 257
@@ -33,17 +42,27 @@ STDLIB = "stdlib"
 DEFAULT_MAX_BYTES = 4_000_000
 SLICES = 100
 VAL_EVERY = 20
+MAX_INFERRED_VOCAB = 2**20  # a larger id without --vocab-size is a misread file
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_NPY_MAGIC = b"\x93NUMPY"
+_BINARY_PROBE = 65536  # bytes of each text file checked for NUL bytes
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """A tokenized corpus split into a training and a validation token stream (int16 tensors)."""
+    """A tokenized corpus split into a training and a validation token stream.
+
+    Byte-level corpora hold int16 tensors, token files int32; ``vocab_size`` is the model's
+    vocabulary (257 for bytes). ``kind`` is ``"bytes"`` or ``"tokens"``.
+    """
 
     name: str
     num_documents: int
     train: torch.Tensor
     val: torch.Tensor
+    vocab_size: int = VOCAB_SIZE
+    kind: str = "bytes"
 
     @property
     def num_tokens(self) -> int:
@@ -85,8 +104,13 @@ def _source_files(source: str) -> tuple[str, list[Path]]:
     )
 
 
-def _tokenize(files: list[Path], max_bytes: int) -> tuple[torch.Tensor, int]:
-    """Concatenate the files' bytes, each followed by EOD, stopping after ``max_bytes`` bytes."""
+def _tokenize(
+    files: list[Path], max_bytes: int, check_text: bool = True
+) -> tuple[torch.Tensor, int]:
+    """Concatenate the files' bytes, each followed by EOD, stopping after ``max_bytes`` bytes.
+
+    ``check_text`` refuses a file with a NUL byte in its first 64 KiB (binary, not text).
+    """
     chunks: list[torch.Tensor] = []
     used = 0
     documents = 0
@@ -96,6 +120,12 @@ def _tokenize(files: list[Path], max_bytes: int) -> tuple[torch.Tensor, int]:
         data = path.read_bytes()[: max_bytes - used]
         if not data:
             continue
+        if check_text and b"\0" in data[:_BINARY_PROBE]:
+            hint = (
+                "; a pre-tokenized file needs --token-dtype uint16|uint32 (OLMo's numpy layout)"
+                " or a .npy header"
+            )
+            raise ValueError(f"data file {str(path)!r} is not a text file (it has NUL bytes){hint}")
         used += len(data)
         documents += 1
         chunks.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16))
@@ -120,19 +150,106 @@ def split(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(parts[False]), torch.cat(parts[True])
 
 
+def _read_token_file(
+    path: Path, token_dtype: str | None, max_bytes: int
+) -> tuple[np.ndarray, str] | None:
+    """The token ids of ``path`` when it is a token file, else None (a text file).
+
+    A token file is a ``.npy`` with a header, or any file when ``token_dtype`` names the raw
+    layout. At most ``max_bytes`` bytes of ids are read.
+    """
+    with path.open("rb") as f:
+        head = f.read(len(_NPY_MAGIC))
+    if head == _NPY_MAGIC:
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"data file {str(path)!r}: unreadable .npy file ({err})") from None
+        if arr.ndim != 1 or arr.dtype not in (np.uint16, np.uint32):
+            raise ValueError(
+                f"data file {str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; a token file "
+                "must be a flat uint16 or uint32 array"
+            )
+        if token_dtype is not None and arr.dtype != TOKEN_DTYPES[token_dtype]:
+            raise ValueError(
+                f"data file {str(path)!r} holds {arr.dtype} ids but --token-dtype is {token_dtype}"
+            )
+        return np.asarray(arr[: max_bytes // arr.itemsize]), f"npy {arr.dtype}"
+    if token_dtype is None:
+        return None
+    dtype = np.dtype(TOKEN_DTYPES[token_dtype])
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ValueError(
+            f"data file {str(path)!r} has {size} bytes, not a multiple of {dtype.itemsize}: "
+            f"not a flat {token_dtype} token file"
+        )
+    count = min(size, max_bytes) // dtype.itemsize
+    if count == 0:
+        return np.empty(0, dtype=dtype), f"raw {token_dtype}"
+    return np.array(np.memmap(path, mode="r", dtype=dtype, shape=(count,))), f"raw {token_dtype}"
+
+
+def _token_corpus(
+    path: Path, ids: np.ndarray, layout: str, vocab_size: int | None
+) -> tuple[str, torch.Tensor, int]:
+    top = int(ids.max()) if ids.size else -1
+    if vocab_size is None:
+        if top >= MAX_INFERRED_VOCAB:
+            raise ValueError(
+                f"data file {str(path)!r} read as {layout} has token id {top}: is --token-dtype "
+                "right? (pass --vocab-size to train with a vocabulary this large)"
+            )
+        vocab_size = top + 1
+    elif top >= vocab_size:
+        raise ValueError(
+            f"data file {str(path)!r} has token id {top}, outside --vocab-size {vocab_size}"
+        )
+    tokens = torch.from_numpy(ids.astype(np.int64)).to(torch.int32)
+    return f"{path} ({layout} tokens)", tokens, max(vocab_size, 2)
+
+
 def load_corpus(
-    source: str = STDLIB, *, max_bytes: int = DEFAULT_MAX_BYTES, min_tokens: int = 2
+    source: str = STDLIB,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    min_tokens: int = 2,
+    token_dtype: str | None = None,
+    vocab_size: int | None = None,
 ) -> Corpus:
-    """Read, tokenize and split ``source`` ("stdlib", a text file, or a directory of text files).
+    """Read, tokenize and split ``source``: "stdlib", a text file, a directory of text files, or
+    a token file (OLMo's numpy layout with ``token_dtype``, or a ``.npy``; see the module doc).
 
     ``min_tokens`` is the shortest training and validation stream the caller can use (for example
     one window of ``seq_len`` tokens); a smaller corpus raises ``ValueError`` saying how much
-    data is needed.
+    data is needed. ``max_bytes`` caps the bytes read (text bytes or token-id bytes).
     """
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-    name, files = _source_files(source)
-    tokens, documents = _tokenize(files, max_bytes)
+    if token_dtype is not None and token_dtype not in TOKEN_DTYPES:
+        raise ValueError(
+            f"unknown token dtype {token_dtype!r}; choose from {', '.join(TOKEN_DTYPES)}"
+        )
+    if vocab_size is not None and vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    path = Path(source)
+    token_file = None
+    if source != STDLIB and path.is_file():
+        token_file = _read_token_file(path, token_dtype, max_bytes)
+    elif token_dtype is not None:
+        raise ValueError(f"--token-dtype needs --data to be one token file, got {source!r}")
+    if token_file is not None:
+        name, tokens, vocab = _token_corpus(path, *token_file, vocab_size)
+        documents, kind = 1, "tokens"
+    else:
+        if vocab_size is not None and vocab_size != VOCAB_SIZE:
+            raise ValueError(
+                f"--vocab-size {vocab_size} only applies to token files; text is byte-level "
+                f"(vocab {VOCAB_SIZE})"
+            )
+        name, files = _source_files(source)
+        tokens, documents = _tokenize(files, max_bytes, check_text=source != STDLIB)
+        vocab, kind = VOCAB_SIZE, "bytes"
     train, val = split(tokens)
     if min(train.numel(), val.numel()) < min_tokens:
         raise ValueError(
@@ -140,7 +257,9 @@ def load_corpus(
             f"a {1 / VAL_EVERY:.0%} validation split with windows of {min_tokens} tokens "
             f"needs at least {VAL_EVERY * min_tokens} tokens"
         )
-    return Corpus(name=name, num_documents=documents, train=train, val=val)
+    return Corpus(
+        name=name, num_documents=documents, train=train, val=val, vocab_size=vocab, kind=kind
+    )
 
 
 def _windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -148,21 +267,41 @@ def _windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.
     return tokens[starts[:, None] + offsets[None, :]].long()
 
 
-def train_batches(
-    corpus: Corpus, *, batch_size: int, seq_len: int, seed: int
-) -> Iterator[torch.Tensor]:
+class TrainBatches(Iterator[torch.Tensor]):
     """An endless stream of ``[batch_size, seq_len]`` windows at seeded random training offsets.
 
     The same ``seed`` gives the same sequence of batches in every run, whatever else the process
     does with random numbers, so every optimizer sees identical data in identical order.
+    ``state_dict()`` is the data position (batches drawn and the generator state) a checkpoint
+    keeps; ``load_state_dict`` continues the stream exactly there.
     """
-    if seq_len > corpus.train.numel():
-        raise ValueError(f"seq_len {seq_len} exceeds the {corpus.train.numel()} training tokens")
-    gen = torch.Generator().manual_seed(seed)
-    high = corpus.train.numel() - seq_len + 1
-    while True:
-        starts = torch.randint(0, high, (batch_size,), generator=gen)
-        yield _windows(corpus.train, starts, seq_len)
+
+    def __init__(self, corpus: Corpus, *, batch_size: int, seq_len: int, seed: int) -> None:
+        if seq_len > corpus.train.numel():
+            raise ValueError(
+                f"seq_len {seq_len} exceeds the {corpus.train.numel()} training tokens"
+            )
+        self.corpus, self.batch_size, self.seq_len = corpus, batch_size, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+        self.position = 0
+        self._high = corpus.train.numel() - seq_len + 1
+
+    def __next__(self) -> torch.Tensor:
+        starts = torch.randint(0, self._high, (self.batch_size,), generator=self.generator)
+        self.position += 1
+        return _windows(self.corpus.train, starts, self.seq_len)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.position = int(state["position"])
+
+
+def train_batches(corpus: Corpus, *, batch_size: int, seq_len: int, seed: int) -> TrainBatches:
+    """See `TrainBatches`."""
+    return TrainBatches(corpus, batch_size=batch_size, seq_len=seq_len, seed=seed)
 
 
 def val_batches(

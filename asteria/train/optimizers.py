@@ -120,8 +120,64 @@ def get_spec(name: str) -> OptimizerSpec:
         ) from None
 
 
+MODES = ("native", "asteria")
+FIRST_ORDER = frozenset({"adamw"})  # no refreshes: only the native mode exists
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a comparison: optimizer ``name`` in ``mode``; ``label`` names it everywhere
+    (``adamw``, ``soap:native``, ``soap:asteria``)."""
+
+    name: str
+    mode: str = "native"
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name in FIRST_ORDER else f"{self.name}:{self.mode}"
+
+
+def parse_run(text: str, default_mode: str = "native") -> RunSpec:
+    """``"soap"``, ``"soap:asteria"`` or ``"adamw"`` -> a checked `RunSpec`."""
+    name, _, mode = text.strip().partition(":")
+    get_spec(name)
+    if default_mode not in MODES:
+        raise ValueError(f"unknown mode {default_mode!r}; choose from {', '.join(MODES)}")
+    mode = mode.strip() or default_mode
+    if mode not in MODES:
+        raise ValueError(
+            f"unknown mode {mode!r} in {text.strip()!r}; choose from {', '.join(MODES)}"
+        )
+    if name in FIRST_ORDER:
+        if ":" in text and mode != "native":
+            raise ValueError(
+                f"{name} has no preconditioner refreshes to orchestrate: only {name} (native) "
+                "exists; the asteria mode is for soap, kl-shampoo and shampoo"
+            )
+        mode = "native"
+    return RunSpec(name, mode)
+
+
+def parse_runs(text: str, default_mode: str = "native") -> list[RunSpec]:
+    """``"adamw,soap:native,soap:asteria"`` -> run specs in order, each checked, no repeats.
+
+    A name without ``:mode`` takes ``default_mode`` (AdamW is always native).
+    """
+    parts = [n for n in text.split(",") if n.strip()]
+    if not parts:
+        raise ValueError(
+            f"no optimizer names in {text!r}; choose from {', '.join(OPTIMIZERS)} "
+            f"(second-order ones as name:native or name:asteria)"
+        )
+    runs = [parse_run(part, default_mode) for part in parts]
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"optimizer runs repeat in {text!r}: {', '.join(labels)}")
+    return runs
+
+
 def parse_names(text: str) -> list[str]:
-    """``"adamw,soap"`` -> ``["adamw", "soap"]``, each checked, no duplicates."""
+    """``"adamw,soap"`` -> ``["adamw", "soap"]``, each checked, no duplicates (names only)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError(f"no optimizer names in {text!r}; choose from {', '.join(OPTIMIZERS)}")

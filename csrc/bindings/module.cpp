@@ -21,6 +21,30 @@ namespace {
 
 using ReleaseGil = py::call_guard<py::gil_scoped_release>;
 
+// Note [GIL-free pool teardown]: deleting a pool joins its workers, and a worker finishing a job
+// may drop the last reference to a result tensor that reached Python, which takes the GIL. The
+// garbage collector deletes the pool with the GIL held, so the join releases it first (unless
+// the interpreter is finalizing, when the atexit hook has already stopped every pool).
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+struct PoolDeleter {
+  void operator()(asteria::RefreshPool* pool) const {
+    if (Py_IsInitialized() && !interpreter_finalizing() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      delete pool;
+    } else {
+      delete pool;
+    }
+  }
+};
+using PoolHolder = std::unique_ptr<asteria::RefreshPool, PoolDeleter>;
+
 void register_errors(py::module_& m) {
   py::register_local_exception<asteria::MatrixFunctionError>(m, "MatrixFunctionError",
                                                              PyExc_RuntimeError);
@@ -82,11 +106,11 @@ void register_pool(py::module_& m) {
       .def_property_readonly("started_at", &asteria::RefreshFuture::started_at)
       .def_property_readonly("finished_at", &asteria::RefreshFuture::finished_at);
 
-  py::class_<asteria::RefreshPool>(m, "WorkerPool")
+  py::class_<asteria::RefreshPool, PoolHolder>(m, "WorkerPool")
       .def(py::init([](int workers, int lapack_threads, std::optional<std::vector<int>> affinity,
                        int64_t queue_capacity) {
-             return std::make_unique<asteria::RefreshPool>(asteria::RefreshPoolOptions{
-                 workers, lapack_threads, affinity.value_or(std::vector<int>{}), queue_capacity});
+             return PoolHolder(new asteria::RefreshPool(asteria::RefreshPoolOptions{
+                 workers, lapack_threads, affinity.value_or(std::vector<int>{}), queue_capacity}));
            }),
            py::arg("workers"), py::arg("lapack_threads") = 1, py::arg("affinity") = py::none(),
            py::arg("queue_capacity") = 1024, ReleaseGil())
@@ -100,9 +124,10 @@ void register_pool(py::module_& m) {
            py::arg("epsilon") = 1e-12, py::arg("dtype") = at::kFloat, ReleaseGil())
       .def("shutdown", &asteria::RefreshPool::shutdown, py::arg("wait") = true, ReleaseGil())
       .def("is_shutdown", &asteria::RefreshPool::is_shutdown)
-      .def("stats", &asteria::RefreshPool::stats)
-      .def("latest", &asteria::RefreshPool::latest, py::arg("block"))
-      .def("published_version", &asteria::RefreshPool::published_version, py::arg("block"))
+      .def("stats", &asteria::RefreshPool::stats, ReleaseGil())
+      .def("latest", &asteria::RefreshPool::latest, py::arg("block"), ReleaseGil())
+      .def("published_version", &asteria::RefreshPool::published_version, py::arg("block"),
+           ReleaseGil())
       .def_property_readonly("workers", &asteria::RefreshPool::workers)
       .def_property_readonly("lapack_threads", &asteria::RefreshPool::lapack_threads);
 

@@ -30,11 +30,18 @@ class VersionedSlots {
  public:
   // Installs `value` as `version` of `block`; false (and no change) when the slot already holds
   // this version or a newer one.
+  // The value it replaces is released after the mutex: a result that reached Python may need
+  // the GIL to be freed, and a thread holding the GIL may be waiting for this mutex (latest()).
   bool publish(const std::string& block, int64_t version, std::shared_ptr<const T> value) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = slots_.find(block);
-    if (it != slots_.end() && it->second.version >= version) return false;
-    slots_[block] = Versioned<T>{version, std::move(value)};
+    std::shared_ptr<const T> replaced;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = slots_.find(block);
+      if (it != slots_.end() && it->second.version >= version) return false;
+      Versioned<T>& slot = slots_[block];
+      replaced = std::move(slot.value);
+      slot = Versioned<T>{version, std::move(value)};
+    }
     return true;
   }
 

@@ -261,3 +261,103 @@ def test_bad_attachments():
             Runtime(None, opt, RuntimeConfig(workers=1))
     with pytest.raises(ValueError, match="config"):
         Runtime(None, opt, config={"staleness": 1})
+
+
+# -- the statistics lane (Note [Statistics lane] in asteria/runtime/lane.py) -------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_statistics_lane_is_bitwise_the_training_thread(name, runtimes):
+    """Factor statistics on the lane give the same bits as in the step, at any delay."""
+    cls = OPTIMIZERS[name]
+    problem = StochasticQuartic(SHAPES, 60, torch.float32)
+    runs = {}
+    for lane in (False, True):
+        config = RuntimeConfig(staleness=3, fixed_delay=2, workers=1, statistics_lane=lane)
+        runs[lane] = problem.run(_orchestrated(cls, config, runtimes))
+        stats = runtimes[-1].stats()["statistics_lane"]
+        assert (stats is not None) == lane
+        if lane:
+            assert stats["updates"] >= 59 * 3  # every step of every factored block
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a, b)
+
+
+def _model_run(lane: bool, zero_grad, steps: int = 14) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    opt = KLShampoo(model.parameters(), precondition_frequency=3)
+    gen = torch.Generator().manual_seed(1)
+    config = RuntimeConfig(staleness=2, fixed_delay=1, workers=1, statistics_lane=lane)
+    with Runtime(model, opt, config):
+        for _ in range(steps):
+            zero_grad(opt)
+            model(torch.randn(16, 8, generator=gen)).square().mean().backward()
+            opt.step()
+        state = opt.state_dict()  # waits for the lane
+    assert all(torch.isfinite(t).all() for s in state["state"].values() for t in _tensors(s))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+@pytest.mark.parametrize(
+    "zero_grad",
+    [
+        lambda opt: opt.zero_grad(),  # gradients replaced: the lane keeps reading the old ones
+        lambda opt: opt.zero_grad(set_to_none=False),  # zeroed in place: zero_grad waits first
+    ],
+    ids=["set_to_none", "in_place"],
+)
+def test_statistics_lane_never_reads_a_gradient_being_rewritten(zero_grad):
+    assert all(
+        torch.equal(a, b) for a, b in zip(_model_run(True, zero_grad), _model_run(False, zero_grad))
+    )
+
+
+def test_statistics_lane_guards_gradients_accumulated_in_place(monkeypatch):
+    """Without zero_grad the next backward adds into .grad in place: the gradient hook waits
+    for the lane before that, so the statistics still read the gradient of their own step
+    (the lane is slowed down so that, unguarded, the backward would get there first)."""
+    import time
+
+    original = KLShampoo._update_statistics
+
+    def slow(*args):
+        time.sleep(0.01)
+        original(*args)
+
+    monkeypatch.setattr(KLShampoo, "_update_statistics", staticmethod(slow))
+
+    def accumulate(opt):  # two micro-batches per step, .grad zeroed in place every other step
+        accumulate.calls += 1
+        if accumulate.calls % 2:
+            opt.zero_grad(set_to_none=False)
+
+    accumulate.calls = 0
+    with_lane = _model_run(True, accumulate)
+    accumulate.calls = 0
+    without = _model_run(False, accumulate)
+    assert all(torch.equal(a, b) for a, b in zip(with_lane, without))
+
+
+def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes, monkeypatch):
+    import asteria.optim.soap as soap_module
+
+    problem = StochasticQuartic([(6, 6)], 12, torch.float32)
+
+    def broken(factors, g, beta):
+        raise FloatingPointError("injected statistics failure")
+
+    monkeypatch.setattr(soap_module, "_accumulate_factors", broken)
+    with pytest.raises(RuntimeError, match=r"statistics update of block 'param0\[0\]'.*injected"):
+        problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))

@@ -1,0 +1,248 @@
+"""The tier policy: which memory tier each kind of optimizer state lives in.
+
+Owns: the state kinds and tiers, the rule that places them (``plan``) and the planned bytes per
+tier and kind. Pure: budgets, architecture facts (``Arch``), per-block state sizes
+(``BlockSizes``, in the order the step touches the blocks) in; a ``Placement`` out. Nothing here
+allocates, touches tensors or knows an optimizer (``accounting.py`` turns an optimizer into
+``BlockSizes``; the runtime carries a placement out).
+
+State kinds (DESIGN.md, "Where state lives"):
+  * ``factors``: the Kronecker factors L, R. Written and read every step: always on the device.
+  * ``moments``: Adam/grafting moments, KL-Shampoo's eigenvalue estimates. Every step: device.
+  * ``bases``: refresh results in use (eigenbases, inverse roots), read every step by the device.
+    ``auto``: host memory. The device reads them through mapped views on unified-memory machines
+    (GH200, GB10) and directly on a CPU-only machine; on a discrete GPU they are copied into a
+    device window just before use, which needs an optimizer that reads its bases block by block
+    through the runtime (``bases_window``); without it they stay on the device.
+  * ``results``: finished refreshes waiting for their install step (``fixed_delay``). Host;
+    the coldest (last in access order) go to NVMe when ``host_budget_bytes`` binds.
+  * ``snapshots``: a spilled refresh's inputs (factor, basis at request time), kept with it on
+    NVMe so that a corrupt slot is recomputed exactly.
+  * ``staging``: pinned host slots for device snapshots (CUDA only): host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "KINDS",
+    "PLACEABLE",
+    "TIERS",
+    "Arch",
+    "BlockSizes",
+    "Placement",
+    "explicit_tiers",
+    "plan",
+]
+
+TIERS = ("device", "host", "nvme")
+KINDS = ("factors", "moments", "bases", "results", "snapshots", "staging")
+#: What an explicit ``placement`` may choose, per kind (the first entry is the ``auto`` home).
+PLACEABLE: dict[str, tuple[str, ...]] = {
+    "factors": ("device",),
+    "moments": ("device",),
+    "bases": ("host", "device"),
+    "results": ("host", "nvme"),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the machine is: ``cuda`` (the optimizer's tensors are on a GPU) and
+    ``unified_memory`` (the GPU reads host memory coherently at speed: GH200/GB10, i.e.
+    ``torch.cuda.get_device_properties(i)`` reports an integrated or host-coherent device)."""
+
+    cuda: bool
+    unified_memory: bool = False
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Bytes of one preconditioner block's state, by kind (0 where the block has none).
+
+    ``param``: index of the block's parameter (blocks of one parameter are consecutive).
+    ``moments`` of parameters that are not preconditioned are a block of their own with only
+    moments. ``results`` is one finished refresh of the block; ``snapshots`` its inputs.
+    """
+
+    name: str
+    param: int
+    factors: int = 0
+    moments: int = 0
+    bases: int = 0
+    results: int = 0
+    snapshots: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each kind lives, and the planned bytes per tier and kind.
+
+    ``tiers``: kind -> tier; ``results`` of the blocks named in ``spilled`` go to ``nvme``
+    instead (with their ``snapshots``). ``bases_access``: how the device reads host bases
+    (``"direct"`` on a CPU-only machine, ``"mapped"`` on unified memory, ``"window"`` through a
+    device window of ``window_bytes``), or ``None`` when they are on the device. ``bytes``: tier
+    -> kind -> planned bytes (peak: every block with a result waiting). ``notes``: why.
+    """
+
+    tiers: dict[str, str]
+    spilled: frozenset[str] = frozenset()
+    bases_access: str | None = None
+    window_bytes: int = 0
+    bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def results_tier(self, name: str) -> str:
+        return "nvme" if name in self.spilled else self.tiers["results"]
+
+    def total(self, tier: str) -> int:
+        return sum(self.bytes.get(tier, {}).values())
+
+
+def _check_budget(name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be None or an integer number of bytes >= 0, got {value!r}")
+
+
+def explicit_tiers(placement: Mapping[str, str]) -> dict[str, str]:
+    """Every placeable kind's tier under an explicit ``placement`` (missing kinds: auto)."""
+    for kind, tier in placement.items():
+        if kind not in PLACEABLE:
+            raise ValueError(
+                f"placement: unknown state kind {kind!r}; the kinds are {sorted(PLACEABLE)}"
+            )
+        if tier not in PLACEABLE[kind]:
+            raise ValueError(
+                f"placement: {kind!r} cannot live in {tier!r}; allowed: {PLACEABLE[kind]}"
+            )
+    return {kind: placement.get(kind, tiers[0]) for kind, tiers in PLACEABLE.items()}
+
+
+def _gib(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.3f} GiB)"
+
+
+def plan(
+    blocks: Sequence[BlockSizes],
+    arch: Arch,
+    *,
+    device_budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+    nvme: bool = False,
+    placement: str | Mapping[str, str] = "auto",
+    staging_bytes: int = 0,
+    bases_window: bool = False,
+    window_blocks: int = 2,
+) -> Placement:
+    """Place every kind of state (see the module docstring for the rules).
+
+    ``blocks``: in access order (the order a step touches them). ``nvme``: whether a spill
+    directory is configured. ``bases_window``: whether the consumer can read host bases through
+    a device window of ``window_blocks`` consecutive blocks (the one in use and the next).
+    Raises ``ValueError`` saying what to change when the budgets cannot be met.
+    """
+    _check_budget("device_budget_bytes", device_budget_bytes)
+    _check_budget("host_budget_bytes", host_budget_bytes)
+    if placement == "auto":
+        tiers = {kind: homes[0] for kind, homes in PLACEABLE.items()}
+    elif isinstance(placement, Mapping):
+        tiers = explicit_tiers(placement)
+    else:
+        raise ValueError(f"placement must be 'auto' or a dict kind -> tier, got {placement!r}")
+    if window_blocks < 1:
+        raise ValueError(f"window_blocks must be >= 1, got {window_blocks}")
+    notes: list[str] = []
+
+    total = {k: sum(getattr(b, k) for b in blocks) for k in ("factors", "moments", "bases")}
+    bases_access: str | None = None
+    window = 0
+    if tiers["bases"] == "host":
+        if not arch.cuda:
+            bases_access = "direct"
+        elif arch.unified_memory:
+            bases_access = "mapped"
+        elif bases_window:
+            bases_access = "window"
+            sizes = [b.bases for b in blocks]
+            window = max((sum(sizes[i : i + window_blocks]) for i in range(len(sizes))), default=0)
+        else:
+            tiers["bases"] = "device"
+            notes.append(
+                "bases stay on the device: a discrete GPU reads host bases only through a "
+                "device window, and this optimizer does not read its bases through the runtime"
+            )
+    if tiers["bases"] == "host":
+        notes.append(f"bases in host memory, read by the device: {bases_access}")
+
+    device = {"factors": total["factors"], "moments": total["moments"]}
+    device["bases"] = total["bases"] if tiers["bases"] == "device" else window
+    need_device = sum(device.values())
+    if device_budget_bytes is not None and need_device > device_budget_bytes:
+        parts = ", ".join(f"{k} {v}" for k, v in device.items() if v)
+        hint = (
+            "place bases in host memory (placement={'bases': 'host'}) or raise it"
+            if tiers["bases"] == "device" and (arch.unified_memory or not arch.cuda)
+            else "raise it, or shard or shrink the model (max_preconditioner_dim)"
+        )
+        raise ValueError(
+            f"device_budget_bytes={device_budget_bytes} is smaller than the {need_device} bytes "
+            f"that must stay on the device ({parts}); {hint}"
+        )
+
+    host = {"bases": total["bases"] if tiers["bases"] == "host" else 0, "staging": staging_bytes}
+    fixed_host = host["bases"] + host["staging"]
+    room = None if host_budget_bytes is None else host_budget_bytes - fixed_host
+    if room is not None and room < 0:
+        raise ValueError(
+            f"host_budget_bytes={host_budget_bytes} is smaller than the {fixed_host} bytes "
+            f"that must stay in host memory (bases {host['bases']}, staging "
+            f"{host['staging']}); raise it to at least {fixed_host}, or keep the bases on "
+            "the device: placement={'bases': 'device'}"
+        )
+    spilled: list[str] = []
+    results_host = 0
+    if tiers["results"] == "nvme":
+        spilled = [b.name for b in blocks if b.results]
+    else:
+        for b in blocks:  # hottest first: once one block does not fit, every later one spills
+            if room is None or (not spilled and results_host + b.results <= room):
+                results_host += b.results
+            elif b.results:
+                spilled.append(b.name)
+        if spilled:
+            notes.append(
+                f"host_budget_bytes binds: the refresh results of the last {len(spilled)} "
+                "blocks in access order go to NVMe"
+            )
+    host["results"] = results_host
+    spilled_set = frozenset(spilled)
+    nvme_bytes = {
+        "results": sum(b.results for b in blocks if b.name in spilled_set),
+        "snapshots": sum(b.snapshots for b in blocks if b.name in spilled_set),
+    }
+    if spilled and not nvme:
+        if tiers["results"] == "nvme":
+            raise ValueError(
+                "placement puts refresh results on 'nvme' but nvme_path is not set; set "
+                "nvme_path to a writable directory on a local drive"
+            )
+        need = fixed_host + sum(b.results for b in blocks)
+        raise ValueError(
+            f"{len(spilled)} blocks' refresh results ({_gib(nvme_bytes['results'])}) do not fit "
+            f"host_budget_bytes={host_budget_bytes}; set nvme_path to a directory on a local "
+            f"drive to spill them, or raise host_budget_bytes to at least {need}"
+        )
+    return Placement(
+        tiers=tiers,
+        spilled=spilled_set,
+        bases_access=bases_access,
+        window_bytes=window,
+        bytes={
+            "device": device,
+            "host": host,
+            "nvme": nvme_bytes,
+        },
+        notes=tuple(notes),
+    )

@@ -1,0 +1,109 @@
+"""The statistics lane: factor statistics of CPU-resident parameters, off the training thread.
+
+Owns: one background thread that runs, in submission order, the per-step statistics updates an
+optimizer hands to its refresher (``Refresher.accumulate``: SOAP's and Shampoo's factor EMAs,
+KL-Shampoo's factor and eigenvalue EMAs), and the per-block waits that keep them coherent.
+
+Note [Statistics lane]: on a GPU the factor statistics are cheap device kernels that overlap the
+host anyway; on a CPU-only run they are a third of SOAP's step and most of KL-Shampoo's, paid on
+the one core that trains. Nothing in the step after them reads their result until the block's
+next refresh (SOAP, Shampoo) or its next update (KL-Shampoo's eigenvalue estimates), so the runtime
+runs them on this lane, on the core the refresh pool shares, while the training thread goes on.
+Coherence, per block:
+  * an update reads what the block's previous statistics wrote only after ``wait(key)``
+    (``Refresher.block_begin``), and a refresh snapshots the factors only after it too;
+  * the lane reads the step's gradient in place (no copy, hence bit-for-bit the native
+    arithmetic): the gradient is only ever written again by the next backward (guarded by a
+    gradient hook, hooks.py) or by ``zero_grad(set_to_none=False)`` (which syncs first);
+  * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``).
+The work is the optimizer's own Python function on the same tensors with the same thread count,
+so native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py).
+
+Must not: decide what the statistics are (the optimizer's function does), or be used for
+parameters on a GPU (the runtime does not create it there).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["StatisticsLane"]
+
+
+def _run(fn: Callable[..., None], args: tuple) -> None:
+    with torch.no_grad():  # grad mode is per thread; the step's no_grad does not reach here
+        fn(*args)
+
+
+class StatisticsLane:
+    """A FIFO of statistics updates on one background thread (Note [Statistics lane])."""
+
+    def __init__(self, name_of: Callable[[Hashable], str] = str) -> None:
+        threads = torch.get_num_threads()
+        # The lane computes with the training's intra-op thread count (a new thread starts with
+        # OpenMP's default), so BLAS takes the same code path and gives the same bits.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="asteria-statistics",
+            initializer=torch.set_num_threads,
+            initargs=(threads,),
+        )
+        self._last: dict[Hashable, Future] = {}
+        self._name_of = name_of
+        self._lock = threading.Lock()
+        self.submitted = 0
+        self.wait_s = 0.0
+
+    def submit(self, key: Hashable, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)`` after everything submitted before it."""
+        future = self._executor.submit(_run, fn, args)
+        with self._lock:
+            self._last[key] = future
+        self.submitted += 1
+
+    def pending(self) -> bool:
+        with self._lock:
+            return any(not f.done() for f in self._last.values())
+
+    def wait(self, key: Hashable) -> None:
+        """Block until every update of ``key`` submitted so far has run; re-raise its error."""
+        with self._lock:
+            future = self._last.pop(key, None)
+        if future is not None:
+            self._result(key, future)
+
+    def wait_all(self) -> None:
+        with self._lock:
+            items = list(self._last.items())
+            self._last.clear()
+        for key, future in items:
+            self._result(key, future)
+
+    def close(self) -> None:
+        """Finish the queued work (errors re-raised) and stop the thread."""
+        try:
+            self.wait_all()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        """Stop without waiting (garbage collection of a runtime never closed)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _result(self, key: Hashable, future: Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            future.result()
+        except Exception as err:
+            raise RuntimeError(
+                f"Asteria: the statistics update of block '{self._name_of(key)}' failed on the "
+                f"statistics lane: {err}"
+            ) from err
+        finally:
+            self.wait_s += time.perf_counter() - t0
