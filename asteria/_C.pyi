@@ -88,6 +88,7 @@ class WorkerPool:
         deadline: int,
         factor: torch.Tensor,
         dtype: torch.dtype = torch.float32,
+        copy: bool = True,
     ) -> Future: ...
     def submit_qr_refresh(
         self,
@@ -98,6 +99,7 @@ class WorkerPool:
         basis: torch.Tensor,
         sort: bool = True,
         dtype: torch.dtype = torch.float32,
+        copy: bool = True,
     ) -> Future: ...
     def submit_inverse_root(
         self,
@@ -108,6 +110,7 @@ class WorkerPool:
         root: float,
         epsilon: float = 1e-12,
         dtype: torch.dtype = torch.float32,
+        copy: bool = True,
     ) -> Future: ...
     def shutdown(self, wait: bool = True) -> None: ...
     def is_shutdown(self) -> bool: ...

@@ -37,8 +37,14 @@ def _check_square(name: str, a: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(a.shape)}")
 
 
+def _finite_one(t: torch.Tensor) -> bool:
+    """Exact, usually in one pass: a finite sum means every entry is finite (a NaN or Inf makes
+    the sum non-finite); only a non-finite sum, which may be an overflow, needs the full test."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    return all(_finite_one(t) for t in tensors if t.is_floating_point())
 
 
 def _finite_orthonormal(q: torch.Tensor, *rest: torch.Tensor) -> bool:
@@ -55,15 +61,29 @@ def _canonical(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _shifted(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A row-major copy of ``a`` in ``dtype`` with ``EIGH_SHIFT`` added to its diagonal (in
+    """A copy of ``a`` in ``dtype`` with ``EIGH_SHIFT`` added to its diagonal (in
     place: the same values as ``a + EIGH_SHIFT * I`` without building the identity)."""
-    out = torch.empty(a.shape, dtype=dtype, device=a.device)
+    # Column-major, the layout LAPACK works in: eigh's own working copy is then a plain memcpy
+    # (it copies any layout to the same column-major values, so the result does not change).
+    out = torch.empty(a.shape[::-1], dtype=dtype, device=a.device).T
     out.copy_(a)
     out.diagonal().add_(EIGH_SHIFT)
     return out
 
 
+def _shift_is_exact_noop(a: torch.Tensor) -> bool:
+    """Whether ``a + EIGH_SHIFT * I`` equals ``a`` bit for bit: adding ``s`` to a float ``x``
+    returns ``x`` when ``|s| < ulp(x) / 2``, and ``ulp(x) >= |x| * eps / 2``; so every diagonal
+    entry above ``4 * s / eps`` in magnitude (with a margin of 2) absorbs the shift."""
+    eps = torch.finfo(a.dtype).eps
+    return a.shape[0] > 0 and bool(a.diagonal().abs().min() * eps > 8 * EIGH_SHIFT)
+
+
 def _eigh(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # The shifted copy only where the shift changes a bit (a zero or tiny diagonal entry):
+    # eigh's own working copy is then the only one.
+    if a.dtype == dtype and _shift_is_exact_noop(a):
+        return torch.linalg.eigh(a)
     return torch.linalg.eigh(_shifted(a, dtype))
 
 

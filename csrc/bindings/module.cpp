@@ -115,13 +115,16 @@ void register_pool(py::module_& m) {
            py::arg("workers"), py::arg("lapack_threads") = 1, py::arg("affinity") = py::none(),
            py::arg("queue_capacity") = 1024, ReleaseGil())
       .def("submit_eigh", &asteria::RefreshPool::submit_eigh, py::arg("block"), py::arg("version"),
-           py::arg("deadline"), py::arg("factor"), py::arg("dtype") = at::kFloat, ReleaseGil())
+           py::arg("deadline"), py::arg("factor"), py::arg("dtype") = at::kFloat,
+           py::arg("copy") = true, ReleaseGil())
       .def("submit_qr_refresh", &asteria::RefreshPool::submit_qr_refresh, py::arg("block"),
            py::arg("version"), py::arg("deadline"), py::arg("factor"), py::arg("basis"),
-           py::arg("sort") = true, py::arg("dtype") = at::kFloat, ReleaseGil())
+           py::arg("sort") = true, py::arg("dtype") = at::kFloat, py::arg("copy") = true,
+           ReleaseGil())
       .def("submit_inverse_root", &asteria::RefreshPool::submit_inverse_root, py::arg("block"),
            py::arg("version"), py::arg("deadline"), py::arg("factor"), py::arg("root"),
-           py::arg("epsilon") = 1e-12, py::arg("dtype") = at::kFloat, ReleaseGil())
+           py::arg("epsilon") = 1e-12, py::arg("dtype") = at::kFloat, py::arg("copy") = true,
+           ReleaseGil())
       .def("shutdown", &asteria::RefreshPool::shutdown, py::arg("wait") = true, ReleaseGil())
       .def("is_shutdown", &asteria::RefreshPool::is_shutdown)
       .def("stats", &asteria::RefreshPool::stats, ReleaseGil())

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "core/lapack_backend.h"
@@ -34,8 +35,11 @@ void check_dtype(at::ScalarType dtype) {
 // then give the same bits.
 at::Tensor canonical(const at::Tensor& a, at::ScalarType dtype) { return a.to(dtype).contiguous(); }
 
+// Exact, usually in one pass: a finite sum means every entry is finite; only a non-finite sum,
+// which may be an overflow, needs the full test (as _finite_one in matrix_functions.py).
 bool all_finite(const at::Tensor& t) {
   if (!at::isFloatingType(t.scalar_type())) return true;
+  if (std::isfinite(t.sum().item<double>())) return true;
   return at::isfinite(t).all().item<bool>();
 }
 
@@ -58,6 +62,15 @@ bool finite_orthonormal(const Outputs& outputs) {
 }
 
 using ValidFn = bool (*)(const Outputs&);
+
+// Whether factor + kEighShift * I equals factor bit for bit: adding s to a float x returns x when
+// |s| < ulp(x) / 2, and ulp(x) >= |x| eps / 2, so every diagonal entry above 4 s / eps in
+// magnitude (margin 2) absorbs the shift (as _shift_is_exact_noop in matrix_functions.py).
+bool shift_is_exact_noop(const at::Tensor& a) {
+  const double eps = a.scalar_type() == at::kFloat ? std::numeric_limits<float>::epsilon()
+                                                   : std::numeric_limits<double>::epsilon();
+  return a.size(0) > 0 && a.diagonal().abs().min().item<double>() * eps > 8 * kEighShift;
+}
 
 // One attempt in `dtype`: the outputs when LAPACK succeeded and they pass `valid`, else nullopt
 // with the reason in *error.
@@ -103,9 +116,15 @@ std::tuple<at::Tensor, at::Tensor> eigh_descending(const at::Tensor& factor, at:
     throw MatrixFunctionError("eigh_descending: factor has non-finite entries");
   }
   const auto run = [&factor](at::ScalarType dt) -> Outputs {
-    // A row-major copy with the shift added to its diagonal in place: the values of
+    // The shifted copy only where the shift changes a bit (as _eigh in matrix_functions.py).
+    if (factor.scalar_type() == dt && shift_is_exact_noop(factor)) {
+      auto [evals, evecs] = lapack::eigh(factor);
+      return {evecs, evals};
+    }
+    // A copy with the shift added to its diagonal in place: the values of
     // factor + shift * I without building the identity (as _shifted in matrix_functions.py).
-    at::Tensor a = at::empty(factor.sizes(), factor.options().dtype(dt));
+    // Column-major, the layout LAPACK works in, so eigh's own working copy is a memcpy.
+    at::Tensor a = at::empty({factor.size(1), factor.size(0)}, factor.options().dtype(dt)).t();
     a.copy_(factor);
     a.diagonal().add_(kEighShift);
     auto [evals, evecs] = lapack::eigh(a);

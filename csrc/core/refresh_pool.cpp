@@ -20,6 +20,12 @@ at::Tensor own(const at::Tensor& t) {
   return t.detach().to(at::kCPU, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
+// The job's input: a copy (the default), or, when the caller hands the tensor over (copy=false:
+// it will not write it before the future resolves), the CPU tensor itself.
+at::Tensor input(const at::Tensor& t, bool copy) {
+  return copy || !t.device().is_cpu() ? own(t) : t.detach();
+}
+
 void check_dtype(at::ScalarType dtype) {
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble,
                     "dtype must be torch.float32 or torch.float64, got ", dtype);
@@ -142,29 +148,32 @@ RefreshFuture RefreshPool::submit(core::JobSpec spec, Compute compute) {
 }
 
 RefreshFuture RefreshPool::submit_eigh(const std::string& block, int64_t version, int64_t deadline,
-                                       const at::Tensor& factor, at::ScalarType dtype) {
+                                       const at::Tensor& factor, at::ScalarType dtype, bool copy) {
   check_dtype(dtype);
-  return submit({block, version, deadline},
-                [f = own(factor), dtype] { return RefreshValue(eigh_descending(f, dtype)); });
+  return submit({block, version, deadline}, [f = input(factor, copy), dtype] {
+    return RefreshValue(eigh_descending(f, dtype));
+  });
 }
 
 RefreshFuture RefreshPool::submit_qr_refresh(const std::string& block, int64_t version,
                                              int64_t deadline, const at::Tensor& factor,
                                              const at::Tensor& basis, bool sort,
-                                             at::ScalarType dtype) {
+                                             at::ScalarType dtype, bool copy) {
   check_dtype(dtype);
-  return submit({block, version, deadline}, [f = own(factor), q = own(basis), sort, dtype] {
-    return RefreshValue(qr_refresh(f, q, sort, dtype));
-  });
+  return submit({block, version, deadline},
+                [f = input(factor, copy), q = input(basis, copy), sort, dtype] {
+                  return RefreshValue(qr_refresh(f, q, sort, dtype));
+                });
 }
 
 RefreshFuture RefreshPool::submit_inverse_root(const std::string& block, int64_t version,
                                                int64_t deadline, const at::Tensor& factor,
-                                               double root, double epsilon, at::ScalarType dtype) {
+                                               double root, double epsilon, at::ScalarType dtype,
+                                               bool copy) {
   check_dtype(dtype);
   TORCH_CHECK_VALUE(root > 0, "root must be > 0, got ", root);
   TORCH_CHECK_VALUE(epsilon > 0, "epsilon must be > 0, got ", epsilon);
-  return submit({block, version, deadline}, [f = own(factor), root, epsilon, dtype] {
+  return submit({block, version, deadline}, [f = input(factor, copy), root, epsilon, dtype] {
     return RefreshValue(inverse_root(f, root, epsilon, dtype));
   });
 }

@@ -4,7 +4,9 @@
 // Contract
 // --------
 // * Ownership: submit_* copy their tensor arguments (detached, on the CPU) before returning, so
-//   the caller may mutate or free its tensors at once; a CUDA tensor is copied synchronously here
+//   the caller may mutate or free its tensors at once (copy=false hands a CPU tensor over
+//   instead: the job reads it in place and the caller must not write it before the future
+//   resolves); a CUDA tensor is copied synchronously here
 //   (the asynchronous path is the shadow stream, csrc/cuda/shadow_stream.h). A job's result is
 //   owned by its future and, once published, by the pool's versioned slot for its block.
 // * Threads: every member may be called from any thread. Jobs run on the pool's workers with
@@ -86,13 +88,13 @@ class RefreshPool {
   ~RefreshPool();
 
   RefreshFuture submit_eigh(const std::string& block, int64_t version, int64_t deadline,
-                            const at::Tensor& factor, at::ScalarType dtype);
+                            const at::Tensor& factor, at::ScalarType dtype, bool copy = true);
   RefreshFuture submit_qr_refresh(const std::string& block, int64_t version, int64_t deadline,
                                   const at::Tensor& factor, const at::Tensor& basis, bool sort,
-                                  at::ScalarType dtype);
+                                  at::ScalarType dtype, bool copy = true);
   RefreshFuture submit_inverse_root(const std::string& block, int64_t version, int64_t deadline,
                                     const at::Tensor& factor, double root, double epsilon,
-                                    at::ScalarType dtype);
+                                    at::ScalarType dtype, bool copy = true);
 
   void shutdown(bool wait = true) { pool_->shutdown(wait); }
   bool is_shutdown() const { return pool_->is_shutdown(); }
