@@ -117,6 +117,8 @@ class WorkerPool:
     def stats(self) -> dict[str, int]:
         """submitted, completed, cancelled, failed, queued, running."""
 
+    def release(self, block: str, version: int) -> bool:
+        """Forget ``block``'s published result if it is still ``version``."""
     def latest(self, block: str) -> tuple[int, RefreshResult] | None: ...
     def published_version(self, block: str) -> int | None: ...
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -173,7 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after N steps of this invocation with a checkpoint; --resume continues",
     )  # fmt: skip
     r.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda[:i]")
-    r.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    r.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default: torch's; on CPU with an asteria run, the cores "
+        "the runtime's workers leave)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     sharding = r.add_mutually_exclusive_group()
     sharding.add_argument("--fsdp", action="store_true", help="FSDP2 under torchrun")
@@ -324,6 +330,12 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
     say = print if main_rank else (lambda *a, **k: None)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    elif (ctx.device if ctx else device).type == "cpu" and any(
+        cfg.mode == "asteria" for cfg in configs
+    ):
+        # On a CPU the runtime's workers (and its statistics lane) need cores of their own:
+        # every run of the comparison trains on the cores they leave, so all runs compare alike.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - rt_config.resolved_workers))
     env = environment("transformers") | {
         "data": corpus.name,
         "data_tokens": corpus.num_tokens,

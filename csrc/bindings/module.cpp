@@ -129,6 +129,8 @@ void register_pool(py::module_& m) {
       .def("is_shutdown", &asteria::RefreshPool::is_shutdown)
       .def("stats", &asteria::RefreshPool::stats, ReleaseGil())
       .def("latest", &asteria::RefreshPool::latest, py::arg("block"), ReleaseGil())
+      .def("release", &asteria::RefreshPool::release, py::arg("block"), py::arg("version"),
+           ReleaseGil())
       .def("published_version", &asteria::RefreshPool::published_version, py::arg("block"),
            ReleaseGil())
       .def_property_readonly("workers", &asteria::RefreshPool::workers)

@@ -191,6 +191,10 @@ std::optional<std::tuple<int64_t, RefreshValue>> RefreshPool::latest(
   return std::make_tuple(entry->version, *entry->value);
 }
 
+bool RefreshPool::release(const std::string& block, int64_t version) {
+  return slots_.erase(block, version);
+}
+
 std::optional<int64_t> RefreshPool::published_version(const std::string& block) const {
   return slots_.version(block);
 }

@@ -103,6 +103,9 @@ class RefreshPool {
   // The newest published result of `block` and its version, if any.
   std::optional<std::tuple<int64_t, RefreshValue>> latest(const std::string& block) const;
   std::optional<int64_t> published_version(const std::string& block) const;
+  // Forgets `block`'s published result if it is still `version` (e.g. once it was spilled to
+  // disk), so that the pool no longer keeps it in host memory; true when it was dropped.
+  bool release(const std::string& block, int64_t version);
   int workers() const { return pool_->workers(); }
   int lapack_threads() const { return lapack_threads_; }
 

@@ -52,6 +52,21 @@ class VersionedSlots {
     return it->second;
   }
 
+  // Drops `block`'s result if the slot still holds `version` (its memory is then freed once no
+  // future or caller holds it); false when the slot is empty or holds another version. Released
+  // after the mutex, as in publish().
+  bool erase(const std::string& block, int64_t version) {
+    std::shared_ptr<const T> released;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = slots_.find(block);
+      if (it == slots_.end() || it->second.version != version) return false;
+      released = std::move(it->second.value);
+      slots_.erase(it);
+    }
+    return true;
+  }
+
   std::optional<int64_t> version(const std::string& block) const {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = slots_.find(block);

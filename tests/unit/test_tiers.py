@@ -359,6 +359,8 @@ def test_memory_report_matches_the_tensors_allocated(name, tmp_path):
     assert report["nvme"]["snapshots"] == sum(v for k, v in slots.items() if "/s" in k)
     assert report["nvme"]["results"] == planned["nvme"]["results"] > 0
     assert report["nvme"]["snapshots"] == planned["nvme"]["snapshots"] > 0
+    # once written, a spilled result is not also kept in host memory by the pool (release())
+    assert report["host"]["results"] == 0
 
 
 def test_memory_report_without_spilling_counts_waiting_results_in_host():
