@@ -15,7 +15,8 @@ Figures (summed or maxed over ranks):
     rank) would send across nodes, counted on the same refreshes; goal <= 1 / ranks_per_node;
   * ``max_staleness`` of any installed version against the ``budget`` S;
   * ``soap_asteria_vs_adamw_median``: median step time (forward + backward + step, the slowest
-    rank of each step, after ``--skip`` steps) of Asteria-SOAP over AdamW's; goal <= 1.3.
+    rank of each step, after ``--skip`` steps) of Asteria-SOAP over AdamW's; goal <= 1.3
+    (``soap_native_vs_adamw_median``: native SOAP, for reference).
 
 The last line is JSON. Usage: ``python bench/distributed.py [--world 4] [--ranks-per-node 2]``.
 """
@@ -71,8 +72,12 @@ def _run(args, kind: str, rank: int, world: int) -> tuple[list[float], dict | No
     if kind == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-3)
     else:
-        opt = SOAP(params, lr=1e-3, precondition_frequency=args.frequency, max_preconditioner_dim=64)
-        config = RuntimeConfig(staleness=args.staleness, workers=1)
+        opt = SOAP(
+            params, lr=1e-3, precondition_frequency=args.frequency, max_preconditioner_dim=64
+        )
+    if kind == "soap_asteria":
+        lane = {"auto": None, "on": True, "off": False}[args.lane]
+        config = RuntimeConfig(staleness=args.staleness, workers=1, statistics_lane=lane)
         runtime = Runtime(net, opt, config, ranks_per_node=args.ranks_per_node)
     times = []
     for t in range(args.steps):
@@ -100,17 +105,19 @@ def worker(args) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     adamw, _ = _run(args, "adamw", rank, world)
-    soap, stats = _run(args, "soap", rank, world)
+    native, _ = _run(args, "soap_native", rank, world)
+    soap, stats = _run(args, "soap_asteria", rank, world)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, stats)
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"adamw": adamw, "soap": soap, "ranks": gathered}))
+        raw = {"adamw": adamw, "soap_native": native, "soap": soap, "ranks": gathered}
+        Path(args.out).write_text(json.dumps(raw))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def launch(args) -> None:
-    env_header("bench/distributed.py: Asteria-SOAP under DDP, 2 simulated nodes", "torch")
+    header = env_header("bench/distributed.py: Asteria-SOAP under DDP, 2 simulated nodes", "torch")
     out = ROOT / "bench" / "results" / ".distributed_raw.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,6 +146,7 @@ def launch(args) -> None:
     flat_inter = sum(r["flat_inter_node_bytes"] for r in ranks)
     intra = sum(r["intra_node_bytes"] for r in ranks)
     adamw, soap = statistics.median(raw["adamw"]), statistics.median(raw["soap"])
+    native = statistics.median(raw["soap_native"])
     max_staleness = max(r["max_staleness"] for r in ranks)
     print_table(
         ["rank", "owned blocks", "owned refreshes", "intra B", "inter B", "flat inter B"],
@@ -154,10 +162,15 @@ def launch(args) -> None:
             for r in ranks
         ],
     )
-    print(f"median step: adamw {adamw:.2f} ms, soap_asteria {soap:.2f} ms")
+    print(
+        f"median step: adamw {adamw:.2f} ms, soap_native {native:.2f} ms, "
+        f"soap_asteria {soap:.2f} ms"
+    )
     emit_json(
         {
             "benchmark": "distributed",
+            "env": header,
+            "config": {"rows": args.rows, "frequency": args.frequency, "lane": args.lane},
             "world": args.world,
             "ranks_per_node": args.ranks_per_node,
             "nodes": args.world // args.ranks_per_node,
@@ -171,7 +184,9 @@ def launch(args) -> None:
             "inter_node_bytes_per_step": inter / args.steps,
             "adamw_median_ms": adamw,
             "soap_asteria_median_ms": soap,
+            "soap_native_median_ms": native,
             "soap_asteria_vs_adamw_median": soap / adamw,
+            "soap_native_vs_adamw_median": native / adamw,
             "goals": {
                 "inter_node_bytes_ratio_max": 1 / args.ranks_per_node,
                 "soap_asteria_vs_adamw_median_max": 1.3,
@@ -190,6 +205,9 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=4)
     parser.add_argument("--frequency", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--lane", choices=("auto", "on", "off"), default="auto", help="the statistics lane"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from asteria.memory.tiers import Arch, BlockSizes
-from asteria.optim.base import KroneckerOptimizer, state_dtype
+from asteria.optim.base import KroneckerOptimizer, local_tensor, state_dtype
 from asteria.optim.kl_shampoo import KLShampoo
 from asteria.optim.shampoo import Shampoo
 from asteria.optim.soap import SOAP
@@ -82,7 +82,7 @@ def estimate_blocks(
                 continue
             item = _itemsize(state_dtype(p))
             layout = optimizer.layout(p, group)
-            numel = p.numel()
+            numel = local_tensor(p).numel()  # a DTensor's local shard (FSDP2 / HSDP)
             if isinstance(optimizer, Shampoo):
                 moments = numel * (
                     1

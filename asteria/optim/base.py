@@ -2,9 +2,9 @@
 
 Owns: what SOAP, KL-Shampoo and Shampoo share: validation of the familiar arguments, the step
 skeleton (closure, parameters without gradients, sparse/complex rejection, fp32 state for
-low-precision parameters, skipping non-finite gradients), per-parameter layouts
-(``blocking.py``), the Adam fallback for parameters that are not preconditioned, and an exact
-``state_dict`` round trip.
+low-precision parameters, skipping non-finite gradients, DTensor parameters through their local
+shards: Note [Local shards] at ``local_tensor``), per-parameter layouts (``blocking.py``), the
+Adam fallback for parameters that are not preconditioned, and an exact ``state_dict`` round trip.
 
 Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
 fused reduction per gradient (its inf-norm, a max of absolute values, so large finite values
@@ -46,6 +46,7 @@ __all__ = [
     "check_betas",
     "check_range",
     "check_shampoo_beta",
+    "local_tensor",
     "shampoo_beta",
 ]
 
@@ -379,21 +380,26 @@ class KroneckerOptimizer(Optimizer):
             if not ok:
                 self._skip_nonfinite(pid, p)
                 continue
+            # Note [Local shards]: a DTensor parameter (FSDP2 / HSDP) is optimized through its
+            # local shard (plain tensors are their own); an empty shard has nothing to do.
+            local = local_tensor(p)
+            if local.numel() == 0:
+                continue
             grad = self._checked_grad(p)
             state = self.state[p]
             layout = self.layout(p, group)
             # The update runs on a contiguous tensor in the state dtype: the parameter itself
             # when it already is one, otherwise a working copy written back afterwards (fp32
             # math for bf16/fp16 parameters, one rounding per step).
-            work = p
-            if p.dtype != grad.dtype or not p.is_contiguous():
-                work = p.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
+            work = local
+            if local.dtype != grad.dtype or not local.is_contiguous():
+                work = local.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
             if not state:
                 self._init_param(pid, work, grad, group, state, layout)
             else:
                 self._update_param(pid, work, grad, group, state, layout)
-            if work is not p:
-                p.copy_(work)
+            if work is not local:
+                local.copy_(work)
         self._refresher.step_end(self)
         return loss
 
@@ -420,19 +426,27 @@ class KroneckerOptimizer(Optimizer):
         )
 
     def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
-        grad = p.grad
+        sharded = hasattr(p.grad, "to_local")
+        grad = local_tensor(p.grad)
         self._check_grad_kind(grad)
         dtype = state_dtype(p)
         if grad.dtype != dtype or not grad.is_contiguous():
             grad = grad.to(dtype=dtype, memory_format=torch.contiguous_format)
+        elif sharded and grad.data_ptr() % _ALIGNMENT:
+            # FSDP2's gradient shards are views at arbitrary offsets of its reduce buffer, and
+            # vectorized kernels may round differently on unaligned data: an aligned copy keeps
+            # the arithmetic that of a freshly allocated gradient (Note [Local shards]).
+            grad = grad.clone()
         return grad
 
     def layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
-        """The (cached) block layout of ``p`` under ``group``'s options."""
-        key = self._layout_key(p, group)
+        """The (cached) block layout of ``p`` under ``group``'s options: that of its local shard
+        when ``p`` is a DTensor (Note [Local shards])."""
+        local = local_tensor(p)
+        key = self._layout_key(local, group)
         cached = self._layouts.get(id(p))
         if cached is None or cached[0] != key:
-            cached = (key, self._layout(p, group))
+            cached = (key, self._layout(local, group))
             self._layouts[id(p)] = cached
         return cached[1]
 
@@ -495,24 +509,69 @@ def _param_list(name: str, params: Any) -> list:
     return params if params else [{"params": []}]
 
 
+#: Bytes: gradient shards not aligned to this are copied before use (``_checked_grad``).
+_ALIGNMENT = 64
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (an FSDP2 / HSDP parameter or gradient), else ``t`` itself.
+
+    Note [Local shards]: Asteria's optimizers work on local shards. Under ``no_grad`` (the step)
+    ``DTensor.to_local()`` is the shard's own storage, so in-place updates reach the parameter.
+    Blocks, factors, moments and refresh results are those of the local shard (its layout is the
+    layout of the local shape); state holds plain tensors, and a ``state_dict`` loads back on the
+    same sharding.
+    """
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
 def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
     """Whether each gradient is finite: one inf-norm per gradient, one host sync per device.
 
     The inf-norm is a max of absolute values: NaN and Inf propagate and large finite values
-    cannot overflow (a sum could). Sharded (DTensor) gradients are reduced over their mesh, so
-    every rank takes the same decision.
+    cannot overflow (a sum could). Plain gradients take the path above unchanged. Sharded
+    (DTensor) gradients are checked on their local shards, and the "not finite" flags are
+    max-reduced over every dim of their mesh (one small collective per mesh dim, issued in the
+    same order on every rank), so every rank of a shard group takes the same decision.
     """
     flags = [True] * len(grads)
     by_device: dict[torch.device, list[int]] = {}
+    sharded: list[int] = []
     for i, g in enumerate(grads):
-        by_device.setdefault(g.device, []).append(i)
+        if hasattr(g, "to_local"):
+            sharded.append(i)
+        else:
+            by_device.setdefault(g.device, []).append(i)
     for indices in by_device.values():
         norms = torch._foreach_norm([grads[i] for i in indices], math.inf)
-        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
         ok = torch.isfinite(torch.stack(norms)).tolist()
         for i, v in zip(indices, ok):
             flags[i] = bool(v)
+    if sharded:
+        _sharded_finite_flags(grads, sharded, flags)
     return flags
+
+
+def _sharded_finite_flags(grads: list[torch.Tensor], indices: list[int], flags: list[bool]) -> None:
+    """``_finite_flags`` for DTensor gradients: local inf-norms, flags reduced over the mesh."""
+    import torch.distributed as dist
+
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
+    for i in indices:
+        mesh = grads[i].device_mesh
+        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
+    for mesh, members in by_mesh.values():
+        locals_ = [grads[i].to_local() for i in members]
+        bad = torch.zeros(len(members), dtype=torch.float32, device=locals_[0].device)
+        for k, g in enumerate(locals_):
+            if g.numel():  # an empty shard (uneven sharding) is finite
+                bad[k] = (~torch.isfinite(torch.linalg.vector_norm(g, math.inf))).float()
+        for dim in range(mesh.ndim):
+            if mesh.size(dim) > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for i, v in zip(members, bad.tolist()):
+            flags[i] = v == 0.0
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

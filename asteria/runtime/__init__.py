@@ -5,7 +5,14 @@ mode; ``close()`` (or leaving a ``with`` block) switches it back.
 """
 
 from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.distributed import CoherenceTimeoutError
 from asteria.runtime.registry import RefreshFailedError, StalenessTimeoutError
 from asteria.runtime.runtime import Runtime
 
-__all__ = ["RefreshFailedError", "Runtime", "RuntimeConfig", "StalenessTimeoutError"]
+__all__ = [
+    "CoherenceTimeoutError",
+    "RefreshFailedError",
+    "Runtime",
+    "RuntimeConfig",
+    "StalenessTimeoutError",
+]

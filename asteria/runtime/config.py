@@ -54,8 +54,9 @@ class RuntimeConfig:
         placement: ``"auto"`` (docs/memory.md, "Placement") or a dict state kind -> tier, e.g.
             ``{"bases": "device"}`` or ``{"results": "nvme"}`` (asteria.memory.tiers.PLACEABLE).
         statistics_lane: run the factor statistics of CPU-resident parameters on a background
-            thread (Note [Statistics lane] in lane.py); ``None`` (default) and ``True``: on when
-            every parameter is on the CPU, ``False``: in the training thread.
+            thread (Note [Statistics lane] in lane.py). ``None`` (default): on when every
+            parameter is a plain CPU tensor and torch's intra-op threads leave a core free;
+            ``True``: on for CPU parameters; ``False``: in the training thread.
     """
 
     staleness: int = 5

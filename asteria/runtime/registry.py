@@ -48,6 +48,7 @@ class PendingRefresh:
     group: dict | None = None  # the parameter group (a recompute needs it)
     spilled: Any = None  # a spill.SpilledRefresh once the results went to the spill store
     snapshots: Any = None  # a spill.Snapshots: the job inputs, for an exact recompute
+    owner: int | None = None  # distributed: the rank computing it (None: this rank)
 
     def done(self) -> bool:
         return not self.copies and all(f is None or f.done() for f in self.futures)
@@ -63,6 +64,7 @@ class BlockEntry:
     consecutive_failures: int = 0
     failures: int = 0
     installs: int = 0
+    synced_step: int = -1  # distributed: the step its version was last synchronized
 
 
 class Registry:
@@ -105,6 +107,7 @@ class Registry:
                 "installs": e.installs,
                 "failures": e.failures,
                 "pending": e.pending.requested if e.pending is not None else -1,
+                "synced_step": e.synced_step,
             }
             for e in self.entries.values()
         }

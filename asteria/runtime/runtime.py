@@ -23,6 +23,10 @@ before their install; a corrupt or unreadable slot is recomputed from those inpu
 pinned host memory that the device reads through mapped views. ``memory_report()`` accounts every
 byte by tier and kind.
 
+Under ``torch.distributed`` (DDP, FSDP2, HSDP; auto-detected, or ``distributed=``), replicated
+blocks have one owner that computes their refresh, and every replica installs it at its deadline
+(Note [Distributed coherence] in distributed.py); local (sharded) blocks run as above.
+
 Must not: change any algorithm's math (the optimizer's ``refresh_jobs``/``install_refresh`` are
 the only way in), or register hooks itself (hooks.py does).
 """
@@ -38,6 +42,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asteria._ext import load_extension
 from asteria.memory.accounting import detect_arch, estimate_blocks
@@ -47,6 +52,7 @@ from asteria.memory.tiers import KINDS, TIERS, Placement, plan
 from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.distributed import Coherence
 from asteria.runtime.hooks import GradientGuards, ModuleSignals
 from asteria.runtime.lane import StatisticsLane
 from asteria.runtime.registry import (
@@ -73,6 +79,9 @@ class Runtime:
         model: torch.nn.Module | None,
         optimizer: KroneckerOptimizer,
         config: RuntimeConfig | None = None,
+        *,
+        distributed: bool | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         if not isinstance(optimizer, KroneckerOptimizer):
             raise ValueError(
@@ -90,6 +99,20 @@ class Runtime:
         self._closed = False
         self._names = self._param_names(model, optimizer)
         self._pid_of = {id(p): i for i, p in enumerate(_params(optimizer))}
+        # Under torch.distributed: topology, owners and the sync of replicated blocks (Note
+        # [Distributed coherence] in distributed.py). Its attach-time checks are collective and
+        # come before any thread, hook or pool exists.
+        self._coherence: Coherence | None = None
+        if distributed is None:
+            distributed = (
+                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            )
+        elif not isinstance(distributed, bool):
+            raise ValueError(f"distributed must be True, False or None, got {distributed!r}")
+        if distributed:
+            self._coherence = Coherence(optimizer, self.config, ranks_per_node)
+        elif ranks_per_node is not None:
+            raise ValueError("ranks_per_node applies to distributed mode only")
         self.placement = self._plan(optimizer)
         self._mapped: set[int] = set()  # data_ptr of bases read through mapped views
         self._pool_names: set[str] = set()
@@ -114,7 +137,16 @@ class Runtime:
         self._lane: StatisticsLane | None = None
         self._grad_guards: GradientGuards | None = None
         cpu_only = all(p.device.type == "cpu" for p in _params(optimizer))
-        if cpu_only and self.config.statistics_lane is not False:
+        # FSDP2 writes sharded gradients outside autograd, where the guards cannot see it: the
+        # lane is opt-in (statistics_lane=True) for DTensor parameters.
+        sharded = any(hasattr(p, "to_local") for p in _params(optimizer))
+        # By default only where the training leaves a core free: on a machine whose cores all
+        # run intra-op threads, the lane would take its time from the training itself.
+        spare_core = torch.get_num_threads() < (os.cpu_count() or 1)
+        lane_on = self.config.statistics_lane or (
+            self.config.statistics_lane is None and not sharded and spare_core
+        )
+        if cpu_only and lane_on:
             names = self._names
             self._lane = StatisticsLane(
                 lambda key: f"{names.get(key[0], f'param{key[0]}')}[{key[1]}]"
@@ -221,8 +253,11 @@ class Runtime:
 
     def _install_in_flight(self) -> None:
         """Install every refresh in flight; one not ready within the barrier timeout is dropped."""
-        for key, e in list(self.registry.entries.items()):
+        for key, e in sorted(self.registry.entries.items()):
             if e.pending is None:
+                continue
+            if self._coherence is not None and self._coherence.replicated(key):
+                self._sync(key, e, self._current_step(key), None)  # collective: every rank closes
                 continue
             try:
                 self._wait(e, self._current_step(key))
@@ -280,6 +315,9 @@ class Runtime:
             self._lane.wait(key)  # the snapshot reads the factors this step's statistics write
         with self._lock:
             e = self.registry.entry(key, self._block_name(key))
+            if self._coherence is not None and self._coherence.replicated(key):
+                self._coherent_boundary(key, e, block, group, step, due)
+                return
             fixed = self.config.fixed_delay
             if e.pending is not None:
                 age = step - e.pending.requested
@@ -317,6 +355,71 @@ class Runtime:
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._step_wait * 1e3)
 
+    def _coherent_boundary(
+        self, key: BlockKey, e: BlockEntry, block: dict, group: dict, step: int, due: bool
+    ) -> None:
+        """A replicated block under torch.distributed: installed on every rank at its deadline
+        (Note [Distributed coherence] in distributed.py)."""
+        delay = self._coherence.delay
+        if e.pending is not None and step - e.pending.requested >= delay:
+            self._sync(key, e, step, block)
+        if due:
+            if e.pending is not None:
+                self._supersede(e)
+            self._request(key, e, block, group, step)
+            if e.pending is not None and delay == 0:
+                self._sync(key, e, step, block)
+
+    def _sync(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None) -> None:
+        """The owner waits for its refresh and sends it (or its failure) to the block's replica
+        group; every rank installs what the owner sent, at the same step."""
+        coherence = self._coherence
+        pending = e.pending
+        if block is None:
+            block = self._block_state(key)
+        status, results, error = 1.0, None, ""
+        if coherence.is_owner(key):
+            self._wait(e, step)  # the bounded barrier on the owner's own pool
+            try:
+                results = self._results(key, e, pending, block)
+            except (self._C.MatrixFunctionError, MatrixFunctionError) as err:
+                status, error = 0.0, str(err)
+            except Exception as err:
+                status, error = -1.0, f"{type(err).__name__}: {err}"
+        e.pending = None
+        factors = block["factors"]
+        dims = [0 if f is None else int(f.shape[0]) for f in factors]
+        dtype = next(f for f in factors if f is not None).dtype
+        t0 = time.perf_counter()
+        status, results = coherence.exchange(
+            key, e.name, step, pending.jobs, dims, dtype, status, results
+        )
+        self._step_wait += time.perf_counter() - t0
+        owner = coherence.owner(key)
+        if status == 0.0:
+            self._failed += 1
+            e.failures += 1
+            e.consecutive_failures += 1
+            if e.consecutive_failures >= self.config.max_consecutive_failures:
+                raise RefreshFailedError(
+                    f"Asteria: the refresh of block '{e.name}' (owner rank {owner}) failed "
+                    f"{e.consecutive_failures} times in a row"
+                    + (f"; last error: {error}" if error else "")
+                )
+            return  # keep the previous version, on every rank
+        if status != 1.0:
+            self._failed += 1
+            raise RefreshFailedError(
+                f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
+                f"in a worker of its owner rank {owner}" + (f": {error}" if error else "")
+            )
+        results = [self._to_device(r, block) for r in results]
+        self.optimizer.install_refresh(block, results)
+        if self.placement.bases_access == "mapped":
+            self._map_bases(block)
+        self.registry.record_install(e, pending.requested, step)
+        e.synced_step = step
+
     # -- requests, waits, installs ------------------------------------------------------------
 
     def _request(self, key: BlockKey, e: BlockEntry, block: dict, group: dict, step: int) -> None:
@@ -334,6 +437,10 @@ class Runtime:
             ],
             group=group,
         )
+        if self._coherence is not None and self._coherence.replicated(key):
+            if not self._coherence.is_owner(key):
+                e.pending.owner = self._coherence.owner(key)
+                return  # the owner computes it; this rank receives it at the deadline
         if self._spiller is not None and e.name in self.placement.spilled:
             e.pending.snapshots = SpilledRefresh(f"{e.name}/v{step}/s", len(jobs))
         for dim, job in enumerate(jobs):
@@ -537,6 +644,9 @@ class Runtime:
         self._spiller.counts["spilled_refreshes"] += 1
         pending.spilled = rec
         pending.futures = [None] * len(results)
+        for dim, r in enumerate(results):  # the pool's copy of the results: host memory no more
+            if r is not None:
+                self._pool.release(f"{e.name}.dim{dim}", pending.requested)
 
     def _page_in(self) -> None:
         """Settle finished writes; start reading, in access order, the spilled refreshes that
@@ -602,6 +712,8 @@ class Runtime:
             for key, e in self.registry.entries.items():
                 if key[0] not in pids or e.pending is None:
                     continue
+                if self._coherence is not None and self._coherence.replicated(key):
+                    continue  # installed at its deadline on every rank
                 if e.pending.copies:
                     self._submit_copied(e, wait=False)
                 if e.pending.done():
@@ -635,6 +747,8 @@ class Runtime:
             "statistics_lane": None
             if self._lane is None
             else {"updates": self._lane.submitted, "wait_ms": self._lane.wait_s * 1e3},
+            # this rank's figures under torch.distributed (Note [Distributed coherence])
+            "distributed": None if self._coherence is None else self._coherence.stats(),
         }
 
     def memory_report(self) -> dict[str, Any]:

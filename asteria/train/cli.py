@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -177,8 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--threads",
         type=int,
-        help="torch intra-op threads (default: torch's; on CPU with an asteria run, the cores "
-        "the runtime's workers leave)",
+        help="torch intra-op threads (default: torch's)",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     sharding = r.add_mutually_exclusive_group()
@@ -330,12 +328,6 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
     say = print if main_rank else (lambda *a, **k: None)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    elif (ctx.device if ctx else device).type == "cpu" and any(
-        cfg.mode == "asteria" for cfg in configs
-    ):
-        # On a CPU the runtime's workers (and its statistics lane) need cores of their own:
-        # every run of the comparison trains on the cores they leave, so all runs compare alike.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - rt_config.resolved_workers))
     env = environment("transformers") | {
         "data": corpus.name,
         "data_tokens": corpus.num_tokens,
