@@ -280,6 +280,7 @@ def test_keyboard_interrupt_inside_a_step_is_recoverable():
     assert proc.returncode == 0, proc.stderr
     assert out["between_blocks"] and out["native"] == "NativeRefresher"
     assert out["after_first"] == out["base"]
-    assert out["delay"] is not None and out["delay"] < 1.0, out
+    # on failure, the child's stderr shows where the interrupt went (one CI run lost it once)
+    assert out["delay"] is not None and out["delay"] < 1.0, (out, proc.stderr[-3000:])
     assert out["cancelled"] > 0 and out["finite"]
     assert out["after_second"] == out["base"]
