@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(
 PRELUDE = textwrap.dedent(
     """
     import gc, json, os, signal, sys, threading, time, weakref
+    # A parent started in the background by a non-interactive shell (as CI may be) passes
+    # SIGINT down ignored, and Python then installs no KeyboardInterrupt handler: restore it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
     torch.set_num_threads(1)
     from asteria.optim import SOAP
