@@ -721,6 +721,67 @@ class Runtime:
 
     # -- introspection -----------------------------------------------------------------------
 
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The runtime's part of a checkpoint: every refresh still in flight, finished first.
+
+        Note [Checkpoints with work in flight]: a refresh requested at step ``t`` and not yet
+        installed is waited for (the barrier, bounded by ``barrier_timeout_s``) and saved with its
+        request step and results, not re-submitted on load: its inputs were the factors of step
+        ``t``, which the checkpoint no longer holds. After ``load_state_dict`` it is installed at
+        the step it would have been (``t + fixed_delay``, or as soon as possible within the
+        budget), so a ``fixed_delay`` run resumed from a checkpoint follows the uninterrupted run
+        bit for bit (tests/unit/test_checkpoint.py). Save it next to ``optimizer.state_dict()``
+        (taken at the same step boundary) and load both in that order.
+        """
+        if self._coherence is not None:
+            raise NotImplementedError(
+                "Runtime.state_dict() covers single-process runs; under torch.distributed save "
+                "at a step with no refresh in flight (stats()['jobs']['in_flight'] == 0)"
+            )
+        self.sync(self.optimizer)
+        pending = []
+        with self._lock:
+            for key, e in sorted(self.registry.entries.items()):
+                p = e.pending
+                if p is None:
+                    continue
+                self._wait(e, self._current_step(key))
+                try:
+                    if p.spilled is not None:
+                        results = self._spiller.load(p.spilled)
+                    else:
+                        results = [None if f is None else f.result() for f in p.futures]
+                    error = None
+                except (self._C.MatrixFunctionError, MatrixFunctionError) as err:
+                    results, error = None, str(err)
+                pending.append(
+                    {"key": key, "requested": p.requested, "results": results, "error": error}
+                )
+        return {"format": 1, "pending": pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the refreshes in flight of :meth:`state_dict`, after the optimizer's own
+        ``load_state_dict`` (Note [Checkpoints with work in flight])."""
+        if not isinstance(state, dict) or state.get("format") != 1:
+            raise ValueError("not a Runtime.state_dict() of this version (format 1)")
+        known = {key for key, *_ in self.optimizer.blocks()}
+        with self._lock:
+            for item in state["pending"]:
+                key = tuple(item["key"])
+                if key not in known:
+                    raise ValueError(
+                        f"the checkpoint has a refresh in flight for block {key}, which the "
+                        "optimizer does not have: load the optimizer's state_dict first"
+                    )
+                e = self.registry.entry(key, self._block_name(key))
+                if item["error"] is not None:
+                    futures = [_Restored(error=item["error"])]
+                else:
+                    futures = [None if r is None else _Restored(r) for r in item["results"]]
+                e.pending = PendingRefresh(requested=int(item["requested"]), futures=futures)
+
     def stats(self) -> dict[str, Any]:
         """Figures the benchmarks read: per-step times, barrier waits, jobs, staleness."""
         pool = dict(self._pool.stats())
@@ -880,6 +941,24 @@ def _weak_signal(runtime: Runtime) -> Any:
             method(param_ids, event)
 
     return signal
+
+
+class _Restored:
+    """A refresh result restored from a checkpoint: a future that has already resolved."""
+
+    def __init__(self, value: Any = None, error: str | None = None) -> None:
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        if self._error is not None:
+            raise MatrixFunctionError(self._error)
+        return self._value
 
 
 def _interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> Any:
