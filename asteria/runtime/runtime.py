@@ -243,6 +243,12 @@ class Runtime:
                     self._grad_guards.remove()
                 if self._lane is not None:
                     self._lane.close()
+                for e in self.registry.entries.values():  # what was not installed is dropped
+                    if e.pending is not None:
+                        self._cancelled += sum(
+                            f is not None and not f.done() for f in e.pending.futures
+                        )
+                        e.pending = None
                 self._pool.shutdown(wait=False)
                 if self._staging is not None:
                     self._staging.clear()

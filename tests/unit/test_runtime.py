@@ -361,3 +361,22 @@ def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes, mo
     monkeypatch.setattr(soap_module, "_accumulate_factors", broken)
     with pytest.raises(RuntimeError, match=r"statistics update of block 'param0\[0\]'.*injected"):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
+
+
+def test_close_without_installing_drops_what_is_in_flight():
+    problem = StochasticQuartic([(16, 16)], 12, torch.float32)
+    made: list[Runtime] = []
+    problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=5, workers=1), made))
+    rt = made[0]
+    hogs = _hog(rt, 2)  # the pool is busy: the last refresh cannot be ready
+    opt = rt.optimizer
+    for _, p, _, _ in opt.blocks():
+        p.grad = torch.randn_like(p)
+    for _ in range(5):  # up to a refresh step, so that one is in flight
+        opt.step()
+    assert rt.stats()["jobs"]["in_flight"] > 0
+    rt.close(install_pending=False)
+    stats = rt.stats()
+    assert stats["jobs"]["in_flight"] == 0 and stats["jobs"]["cancelled"] > 0
+    assert type(opt.refresher).__name__ == "NativeRefresher"
+    assert any(h.cancelled() for h in hogs)
