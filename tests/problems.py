@@ -1,4 +1,4 @@
-"""Seeded test problems shared by the optimizer tests.
+"""Seeded test problems shared by the optimizer tests, and ``state_tensors`` to walk state.
 
 A separable stochastic objective per parameter, ``sum((p - a)^2) + 0.1 sum(p^4) + <p, noise_t>``:
 fresh noise every step keeps consecutive gradients generic, so the eigenbases are well defined
@@ -8,7 +8,7 @@ any two correct implementations then diverge; see the note in tests/unit/test_ag
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -66,3 +66,17 @@ def max_rel_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
         float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-300))
         for x, y in zip(a, b)
     )
+
+
+def state_tensors(value: object, floating_only: bool = False) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested optimizer state (dicts, lists and tuples of tensors and None);
+    with ``floating_only``, the floating-point ones."""
+    if isinstance(value, torch.Tensor):
+        if not floating_only or value.is_floating_point():
+            yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from state_tensors(v, floating_only)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from state_tensors(v, floating_only)

@@ -19,7 +19,7 @@ import torch
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
-from tests.problems import StochasticQuartic
+from tests.problems import StochasticQuartic, state_tensors
 
 ALL = (SOAP, KLShampoo, Shampoo)
 ALLOWED = r"(must be|must contain|one of)"  # every message says what is allowed
@@ -258,18 +258,6 @@ def mode(request):
         rt.close()
 
 
-def _floats(value):
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _floats(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _floats(v)
-
-
 @pytest.mark.parametrize("cls", ALL)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_parameters_train_with_fp32_state(cls, dtype, mode):
@@ -283,7 +271,7 @@ def test_low_precision_parameters_train_with_fp32_state(cls, dtype, mode):
         problem.loss([p.float() for p in params], t).backward()
         opt.step()
     assert all(p.dtype == dtype and torch.isfinite(p).all() for p in params)
-    state = list(_floats(list(opt.state.values())))
+    state = list(state_tensors(list(opt.state.values()), floating_only=True))
     assert state and all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in state)
     with torch.no_grad():
         assert float(problem.loss([p.float() for p in params], 0)) < first

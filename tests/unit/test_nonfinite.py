@@ -17,22 +17,11 @@ import torch
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.optim.base import _finite_flags
 from asteria.runtime import Runtime, RuntimeConfig
-from tests.problems import StochasticQuartic
+from tests.problems import StochasticQuartic, state_tensors
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SHAPES = [(6, 5), (4, 3, 2), (7,)]
 STEPS = 24
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def _run(opt, params, problem, poison=None, skip=None, steps=STEPS):
@@ -77,7 +66,7 @@ def test_a_poisoned_step_is_skipped_for_that_parameter_only(name):
     for p, q in zip(params, ref_params):
         assert torch.isfinite(p).all()
         assert opt.state[p]["step"] == ref_opt.state[q]["step"]
-        for v in _tensors(opt.state[p]):
+        for v in state_tensors(opt.state[p]):
             assert not v.is_floating_point() or torch.isfinite(v).all()
     # ...and a parameter never poisoned follows the clean trajectory bitwise (separable loss)
     params2 = problem.params()
@@ -117,7 +106,7 @@ def test_whole_nan_batch_with_a_model_names_the_parameter_and_stays_finite():
         assert rt.stats()["nonfinite_grads"] == 4
     for p in model.parameters():
         assert torch.isfinite(p).all()
-        for v in _tensors(opt.state[p]):
+        for v in state_tensors(opt.state[p]):
             assert not v.is_floating_point() or torch.isfinite(v).all()
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from tests.problems import StochasticQuartic, max_rel_diff
+from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
 
 OPTIMIZERS = {
     "soap": (SOAP, dict(lr=3e-3, precondition_frequency=3)),
@@ -79,7 +79,7 @@ def test_low_precision_params_keep_fp32_state(optimizer):
         problem.loss([p.float() for p in params], t).backward()
         opt.step()
     assert all(p.dtype == torch.bfloat16 for p in params)
-    floats = [v for s in opt.state.values() for v in _tensors(s) if v.is_floating_point()]
+    floats = [v for s in opt.state.values() for v in state_tensors(s) if v.is_floating_point()]
     assert floats and all(v.dtype == torch.float32 for v in floats)
     # The state_dict keeps fp32 state even though torch would cast it to the parameter dtype.
     opt2 = optimizer([torch.nn.Parameter(p.detach().clone()) for p in params])
@@ -87,22 +87,11 @@ def test_low_precision_params_keep_fp32_state(optimizer):
     assert all(
         v.dtype == torch.float32
         for s in opt2.state.values()
-        for v in _tensors(s)
+        for v in state_tensors(s)
         if v.is_floating_point()
     )
     with torch.no_grad():
         assert float(problem.loss([p.float() for p in params], 0)) < first
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def test_param_groups_and_frozen_and_gradless_params(optimizer):

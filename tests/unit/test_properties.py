@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.optim.blocking import make_layout
-from tests.problems import StochasticQuartic, max_rel_diff
+from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
 from tests.reference import RefShampoo
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
@@ -54,18 +54,6 @@ def _options(draw, name: str) -> dict:
     if name == "shampoo":
         kw.update(epsilon=1e-6, grafting=draw(st.sampled_from(["adam", "rmsprop", "sgd"])))
     return kw
-
-
-def _floats(value):
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _floats(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _floats(v)
 
 
 def _assert_state_equal(a, b):
@@ -101,7 +89,7 @@ def test_finite_gradients_give_finite_parameters_and_state(name, sm, dtype, log_
         p.grad = (torch.randn(shape, generator=gen) * 10.0**log_scale).to(dtype)
         opt.step()
     assert torch.isfinite(p).all()
-    state = list(_floats(opt.state[p]))
+    state = list(state_tensors(opt.state[p], floating_only=True))
     assert state and all(torch.isfinite(v).all() for v in state)
     assert all(v.dtype == torch.promote_types(dtype, torch.float32) for v in state)
     assert opt.nonfinite_grads == 0

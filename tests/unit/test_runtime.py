@@ -12,7 +12,7 @@ from asteria.runtime import (
     RuntimeConfig,
     StalenessTimeoutError,
 )
-from tests.problems import StochasticQuartic
+from tests.problems import StochasticQuartic, state_tensors
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SHAPES = [(6, 6), (5, 6), (4, 3, 2), (7,)]
@@ -295,19 +295,8 @@ def _model_run(lane: bool, zero_grad, steps: int = 14) -> list[torch.Tensor]:
             model(torch.randn(16, 8, generator=gen)).square().mean().backward()
             opt.step()
         state = opt.state_dict()  # waits for the lane
-    assert all(torch.isfinite(t).all() for s in state["state"].values() for t in _tensors(s))
+    assert all(torch.isfinite(t).all() for s in state["state"].values() for t in state_tensors(s))
     return [p.detach().clone() for p in model.parameters()]
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
 
 
 @pytest.mark.parametrize(
