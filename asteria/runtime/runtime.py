@@ -245,10 +245,7 @@ class Runtime:
                     self._lane.close()
                 for e in self.registry.entries.values():  # what was not installed is dropped
                     if e.pending is not None:
-                        self._cancelled += sum(
-                            f is not None and not f.done() for f in e.pending.futures
-                        )
-                        e.pending = None
+                        self._drop(e)
                 self._pool.shutdown(wait=False)
                 if self._staging is not None:
                     self._staging.clear()
@@ -503,13 +500,16 @@ class Runtime:
 
     def _supersede(self, e: BlockEntry) -> None:
         """A newer request replaces the one in flight (cancelled if queued, else discarded)."""
-        for f in e.pending.futures:
-            if f is not None and not f.done():
-                self._cancelled += 1
+        self._drop(e)
+        self.registry.superseded += 1
+
+    def _drop(self, e: BlockEntry) -> None:
+        """Forget ``e``'s refresh in flight: its unfinished jobs count as cancelled, its spilled
+        data is discarded."""
+        self._cancelled += sum(f is not None and not f.done() for f in e.pending.futures)
         if self._spiller is not None:
             self._spiller.discard(e.pending.spilled)
             self._spiller.discard(e.pending.snapshots)
-        self.registry.superseded += 1
         e.pending = None
 
     def _wait(self, e: BlockEntry, step: int) -> None:
@@ -566,13 +566,19 @@ class Runtime:
     # -- the spill tier ---------------------------------------------------------------------------
 
     def _results(
-        self, key: BlockKey, e: BlockEntry, pending: PendingRefresh, block: dict | None
+        self,
+        key: BlockKey,
+        e: BlockEntry,
+        pending: PendingRefresh,
+        block: dict | None,
+        consume: bool = True,
     ) -> list[Any]:
         """A refresh's results: from its futures, or read back from the spill store (a lost
-        slot is recomputed, see ``_recompute``)."""
+        slot is recomputed, see ``_recompute``). ``consume`` (an install) discards the spilled
+        data afterwards; a checkpoint reads without consuming."""
         if pending.spilled is None:
             results = [None if f is None else f.result() for f in pending.futures]
-            if self._spiller is not None:
+            if self._spiller is not None and consume:
                 self._spiller.discard(pending.snapshots)
             return results
         try:
@@ -580,8 +586,9 @@ class Runtime:
         except SpillLost as err:
             return self._recompute(key, e, pending, block, err)
         finally:
-            self._spiller.discard(pending.spilled)
-            self._spiller.discard(pending.snapshots)
+            if consume:
+                self._spiller.discard(pending.spilled)
+                self._spiller.discard(pending.snapshots)
 
     def _recompute(
         self,
@@ -755,11 +762,7 @@ class Runtime:
                     continue
                 self._wait(e, self._current_step(key))
                 try:
-                    if p.spilled is not None:
-                        results = self._spiller.load(p.spilled)
-                    else:
-                        results = [None if f is None else f.result() for f in p.futures]
-                    error = None
+                    results, error = self._results(key, e, p, None, consume=False), None
                 except (self._C.MatrixFunctionError, MatrixFunctionError) as err:
                     results, error = None, str(err)
                 pending.append(
