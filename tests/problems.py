@@ -80,3 +80,19 @@ def state_tensors(value: object, floating_only: bool = False) -> Iterator[torch.
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from state_tensors(v, floating_only)
+
+
+def assert_state_equal(a: object, b: object) -> None:
+    """Two nested states are equal: same structure, tensors of the same dtype and bits."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_state_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_state_equal(x, y)
+    else:
+        assert a == b

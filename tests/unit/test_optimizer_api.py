@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
+from tests.problems import StochasticQuartic, assert_state_equal, max_rel_diff, state_tensors
 
 OPTIMIZERS = {
     "soap": (SOAP, dict(lr=3e-3, precondition_frequency=3)),
@@ -35,21 +35,6 @@ def _train(opt, params, problem, steps, start=0):
         opt.step()
 
 
-def _assert_state_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_state_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_state_equal(x, y)
-    else:
-        assert a == b
-
-
 def test_state_dict_round_trip_is_exact(optimizer):
     problem = StochasticQuartic(SHAPES, 20, torch.float32)
     params = problem.params()
@@ -60,7 +45,7 @@ def test_state_dict_round_trip_is_exact(optimizer):
     params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt2 = optimizer(params2, lr=1.0)  # hyperparameters come from the state_dict
     opt2.load_state_dict(saved)
-    _assert_state_equal(opt.state_dict(), opt2.state_dict())
+    assert_state_equal(opt.state_dict(), opt2.state_dict())
 
     _train(opt, params, problem, 10, start=10)
     _train(opt2, params2, problem, 10, start=10)

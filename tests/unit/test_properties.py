@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.optim.blocking import make_layout
-from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
+from tests.problems import StochasticQuartic, assert_state_equal, max_rel_diff, state_tensors
 from tests.reference import RefShampoo
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
@@ -54,21 +54,6 @@ def _options(draw, name: str) -> dict:
     if name == "shampoo":
         kw.update(epsilon=1e-6, grafting=draw(st.sampled_from(["adam", "rmsprop", "sgd"])))
     return kw
-
-
-def _assert_state_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_state_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_state_equal(x, y)
-    else:
-        assert a == b
 
 
 @SETTINGS
@@ -194,7 +179,7 @@ def test_state_dict_round_trip_is_exact(name, shapes, dtype, split, data):
     params2 = [torch.nn.Parameter(x.clone()) for x in saved["params"]]
     opt2 = cls(params2, lr=1.0)  # every hyperparameter comes from the state_dict
     opt2.load_state_dict(saved["opt"])
-    _assert_state_equal(copy.deepcopy(opt.state_dict()), opt2.state_dict())
+    assert_state_equal(copy.deepcopy(opt.state_dict()), opt2.state_dict())
     train(opt, params, split, split + 4)
     train(opt2, params2, split, split + 4)
     for a, b in zip(params, params2):
