@@ -747,12 +747,13 @@ class Runtime:
         budget), so a ``fixed_delay`` run resumed from a checkpoint follows the uninterrupted run
         bit for bit (tests/unit/test_checkpoint.py). Save it next to ``optimizer.state_dict()``
         (taken at the same step boundary) and load both in that order.
+
+        Under torch.distributed the state is this rank's (save it per rank, e.g. with
+        :func:`asteria.checkpoint.save`); it involves no collective. A replicated block's refresh
+        in flight is saved with its results by its owner, and as "expected from rank ``r``" by the
+        other replicas, with the job options the sync needs; after loading on the same ranks, the
+        sync at its deadline proceeds as it would have (tests/distributed).
         """
-        if self._coherence is not None:
-            raise NotImplementedError(
-                "Runtime.state_dict() covers single-process runs; under torch.distributed save "
-                "at a step with no refresh in flight (stats()['jobs']['in_flight'] == 0)"
-            )
         self.sync(self.optimizer)
         pending = []
         with self._lock:
@@ -760,14 +761,21 @@ class Runtime:
                 p = e.pending
                 if p is None:
                     continue
-                self._wait(e, self._current_step(key))
-                try:
-                    results, error = self._results(key, e, p, None, consume=False), None
-                except (self._C.MatrixFunctionError, MatrixFunctionError) as err:
-                    results, error = None, str(err)
-                pending.append(
-                    {"key": key, "requested": p.requested, "results": results, "error": error}
-                )
+                item: dict[str, Any] = {
+                    "key": key,
+                    "requested": p.requested,
+                    "results": None,
+                    "error": None,
+                    "jobs": [None if j is None else _job_options(j) for j in p.jobs],
+                    "owner": p.owner,
+                }
+                if p.owner is None:  # computed here (a local block, or this rank owns it)
+                    self._wait(e, self._current_step(key))
+                    try:
+                        item["results"] = self._results(key, e, p, None, consume=False)
+                    except (self._C.MatrixFunctionError, MatrixFunctionError) as err:
+                        item["error"] = str(err)
+                pending.append(item)
         return {"format": 1, "pending": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -785,11 +793,24 @@ class Runtime:
                         "optimizer does not have: load the optimizer's state_dict first"
                     )
                 e = self.registry.entry(key, self._block_name(key))
-                if item["error"] is not None:
+                jobs = [None if j is None else _job_from_options(j) for j in item.get("jobs", [])]
+                owner = item.get("owner")
+                if owner is not None and (
+                    self._coherence is None or self._coherence.owner(key) != owner
+                ):
+                    raise ValueError(
+                        f"the checkpoint expects block {key}'s refresh in flight from rank "
+                        f"{owner}, which does not own it here: load on the ranks that saved it"
+                    )
+                if owner is not None:
+                    futures: list[Any] = [None] * len(jobs)
+                elif item["error"] is not None:
                     futures = [_Restored(error=item["error"])]
                 else:
                     futures = [None if r is None else _Restored(r) for r in item["results"]]
-                e.pending = PendingRefresh(requested=int(item["requested"]), futures=futures)
+                e.pending = PendingRefresh(
+                    requested=int(item["requested"]), futures=futures, jobs=jobs, owner=owner
+                )
 
     def stats(self) -> dict[str, Any]:
         """Figures the benchmarks read: per-step times, barrier waits, jobs, staleness."""
@@ -950,6 +971,24 @@ def _weak_signal(runtime: Runtime) -> Any:
             method(param_ids, event)
 
     return signal
+
+
+def _job_options(job: RefreshJob) -> dict[str, Any]:
+    """A job's options without its tensors, as plain values (a checkpoint's)."""
+    return {
+        "kind": job.kind,
+        "sort": job.sort,
+        "root": job.root,
+        "epsilon": job.epsilon,
+        "dtype": str(job.dtype).removeprefix("torch."),
+    }
+
+
+def _job_from_options(options: dict[str, Any]) -> RefreshJob:
+    o = dict(options)
+    return RefreshJob(
+        o["kind"], None, None, o["sort"], o["root"], o["epsilon"], getattr(torch, o["dtype"])
+    )
 
 
 class _Restored:

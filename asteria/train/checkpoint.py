@@ -6,20 +6,31 @@ the data position (batches drawn and the generator state), the RNG states, the m
 so far, the wall-clock and energy so far, and the run's status (``"running"`` when it stopped
 early, ``"finished"`` or ``"diverged"``). Must not: decide when to save (loop.py does).
 
-Under FSDP/HSDP the model and optimizer states are gathered into full (unsharded) state dicts on
-rank 0 (``torch.distributed.checkpoint.state_dict``), so a checkpoint does not depend on the
-number of processes that wrote it.
+Under FSDP/HSDP, AdamW's model and optimizer states are gathered into full (unsharded) state
+dicts on rank 0 (``torch.distributed.checkpoint.state_dict``), so its checkpoint does not depend
+on the number of processes that wrote it. Asteria's optimizers keep state per local shard, which
+cannot be gathered into a full state (Note [Sharded optimizer checkpoints] in
+asteria/checkpoint.py): their model and optimizer go through :mod:`asteria.checkpoint` into a
+directory next to the run's file, named by step (``<label>.step<N>.dcp``); the file names the
+directory, and the older ones are deleted once the file is written, so a crash at any point
+leaves a file that names a complete directory. Such a run resumes on the same number of
+processes; on another, loading fails with a message that says so.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 CHECKPOINTS = "checkpoints"
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot be continued here (e.g. on another number of processes)."""
 
 
 def checkpoint_path(out: Path, label: str) -> Path:
@@ -51,9 +62,72 @@ def model_and_optimizer_state(
     return get_state_dict(model, opt, options=options)
 
 
+def per_shard_state(opt: torch.optim.Optimizer, distributed: bool) -> bool:
+    """Whether ``opt``'s checkpoint goes through :mod:`asteria.checkpoint` (see the docstring)."""
+    from asteria.optim.base import KroneckerOptimizer
+
+    return distributed and isinstance(opt, KroneckerOptimizer)
+
+
+def save_sharded(
+    path: Path,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    runtime: Any | None = None,
+) -> str:
+    """Collective: write ``model``, ``opt`` and ``runtime`` (its refreshes in flight) through
+    :mod:`asteria.checkpoint` into the step's directory next to ``path``; returns its name (for
+    the run's file)."""
+    from asteria import checkpoint
+
+    name = f"{path.stem}.step{step}.dcp"
+    checkpoint.save(path.parent / name, model, opt, runtime)
+    return name
+
+
+def load_runtime_state(runtime: Any, payload: dict, path: Path | None = None) -> None:
+    """Put back the refreshes that were in flight when ``payload`` was saved (none if the run's
+    runtime was closed then, as at the end of a run)."""
+    if payload.get("runtime_state") is not None:
+        runtime.load_state_dict(payload["runtime_state"])
+    elif payload.get("sharded") and path is not None:
+        from asteria import checkpoint
+
+        directory = path.parent / payload["sharded"]
+        if "runtime" in checkpoint.parts(directory):
+            checkpoint.load(directory, runtime=runtime)
+
+
+def prune_sharded(path: Path, keep: str) -> None:
+    """Delete the directories of older steps than ``keep`` (after the file naming it is written)."""
+    for old in path.parent.glob(f"{path.stem}.step*.dcp"):
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def load_model_and_optimizer_state(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, payload: dict, distributed: bool
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    payload: dict,
+    distributed: bool,
+    path: Path | None = None,
 ) -> None:
+    """Load what :func:`model_and_optimizer_state` or :func:`save_sharded` saved; ``path``: the
+    run's checkpoint file (the sharded directory lies next to it)."""
+    if payload.get("sharded"):
+        from asteria import checkpoint
+
+        if path is None:
+            raise ValueError("a sharded checkpoint needs the path of its run file")
+        try:
+            checkpoint.load(path.parent / payload["sharded"], model, opt)
+        except ValueError as err:
+            raise ResumeError(
+                f"--resume: {err} (with asteria-train: resume under torchrun with as many "
+                "processes as the run had)"
+            ) from None
+        return
     if not distributed:
         model.load_state_dict(payload["model"])
         opt.load_state_dict(payload["optimizer"])

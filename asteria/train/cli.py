@@ -289,13 +289,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = _device(args.device)
         if args.fsdp or args.hsdp:
             kind = "fsdp" if args.fsdp else "hsdp"
-            second_order = [s.label for s in specs if s.name != "adamw"]
-            if second_order:
-                raise ValueError(
-                    f"--{kind} with {', '.join(second_order)}: Asteria's second-order optimizers "
-                    "do not take FSDP2-sharded (DTensor) parameters yet (the distributed issue, "
-                    f"#5); under torchrun --{kind} only adamw runs for now"
-                )
             ctx = dist_util.init(kind, args.hsdp_shards)
             if args.batch_size % ctx.world:
                 raise ValueError(
@@ -306,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     try:
         return _run(args, configs, rt_config, corpus, device, ctx)
+    except ckpt.ResumeError as err:
+        print(f"asteria-train: error: {err}", file=sys.stderr, flush=True)
+        return 2
     finally:
         dist_util.shutdown(ctx)
 

@@ -79,12 +79,6 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     return model
 
 
-def has_dtensor_params(params: list[torch.Tensor]) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in params)
-
-
 def mean(value: float, ctx: DistContext | None) -> float:
     if ctx is None:
         return value

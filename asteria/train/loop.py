@@ -363,12 +363,6 @@ def train(
     if ctx is not None:
         dist_util.shard_model(model, ctx)
     params = [p for p in model.parameters() if p.requires_grad]
-    if ctx is not None and cfg.optimizer != "adamw" and dist_util.has_dtensor_params(params):
-        raise ValueError(
-            f"{cfg.optimizer} with --{ctx.kind}: Asteria's second-order optimizers do not take "
-            "FSDP2-sharded (DTensor) parameters yet (tracked by the distributed issue, #5); "
-            "use --compare adamw under torchrun, or run without --fsdp/--hsdp"
-        )
     opt = build_optimizer(cfg.optimizer, params, cfg.peak_lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     batches = TrainBatches(corpus, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
@@ -380,7 +374,9 @@ def train(
     wall_before = 0.0
     energy_before: dict[str, float] = {}
     if resume is not None:
-        ckpt.load_model_and_optimizer_state(model, opt, resume, distributed=ctx is not None)
+        ckpt.load_model_and_optimizer_state(
+            model, opt, resume, distributed=ctx is not None, path=checkpoint
+        )
         sched.load_state_dict(resume["scheduler"])
         batches.load_state_dict(resume["batches"])
         ckpt.set_rng_state(resume["rng"])
@@ -393,6 +389,8 @@ def train(
         from asteria.runtime import Runtime
 
         runtime = Runtime(model, opt, runtime_config)
+        if resume is not None:
+            ckpt.load_runtime_state(runtime, resume, path=checkpoint)
     is_refresh = getattr(opt, "is_refresh_step", None)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     meter = energy if (energy is not None and energy.measured and is_main) else None
@@ -402,12 +400,24 @@ def train(
     last_hist: dict[int, int] = {}
 
     def save(status: str) -> None:
+        live = None  # a runtime that trains on: its refreshes in flight go in the checkpoint
         if runtime is not None:
-            runtime.close()  # installs what is in flight: the saved state is self-contained
+            if status == "running":
+                live = runtime  # (Note [Checkpoints with work in flight] in asteria/runtime)
+            else:
+                runtime.close()  # a finished run: install what is in flight
         if checkpoint is None:
             return
-        # Collective under FSDP/HSDP: every rank gathers, rank 0 writes.
-        model_state, optim_state = ckpt.model_and_optimizer_state(model, opt, ctx is not None)
+        # Collective under FSDP/HSDP: every rank gathers (AdamW) or writes its shard (Asteria's
+        # optimizers: model, optimizer and runtime in a directory the file names), rank 0
+        # writes the file.
+        sharded = runtime_state = None
+        if ckpt.per_shard_state(opt, ctx is not None):
+            sharded = ckpt.save_sharded(checkpoint, len(result.records), model, opt, live)
+            model_state = optim_state = None
+        else:
+            model_state, optim_state = ckpt.model_and_optimizer_state(model, opt, ctx is not None)
+            runtime_state = live.state_dict() if live is not None else None
         if not is_main:
             return
         ckpt.save(
@@ -426,8 +436,12 @@ def train(
                 "energy_j": result.energy_j,
                 "num_params": num_params,
                 "runtime": result.runtime_stats,
+                "sharded": sharded,
+                "runtime_state": runtime_state,
             },
         )
+        if sharded is not None:
+            ckpt.prune_sharded(checkpoint, keep=sharded)
 
     start = time.perf_counter()
     result.status = "finished"
@@ -493,11 +507,6 @@ def train(
                 break
             if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
                 save("running")
-                if runtime is not None:  # save() detached it: attach a fresh one
-                    from asteria.runtime import Runtime
-
-                    runtime = Runtime(model, opt, runtime_config)
-                    last_hist = {}
     except BaseException:
         if runtime is not None:
             runtime.close(install_pending=False)
@@ -509,6 +518,8 @@ def train(
     if runtime is not None:
         result.runtime_stats = runtime_summary(runtime.stats())
     save("running" if result.status == "stopped" else result.status)
+    if runtime is not None:
+        runtime.close(install_pending=False)  # stopped: what was in flight is in the checkpoint
     return result
 
 

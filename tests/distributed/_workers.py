@@ -358,6 +358,72 @@ def scenario_checkpoint(rank: int, world: int, out: dict, path: Path) -> None:
     out["replicas_agree"] = _replicas_agree(resumed)
 
 
+def _sharded(layout: str, world: int):
+    """A fresh model, ``fully_shard``-ed over ``world`` ranks ("fsdp") or as ``world`` replicas
+    of one shard ("hsdp", whose blocks are replicated: owners and syncs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    shape, names = ((world,), ("shard",)) if layout == "fsdp" else ((world, 1), ("rep", "shard"))
+    net = model()
+    fully_shard(net, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+    return net
+
+
+def scenario_dcp(rank: int, world: int, out: dict, path: Path) -> None:
+    """asteria.checkpoint under FSDP2 and HSDP: save after 7 steps with refreshes in flight
+    (``fixed_delay=2``), load on the same ranks into a fresh model, optimizer and runtime: the
+    same continuation to step 14, bit for bit. The FSDP2 checkpoints and their parameters, full,
+    are left in ``path`` for ``scenario_dcp_one_rank``."""
+    from asteria import checkpoint
+
+    config = RuntimeConfig(staleness=2, fixed_delay=2, workers=1)
+    for layout in ("fsdp", "hsdp"):
+        for name in OPTIMIZERS:
+            ckpt = path / f"{layout}_{name}"
+            net = _sharded(layout, world)
+            opt = make_opt(name, list(net.parameters()))
+            rt = Runtime(net, opt, config)
+            _train(net, opt, rank, world, 7)
+            in_flight = rt.stats()["jobs"]["in_flight"]
+            checkpoint.save(ckpt, net, opt, rt, extra={"step": 7})
+            if layout == "fsdp":
+                full = [p.full_tensor() for p in net.parameters()]  # collective
+                if rank == 0:
+                    torch.save(full, path / f"full_{name}.pt")
+            _train(net, opt, rank, world, 14, start=7)
+            straight = [_local(p) for p in net.parameters()]
+            rt.close()
+
+            net = _sharded(layout, world)
+            opt = make_opt(name, list(net.parameters()))
+            rt = Runtime(net, opt, config)
+            extra = checkpoint.load(ckpt, net, opt, rt)
+            _train(net, opt, rank, world, 14, start=7)
+            resumed = [_local(p) for p in net.parameters()]
+            rt.close()
+            case = {"in_flight_at_save": in_flight, "extra": extra, **_same(resumed, straight)}
+            out[f"{layout}/{name}"] = case
+
+
+def scenario_dcp_one_rank(rank: int, world: int, out: dict, path: Path) -> None:
+    """One process loads the 2-rank FSDP2 checkpoints of ``scenario_dcp``: the model reshards
+    (its parameters equal the saved ones, whole); the optimizer fails with a clear error."""
+    from asteria import checkpoint
+
+    for name in OPTIMIZERS:
+        net = _sharded("fsdp", world)
+        checkpoint.load(path / f"fsdp_{name}", net)
+        saved = torch.load(path / f"full_{name}.pt", weights_only=True)
+        case = _same([p.full_tensor() for p in net.parameters()], saved)
+        try:
+            checkpoint.load(path / f"fsdp_{name}", net, make_opt(name, list(net.parameters())))
+            case["error"] = None
+        except ValueError as err:
+            case["error"] = str(err)
+        out[name] = case
+
+
 def scenario_bad(rank: int, world: int, out: dict) -> None:
     """Settings that differ across ranks or are wrong: a ValueError on every rank, no hang."""
 
@@ -400,6 +466,11 @@ SCENARIOS = {
     "hang": scenario_hang,
     "bad": scenario_bad,
 }
+WITH_PATH = {
+    "checkpoint": scenario_checkpoint,
+    "dcp": scenario_dcp,
+    "dcp_one_rank": scenario_dcp_one_rank,
+}
 
 
 def main() -> None:
@@ -408,8 +479,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
-    if scenario == "checkpoint":
-        scenario_checkpoint(rank, world, out, path)
+    if scenario in WITH_PATH:
+        WITH_PATH[scenario](rank, world, out, path)
     else:
         SCENARIOS[scenario](rank, world, out)
     (path / f"rank{rank}.json").write_text(json.dumps(out))

@@ -135,6 +135,26 @@ def test_checkpoint_on_two_ranks_gives_the_same_continuation(tmp_path: Path) -> 
         assert r["replicas_agree"]
 
 
+def test_dcp_checkpoint_with_refreshes_in_flight_resumes_bitwise(tmp_path: Path) -> None:
+    """asteria.checkpoint (DCP) on 2 ranks, FSDP2 and HSDP, loaded on 2 ranks; then the FSDP2
+    checkpoints on 1 rank: the model reshards, the optimizer refuses with a clear error."""
+    results = _run("dcp", tmp_path)
+    for r in results:
+        for layout in ("fsdp", "hsdp"):
+            for name in OPTIMIZERS:
+                case = r[f"{layout}/{name}"]
+                assert case["in_flight_at_save"] > 0, (layout, name)
+                assert case["extra"] == {"step": 7}
+                assert case["equal"], (layout, name, case["max_diff"])
+    codes, one, logs, _ = launch("dcp_one_rank", tmp_path, world=1)
+    assert codes == [0], logs
+    for name in OPTIMIZERS:
+        case = one[0][name]
+        assert case["equal"], (name, case["max_diff"])
+        assert case["error"] is not None and "saved by 2 ranks" in case["error"]
+        assert "cannot be loaded on 1" in case["error"] and "optimizer=None" in case["error"]
+
+
 def test_bad_settings_fail_on_every_rank_at_attach(tmp_path: Path) -> None:
     results = _run("bad", tmp_path, timeout_s=60.0)
     expected = {

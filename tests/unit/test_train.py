@@ -219,7 +219,7 @@ def test_optimizer_table_builds_each(name: str) -> None:
         (["--model", "gpt5"], "invalid choice: 'gpt5' (choose from 'nano', 'tiny', 'olmo-60m'"),
         (["--staleness", "-1"], "staleness must be an integer >= 0, got -1"),
         (["--fixed-delay", "9"], "fixed_delay must be in [0, staleness=5]"),
-        (["--fsdp", "--optimizer", "soap"], "do not take FSDP2-sharded (DTensor) parameters"),
+        (["--fsdp", "--optimizer", "soap"], "runs under torchrun"),
         (["--fsdp"], "runs under torchrun"),
         (["--token-dtype", "uint16"], "--token-dtype needs --data to be one token file"),
         (["--compare", "adamw,lion"], "unknown optimizer 'lion'"),
@@ -293,23 +293,35 @@ def _model_state(out: Path, label: str) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("runs", ["adamw", "soap:native"])
+@pytest.mark.parametrize(
+    ("runs", "steps", "stop", "extra"),
+    [
+        ("adamw", 6, 4, []),
+        ("soap:native", 6, 4, []),
+        # refreshes requested at step 11 install at 13: in flight at the stop, in the checkpoint
+        ("soap:asteria", 14, 12, ["--staleness", "2", "--fixed-delay", "2", "--workers", "1"]),
+    ],
+)
 def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
-    tmp_path: Path, runs: str, capsys: pytest.CaptureFixture
+    tmp_path: Path, runs: str, steps: int, stop: int, extra: list[str], capsys
 ) -> None:
-    args = [*QUICK, "--model", "nano", "--steps", "6", "--val-every", "3", "--compare", runs]
+    args = [*QUICK, "--model", "nano", "--steps", str(steps), "--val-every", "3"]
+    args += ["--compare", runs, *extra]
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert main([*args, "--out", str(whole)]) == 0
-    assert main([*args, "--out", str(split), "--stop-after", "4"]) == 0
+    assert main([*args, "--out", str(split), "--stop-after", str(stop)]) == 0
     assert "continue with: asteria-train --resume" in capsys.readouterr().out
-    assert len(_read_jsonl(split / "metrics.jsonl")) == 4
+    assert len(_read_jsonl(split / "metrics.jsonl")) == stop
+    saved = torch.load(split / "checkpoints" / f"{runs.replace(':', '_')}.pt", weights_only=True)
+    if runs.endswith(":asteria"):
+        assert len(saved["runtime_state"]["pending"]) > 0
     assert not (split / "report.md").read_text().count("| finished")  # partial report
     # A resume may not change the run; it may leave everything out but --out.
     with pytest.raises(SystemExit):
-        main([*args, "--steps", "7", "--out", str(split), "--resume"])
-    assert "--resume cannot change a run's settings: --steps 7" in capsys.readouterr().err
+        main([*args, "--steps", "17", "--out", str(split), "--resume"])
+    assert "--resume cannot change a run's settings: --steps 17" in capsys.readouterr().err
     assert main(["--resume", "--out", str(split), "--no-progress"]) == 0
-    assert f"{runs}: resuming at step 4" in capsys.readouterr().out
+    assert f"{runs}: resuming at step {stop}" in capsys.readouterr().out
 
     a, b = _read_jsonl(whole / "metrics.jsonl"), _read_jsonl(split / "metrics.jsonl")
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in a] == [
@@ -319,7 +331,8 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     summary = json.loads((split / "summary.json").read_text())
     assert (
-        summary["runs"][runs]["status"] == "finished" and summary["runs"][runs]["steps_done"] == 6
+        summary["runs"][runs]["status"] == "finished"
+        and summary["runs"][runs]["steps_done"] == steps
     )
     # Resuming a finished run trains nothing and writes the same outputs again.
     assert main(["--resume", "--out", str(split), "--no-progress"]) == 0
@@ -494,3 +507,44 @@ def test_fsdp_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     assert [r["val_loss"] for r in a if "val_loss" in r] == pytest.approx(
         [r["val_loss"] for r in b if "val_loss" in r], rel=1e-5
     )
+
+
+def test_fsdp_second_order_checkpoints_per_shard_and_resumes_under_torchrun(
+    tmp_path: Path,
+) -> None:
+    """Asteria's optimizers under ``--fsdp``: their per-shard state goes through
+    asteria.checkpoint; a run stopped at step 3 and resumed on 2 processes gives the same losses
+    as the run without a stop, bit for bit; resuming on 1 process is refused with a message."""
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    argv = [*QUICK, "--model", "nano", "--steps", "6", "--compare", "soap:native,soap:asteria"]
+
+    def launch(procs: int, out: Path, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [torchrun, "--nproc-per-node", str(procs), "-m", "asteria.train", "--fsdp", *argv]
+        return subprocess.run(
+            [*cmd, *extra, "--out", str(out)], capture_output=True, text=True, timeout=300
+        )
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for proc in (launch(2, straight), launch(2, stopped, "--stop-after", "3")):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == [
+        "soap_native.pt",
+        "soap_native.step3.dcp",
+    ]
+    refused = launch(1, stopped, "--resume")
+    assert refused.returncode != 0
+    assert "saved by 2 ranks with sharded parameters and cannot be loaded on 1" in refused.stderr
+    resumed = launch(2, stopped, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 3" in resumed.stdout
+    a, b = _read_jsonl(straight / "metrics.jsonl"), _read_jsonl(stopped / "metrics.jsonl")
+    assert [(r["optimizer"], r["loss"]) for r in a] == [(r["optimizer"], r["loss"]) for r in b]
+    names = sorted(p.name for p in (stopped / "checkpoints").iterdir())
+    assert names == [
+        "soap_asteria.pt",
+        "soap_asteria.step6.dcp",
+        "soap_native.pt",
+        "soap_native.step6.dcp",
+    ]  # the step-3 directory went once the step-6 file named its successor
