@@ -6,6 +6,7 @@
 #   make bench         set up .venv, build, time one optimizer step vs peers (bench/optim_step.py)
 #   make lint          ruff check, ruff format --check, clang-format --dry-run -Werror
 #   make cuda-compile  compile the CUDA sources in .venv-cuda (CUDA torch; no GPU needed)
+#   make cpp-test      the torch-free C++ core's tests (ctest): plain, TSan, ASan + UBSan
 #
 # Setup is idempotent: each step leaves a stamp file under $(VENV)/.stamps and runs again only
 # when its inputs change (requirements-test.txt for the packages; setup.py, pyproject.toml and
@@ -34,10 +35,10 @@ BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 CXX_SOURCES = $(shell find csrc tests/cpp \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' \
 	-o -name '*.cu' -o -name '*.cuh' \) -type f 2>/dev/null | sort)
 
-.PHONY: help setup build demo test bench lint cuda-compile clean distclean
+.PHONY: help setup build demo test bench lint cuda-compile cpp-test clean distclean
 
 help:
-	@sed -n '3,9p' Makefile | sed 's/^# //'
+	@sed -n '3,10p' Makefile | sed 's/^# //'
 
 # -- the CPU venv ------------------------------------------------------------------------------
 
@@ -81,6 +82,23 @@ lint: setup
 	$(VENV)/bin/ruff check $(RUFF_EXCLUDE) .
 	$(VENV)/bin/ruff format --check $(RUFF_EXCLUDE) .
 	$(VENV)/bin/clang-format --dry-run -Werror $(CXX_SOURCES)
+
+# -- the torch-free C++ core (pool, queue, slots, staging ring, spill store) under ctest ----------
+# Three builds: plain, ThreadSanitizer, AddressSanitizer + UndefinedBehaviorSanitizer (issue 7);
+# a sanitizer report fails its test (halt_on_error / exitcode).
+
+CPP_BUILD := build/cpp
+SANITIZER_ENV := TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+
+cpp-test:
+	for san in none thread address; do \
+		dir=$(CPP_BUILD)-$$san; \
+		cmake -S . -B $$dir -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+			-DASTERIA_SANITIZE=$$([ $$san = none ] || echo $$san) > /dev/null; \
+		cmake --build $$dir -j $(MAX_JOBS) > /dev/null; \
+		$(SANITIZER_ENV) ctest --test-dir $$dir --output-on-failure -j 2 | tail -n 3; \
+	done
 
 # -- the CUDA compile check (CUDA torch wheel + nvcc; compiles, never runs) --------------------
 

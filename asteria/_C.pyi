@@ -80,7 +80,10 @@ class WorkerPool:
         lapack_threads: int = 1,
         affinity: list[int] | None = None,
         queue_capacity: int = 1024,
+        trim_bytes: int = 64 << 20,
     ) -> None: ...
+    @property
+    def trims(self) -> int: ...
     def submit_eigh(
         self,
         block: str,

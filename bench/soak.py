@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     hog = torch.randn(500, 500, dtype=torch.float64)
     hog = hog @ hog.T
 
+    hogs: list = []  # (pool block name, future) of slow_worker jobs
     injected: Counter[str] = Counter()
     survived: Counter[str] = Counter()
     deferred: list[str] = []  # refresh faults: survived when the run ends without error
@@ -157,7 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
                 _C._testing_fail_next(1)
             elif kind == "slow_worker":
                 for i in range(40):
-                    rt._pool.submit_eigh(f"soak-hog{i}", 0, 0, hog, torch.float64)
+                    name = f"soak-hog{i}"
+                    hogs.append((name, rt._pool.submit_eigh(name, 0, 0, hog, torch.float64)))
+            # the hogs' results are garbage: the pool forgets them once done, as the runtime
+            # does with a result it no longer needs (WorkerPool.release)
+            while hogs and hogs[0][1].done():
+                rt._pool.release(hogs.pop(0)[0], 0)
 
             x = next(batches)
             opt.zero_grad(set_to_none=True)
@@ -248,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rss_samples_mib": rss_samples,
         "rss_bound_mib": args.rss_bound_mib,
         "rss_ok": growth <= args.rss_bound_mib,
+        "pool_trims": stats["pool"].get(
+            "trims"
+        ),  # Note [Returning freed memory] (refresh_pool.cpp)
     }
     print(json.dumps(result), flush=True)
     return result

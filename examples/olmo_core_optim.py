@@ -3,33 +3,49 @@
 OLMo-core builds its optimizer from an ``OptimConfig`` (``TransformerTrainModuleConfig(optim=...)``
 calls ``optim.build(model)``); every field of the config but ``group_overrides``, ``compile`` and
 ``fixed_fields`` becomes a keyword of the optimizer class that ``optimizer()`` returns. So an
-Asteria optimizer in OLMo-core is a dataclass with its hyperparameters:
+Asteria optimizer in OLMo-core is a dataclass with its hyperparameters, and Asteria mode
+(refreshes on the C++ workers) is a trainer callback that attaches an ``asteria.Runtime`` for the
+length of ``trainer.fit()``; without it the optimizer runs in native mode.
 
-    from examples.olmo_core_optim import AsteriaSOAPConfig, AsteriaRuntimeCallback
-    train_module_config = TransformerTrainModuleConfig(
-        ..., optim=AsteriaSOAPConfig(lr=3e-3, weight_decay=0.1),
-    )
-    trainer_config = TrainerConfig(...).with_callback("asteria", AsteriaRuntimeCallback())
+    python examples/olmo_core_optim.py --optimizer soap --mode asteria --steps 20
 
-``AsteriaRuntimeCallback`` switches the optimizer to Asteria mode (refreshes on the C++ workers)
-for the length of training. Without it the optimizer runs in native mode. OLMo-core shards the
-model with FSDP2 when it has several processes; Asteria's optimizers take unsharded parameters
-for now (issue #5), so run them single-process or with data parallelism (DDP) only.
+``run()`` trains a 2-layer OLMo-2 (OLMo-core's ``olmo2_14M`` with 2 layers, 0.6M parameters) on
+the byte-level corpus of ``asteria.train`` (Python's own standard library sources), written as a
+token file in OLMo's numpy layout and read by OLMo-core's own dataset and data loader. It runs
+single-process; nothing is downloaded.
 
-Needs ``ai2-olmo-core`` (not in requirements-test.txt: see requirements-examples.txt).
+Checkpoints are off (``no_checkpoints=True``): OLMo-core saves and loads through
+``torch.distributed.checkpoint``'s ``get/set_optimizer_state_dict``, which do not take Asteria's
+optimizer state yet. Their flattening (OLMo-core's default) rejects the per-block state lists,
+``cpu_offload`` rejects the ``refresh_dtype`` in the param groups, and loading hands
+``load_state_dict`` state keyed by parameter name where Asteria expects positions. A save before
+the first step would also run a zero-gradient ``step()`` (torch initializes empty optimizer state
+that way), which sets SOAP's eigenbases from zero statistics.
+
+Needs ``ai2-olmo-core`` (in requirements-test.txt).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from olmo_core.optim import OptimConfig
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+from olmo_core.nn.transformer import TransformerConfig
+from olmo_core.optim import CosWithWarmup, OptimConfig
+from olmo_core.train import Duration, Trainer, TrainerConfig, seed_all
 from olmo_core.train.callbacks import Callback
+from olmo_core.train.common import TRAIN_CE_LOSS_METRIC
+from olmo_core.train.train_module import TransformerTrainModuleConfig
 
 import asteria
 from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.train.data import EOD, VOCAB_SIZE, load_corpus
 
 
 @dataclass
@@ -76,16 +92,25 @@ class AsteriaShampooConfig(OptimConfig):
         return Shampoo
 
 
+CONFIGS: dict[str, type[OptimConfig]] = {
+    "soap": AsteriaSOAPConfig,
+    "kl-shampoo": AsteriaKLShampooConfig,
+    "shampoo": AsteriaShampooConfig,
+}
+
+
 @dataclass
 class AsteriaRuntimeCallback(Callback):
     """Attach an ``asteria.Runtime`` to the train module's optimizer before training, detach it
-    after (``staleness``/``workers``: ``asteria.RuntimeConfig``'s, None for the default)."""
+    after (``staleness``/``workers``: ``asteria.RuntimeConfig``'s, None for the default).
+    ``stats`` holds the runtime's ``stats()`` from the moment it was detached."""
 
     staleness: int | None = None
     workers: int | None = None
 
     def __post_init__(self) -> None:
         self.runtime: asteria.Runtime | None = None
+        self.stats: dict[str, Any] | None = None
 
     def runtime_config(self) -> asteria.RuntimeConfig:
         given: dict[str, Any] = {"staleness": self.staleness, "workers": self.workers}
@@ -96,6 +121,7 @@ class AsteriaRuntimeCallback(Callback):
 
     def detach(self) -> None:
         if self.runtime is not None:
+            self.stats = self.runtime.stats()
             self.runtime.close()
             self.runtime = None
 
@@ -105,3 +131,100 @@ class AsteriaRuntimeCallback(Callback):
 
     def post_train(self) -> None:
         self.detach()
+
+
+@dataclass
+class LossRecorder(Callback):
+    """The training loss of every step the trainer logs (``metrics_collect_interval=1``: all)."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if TRAIN_CE_LOSS_METRIC in metrics:
+            self.losses[step] = float(metrics[TRAIN_CE_LOSS_METRIC])
+
+
+def write_token_file(path: Path, max_bytes: int = 200_000) -> Path:
+    """The byte-level stdlib corpus's training split as a flat uint16 token file (OLMo's layout:
+    raw token ids, no header)."""
+    corpus = load_corpus(max_bytes=max_bytes)
+    corpus.train.numpy().astype(np.uint16).tofile(path)
+    return path
+
+
+def run(
+    optimizer: str = "soap",
+    mode: str = "native",
+    steps: int = 20,
+    lr: float | None = None,
+    work_dir: str | None = None,
+    seq_len: int = 64,
+    batch_size: int = 8,
+    device: str | None = None,
+) -> tuple[list[float], Trainer]:
+    """Train ``steps`` steps with OLMo-core's trainer; returns the per-step training losses and
+    the trainer (``trainer.train_module.optim`` is the Asteria optimizer, and in Asteria mode
+    ``trainer.callbacks["asteria"]`` the runtime callback)."""
+    if optimizer not in CONFIGS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(CONFIGS)}")
+    if mode not in ("native", "asteria"):
+        raise ValueError(f"unknown mode {mode!r}; choose from native, asteria")
+    root = Path(work_dir or tempfile.mkdtemp(prefix="asteria-olmo-core-"))
+    root.mkdir(parents=True, exist_ok=True)
+    seed_all(0)
+
+    tokens = write_token_file(root / "tokens.npy")
+    tokenizer = TokenizerConfig(vocab_size=VOCAB_SIZE, eos_token_id=EOD, pad_token_id=EOD)
+    dataset = NumpyFSLDatasetConfig(
+        tokenizer=tokenizer,
+        paths=[str(tokens)],
+        dtype="uint16",
+        sequence_length=seq_len,
+        work_dir=str(root / "dataset"),
+    ).build()
+    tokens_per_batch = batch_size * seq_len  # OLMo-core counts batch sizes in tokens
+    loader = NumpyDataLoaderConfig(global_batch_size=tokens_per_batch, seed=0).build(dataset)
+
+    model = TransformerConfig.olmo2_14M(vocab_size=VOCAB_SIZE, n_layers=2).build()
+    optim = CONFIGS[optimizer]() if lr is None else CONFIGS[optimizer](lr=lr)
+    train_module = TransformerTrainModuleConfig(
+        rank_microbatch_size=tokens_per_batch,
+        max_sequence_length=seq_len,
+        optim=optim,
+        max_grad_norm=1.0,
+        scheduler=CosWithWarmup(warmup=min(5, steps)),
+    ).build(model, device=None if device is None else torch.device(device))
+
+    callbacks: dict[str, Callback] = {"losses": LossRecorder()}
+    if mode == "asteria":
+        callbacks["asteria"] = AsteriaRuntimeCallback(staleness=2, workers=1)
+    trainer = TrainerConfig(
+        save_folder=str(root / "run"),
+        device=device,
+        max_duration=Duration.steps(steps),
+        metrics_collect_interval=1,
+        no_checkpoints=True,
+        callbacks=callbacks,
+    ).build(train_module, loader)
+    trainer.fit()
+    # TrainerConfig may copy its callbacks: read the trainer's own.
+    recorded = trainer.callbacks["losses"].losses
+    return [recorded[s] for s in sorted(recorded)], trainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--optimizer", default="soap", choices=list(CONFIGS))
+    p.add_argument("--mode", default="native", choices=["native", "asteria"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=None, help="default: the config's")
+    a = p.parse_args()
+    losses, trainer = run(a.optimizer, a.mode, a.steps, a.lr)
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+    callback = trainer.callbacks.get("asteria")
+    if callback is not None and callback.stats is not None:
+        print(f"staleness histogram: {callback.stats['staleness_histogram']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,8 @@
 """Asteria's memory tiers below the device: host memory it owns (aligned, pinned and mapped where a
 GPU is visible) with the staging ring and device views (host.py), host staging for snapshots
 (staging.py), and the NVMe spill store (nvme.py). The placement policy is tiers.py (pure) and the
-state sizes it is fed come from accounting.py; import them from there."""
+state sizes it is fed come from accounting.py; the device window the runtime reads host bases
+through on discrete GPUs is window.py; import them from there."""
 
 from asteria.memory.host import (
     StagingRing,

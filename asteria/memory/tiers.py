@@ -12,8 +12,9 @@ State kinds (DESIGN.md, "Where state lives"):
   * ``bases``: refresh results in use (eigenbases, inverse roots), read every step by the device.
     ``auto``: host memory. The device reads them through mapped views on unified-memory machines
     (GH200, GB10) and directly on a CPU-only machine; on a discrete GPU they are copied into a
-    device window just before use, which needs an optimizer that reads its bases block by block
-    through the runtime (``bases_window``); without it they stay on the device.
+    device window just before use (Note [Bases window] in window.py), which needs an optimizer
+    that reads its bases block by block through the runtime (``bases_window``; Asteria's SOAP,
+    Shampoo and KL-Shampoo do); without it they stay on the device.
   * ``results``: finished refreshes waiting for their install step (``fixed_delay``). Host;
     the coldest (last in access order) go to NVMe when ``host_budget_bytes`` binds.
   * ``snapshots``: a spilled refresh's inputs (factor, basis at request time), kept with it on
@@ -140,7 +141,8 @@ def plan(
 
     ``blocks``: in access order (the order a step touches them). ``nvme``: whether a spill
     directory is configured. ``bases_window``: whether the consumer can read host bases through
-    a device window of ``window_blocks`` consecutive blocks (the one in use and the next).
+    a device window: a ring of ``window_blocks`` slots (the block in use and the next), each as
+    large as the largest block's bases (asteria/memory/window.py).
     Raises ``ValueError`` saying what to change when the budgets cannot be met.
     """
     _check_budget("device_budget_bytes", device_budget_bytes)
@@ -165,8 +167,7 @@ def plan(
             bases_access = "mapped"
         elif bases_window:
             bases_access = "window"
-            sizes = [b.bases for b in blocks]
-            window = max((sum(sizes[i : i + window_blocks]) for i in range(len(sizes))), default=0)
+            window = window_blocks * max((b.bases for b in blocks), default=0)
         else:
             tiers["bases"] = "device"
             notes.append(

@@ -108,6 +108,14 @@ class Refresher(Protocol):
         """Called before an update reads state that ``accumulate`` writes (KL-Shampoo)."""
         ...
 
+    def bases(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> list:
+        """The tensors to read as ``block``'s bases (``block[opt.bases_field]``) in the update
+        that follows: the block's own, or device copies of them (Note [Bases window] in
+        asteria/memory/window.py). Called right before the update's first read, once per block
+        and step, in the order the step touches the blocks; what it returns is read by kernels
+        issued before the next call (or ``step_end``) only."""
+        ...
+
     def sync(self, opt: KroneckerOptimizer) -> None:
         """Finish every deferred statistics update (before ``state_dict`` and the like)."""
         ...
@@ -124,6 +132,9 @@ class NativeRefresher:
 
     def block_begin(self, opt, key, block) -> None:
         pass
+
+    def bases(self, opt, key, block) -> list:
+        return block[opt.bases_field]
 
     def sync(self, opt) -> None:
         pass
@@ -220,6 +231,14 @@ class KroneckerOptimizer(Optimizer):
 
     #: Hyperparameters every group must carry and that ``_validate_group`` checks.
     _common_keys = ("lr", "betas", "eps", "weight_decay", "precondition_frequency")
+    #: The block-state field that holds the refresh results in use (bases or inverse roots).
+    bases_field = "bases"
+    #: Whether the update reads a block's bases only through ``Refresher.bases`` (then a
+    #: runtime may keep them in host memory and hand out device copies: the bases window).
+    reads_bases_through_refresher = False
+    #: Whether ``install_refresh`` reads the block's current bases (SOAP rotates its first
+    #: moment by ``Q_old^T Q_new``); a runtime then hands it device copies of them.
+    install_reads_bases = True
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         params = _param_list(type(self).__name__, params)
@@ -346,10 +365,16 @@ class KroneckerOptimizer(Optimizer):
         self._refresher.sync(self)
         saved = copy.deepcopy(state_dict["state"])
         super().load_state_dict(state_dict)
+        # The saved groups' "params" lists name the parameters, in order: positions as this
+        # class saves them, or other keys (torch.distributed.checkpoint.state_dict's parameter
+        # names), mapped by position as torch.optim does.
         params = [p for g in self.param_groups for p in g["params"]]
-        for index, value in saved.items():
-            param = params[index]
-            self.state[param] = _to_device(value, param.device)
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        param_of = dict(zip(keys, params))
+        for key, value in saved.items():
+            if key in param_of:
+                param = param_of[key]
+                self.state[param] = _to_device(value, param.device)
         self._layouts.clear()
 
     # -- the step skeleton ---------------------------------------------------------------------
@@ -370,6 +395,8 @@ class KroneckerOptimizer(Optimizer):
                     continue
                 self._check_grad_kind(p.grad)
                 todo.append((pid, group, p))
+        if not self.state and todo and _state_init_probe(self.param_groups, todo):
+            return loss
         finite = (
             _finite_flags([p.grad for _, _, p in todo])
             if self.skip_nonfinite_grads
@@ -524,6 +551,24 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """
     to_local = getattr(t, "to_local", None)
     return t if to_local is None else to_local()
+
+
+def _state_init_probe(groups: list[dict[str, Any]], todo: list[tuple]) -> bool:
+    """Whether this first step is ``torch.distributed.checkpoint.state_dict``'s probe, which a
+    step must not act on.
+
+    Note [State-initialisation probe]: ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+    (and the trainers built on them: torchtitan, OLMo-core) first make an optimizer with no state
+    create it, by calling ``step()`` with every gradient set to zeros and every ``lr`` to 0. For
+    Adam that is harmless; for SOAP and KL-Shampoo the first step initialises the eigenbases
+    from the first gradient (the authors' rule), so zeros would leave bases of zero statistics
+    and shift every later step by one. A first step (no state yet) whose gradients are all
+    exactly zero with every ``lr`` 0 therefore creates no state; a real first step never has
+    both. The checkpoint then simply holds no optimizer state yet, which loads back as none.
+    """
+    if any(float(g["lr"]) != 0.0 for g in groups):
+        return False
+    return all(not bool(local_tensor(p.grad).any()) for _, _, p in todo)
 
 
 def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:

@@ -62,6 +62,9 @@ class KLShampoo(KroneckerOptimizer):
         refresh_dtype: precision of the eigh / QR refreshes (float32, as the authors).
     """
 
+    reads_bases_through_refresher = True
+    install_reads_bases = False
+
     def __init__(
         self,
         params: ParamsT,
@@ -151,9 +154,10 @@ class KLShampoo(KroneckerOptimizer):
         ):
             key = (pid, bi)
             self._refresher.block_begin(self, key, b)  # the last step's statistics are in
+            bases = self._refresher.bases(self, key, b)  # b["bases"], or device copies
             b["exp_avg"].lerp_(g, 1 - beta1)
-            scaled = mode_scale(mode_products(b["exp_avg"], b["bases"], True), b["eigen_sqrt_inv"])
-            delta = mode_products(scaled, b["bases"], False)
+            scaled = mode_scale(mode_products(b["exp_avg"], bases, True), b["eigen_sqrt_inv"])
+            delta = mode_products(scaled, bases, False)
             # The statistics read this step's bases: a list of them travels with the update, so
             # a refresh installed at the boundary below cannot change what they read.
             self._refresher.accumulate(
@@ -161,7 +165,7 @@ class KLShampoo(KroneckerOptimizer):
                 key,
                 self._update_statistics,
                 b,
-                list(b["bases"]),
+                list(bases),
                 g,
                 spec.numel,
                 beta,

@@ -58,6 +58,10 @@ class Shampoo(KroneckerOptimizer):
         refresh_dtype: precision of the root computation.
     """
 
+    bases_field = "roots"
+    reads_bases_through_refresher = True
+    install_reads_bases = False
+
     def __init__(
         self,
         params: ParamsT,
@@ -162,13 +166,16 @@ class Shampoo(KroneckerOptimizer):
         graft = m_hat if denom is None else m_hat / denom
         if preconditioning:
             direction = torch.empty_like(m_hat)
-            for b, m_b, g_b, out in zip(
-                blocks,
-                block_views(m_hat, layout),
-                block_views(graft, layout),
-                block_views(direction, layout),
+            for bi, (b, m_b, g_b, out) in enumerate(
+                zip(
+                    blocks,
+                    block_views(m_hat, layout),
+                    block_views(graft, layout),
+                    block_views(direction, layout),
+                )
             ):
-                pre = mode_products(m_b, b["roots"], transpose=False)
+                roots = self._refresher.bases(self, (pid, bi), b)  # b["roots"], or device copies
+                pre = mode_products(m_b, roots, transpose=False)
                 if grafting != "none":
                     norm = torch.linalg.vector_norm(pre)
                     pre = pre * torch.where(norm > 0, torch.linalg.vector_norm(g_b) / norm, 1.0)

@@ -60,6 +60,8 @@ class SOAP(KroneckerOptimizer):
         refresh_dtype: precision of the eigh / QR refreshes (float32, as the authors).
     """
 
+    reads_bases_through_refresher = True
+
     def __init__(
         self,
         params: ParamsT,
@@ -177,12 +179,13 @@ class SOAP(KroneckerOptimizer):
             step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
 
         grads = block_views(grad, layout)
-        for b, g, w in zip(state["blocks"], grads, block_views(p, layout)):
-            g_rot = mode_products(g, b["bases"], transpose=True)
+        for bi, (b, g, w) in enumerate(zip(state["blocks"], grads, block_views(p, layout))):
+            bases = self._refresher.bases(self, (pid, bi), b)  # b["bases"], or device copies
+            g_rot = mode_products(g, bases, transpose=True)
             b["exp_avg"].mul_(beta1).add_(g_rot, alpha=1 - beta1)
             b["exp_avg_sq"].mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
             denom = b["exp_avg_sq"].sqrt().add_(group["eps"])
-            update = mode_products(b["exp_avg"] / denom, b["bases"], transpose=False)
+            update = mode_products(b["exp_avg"] / denom, bases, transpose=False)
             if group["normalize_grads"]:
                 update = update / (1e-30 + torch.mean(update**2) ** 0.5)
             w.add_(update, alpha=-step_size)

@@ -55,7 +55,8 @@ class RuntimeConfig:
             ``{"bases": "device"}`` or ``{"results": "nvme"}`` (asteria.memory.tiers.PLACEABLE).
         statistics_lane: run the factor statistics of CPU-resident parameters on a background
             thread (Note [Statistics lane] in lane.py). ``None`` (default): on when every
-            parameter is a plain CPU tensor and torch's intra-op threads leave a core free;
+            parameter is a plain CPU tensor and torch's intra-op threads leave a core free
+            (those of every process on the machine, under torchrun's ``LOCAL_WORLD_SIZE``);
             ``True``: on for CPU parameters; ``False``: in the training thread.
     """
 

@@ -20,8 +20,11 @@ wait for their install step (``fixed_delay``) are written to the NVMe spill stor
 the policy spills, with the job's inputs, and paged back ahead of use in access order at the step
 before their install; a corrupt or unreadable slot is recomputed from those inputs on the pool
 (same inputs, same result, same install step). On unified-memory GPUs the bases in use live in
-pinned host memory that the device reads through mapped views. ``memory_report()`` accounts every
-byte by tier and kind.
+pinned host memory that the device reads through mapped views; on discrete GPUs they live in
+pinned host memory too and the optimizer reads them (``bases``) from a device window, a ring of
+buffers filled just before use on a low-priority stream, the next block's copy overlapping the
+current block's kernels (Note [Bases window] in asteria/memory/window.py). ``memory_report()``
+accounts every byte by tier and kind.
 
 Under ``torch.distributed`` (DDP, FSDP2, HSDP; auto-detected, or ``distributed=``), replicated
 blocks have one owner that computes their refresh, and every replica installs it at its deadline
@@ -46,9 +49,16 @@ import torch.distributed as dist
 
 from asteria._ext import load_extension
 from asteria.memory.accounting import detect_arch, estimate_blocks
-from asteria.memory.host import device_view, host_copy
+from asteria.memory.host import device_view, host_copy, host_empty, is_host_tensor
 from asteria.memory.staging import StagingSlots
 from asteria.memory.tiers import KINDS, TIERS, Placement, plan
+from asteria.memory.window import (
+    WINDOW_BLOCKS,
+    BasesWindow,
+    CudaCopies,
+    HostCopies,
+    view_like,
+)
 from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.runtime.config import RuntimeConfig
@@ -115,6 +125,9 @@ class Runtime:
             raise ValueError("ranks_per_node applies to distributed mode only")
         self.placement = self._plan(optimizer)
         self._mapped: set[int] = set()  # data_ptr of bases read through mapped views
+        self._window = self._open_window() if self.placement.bases_access == "window" else None
+        self._window_seen: list[BlockKey] = []  # blocks in the order this step read their bases
+        self._window_next: dict[BlockKey, BlockKey] = {}  # the block read after each, last step
         self._pool_names: set[str] = set()
         self._spiller: Spiller | None = None
         if self.placement.spilled and self._spill_waits():
@@ -141,12 +154,14 @@ class Runtime:
         # lane is opt-in (statistics_lane=True) for DTensor parameters.
         sharded = any(hasattr(p, "to_local") for p in _params(optimizer))
         # By default only where the training leaves a core free: on a machine whose cores all
-        # run intra-op threads, the lane would take its time from the training itself.
-        spare_core = torch.get_num_threads() < (os.cpu_count() or 1)
+        # run intra-op threads, the lane would take its time from the training itself. Under
+        # torchrun, the threads of every process on this machine (LOCAL_WORLD_SIZE) count.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if distributed else 1
+        spare_core = torch.get_num_threads() * local < (os.cpu_count() or 1)
         lane_on = self.config.statistics_lane or (
             self.config.statistics_lane is None and not sharded and spare_core
         )
-        if cpu_only and lane_on:
+        if cpu_only and lane_on and self._window is None:  # the window's stand-in: no lane
             names = self._names
             self._lane = StatisticsLane(
                 lambda key: f"{names.get(key[0], f'param{key[0]}')}[{key[1]}]"
@@ -193,7 +208,18 @@ class Runtime:
             nvme=c.nvme_path is not None,
             placement=c.placement,
             staging_bytes=staging,
+            bases_window=optimizer.reads_bases_through_refresher,
+            window_blocks=WINDOW_BLOCKS,
         )
+
+    def _open_window(self) -> BasesWindow:
+        """The device window of the bases (CUDA parameters; else the CPU stand-in, used where a
+        test makes the CPU look like a discrete GPU)."""
+        params = _params(self.optimizer)
+        device = params[0].device if params else torch.device("cpu")
+        copies = CudaCopies(device) if device.type == "cuda" else HostCopies()
+        slot = self.placement.window_bytes // WINDOW_BLOCKS
+        return BasesWindow(copies, WINDOW_BLOCKS, slot)
 
     def _spill_waits(self) -> bool:
         """Results wait for their install across a step boundary only with fixed_delay >= 2."""
@@ -252,6 +278,7 @@ class Runtime:
                 if self._spiller is not None:
                     self._spiller.close()  # deletes the spill file
                 self._unmap_bases()
+                self._close_window()
                 self._finalizer.detach()
 
     def _install_in_flight(self) -> None:
@@ -305,6 +332,12 @@ class Runtime:
         if self._lane is not None:
             self._lane.wait_all()
 
+    def bases(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> list:
+        if self._window is None:
+            return block[opt.bases_field]
+        with self._lock:
+            return self._window_use(key, block, prefetch=True)
+
     def block_boundary(
         self,
         opt: KroneckerOptimizer,
@@ -354,6 +387,8 @@ class Runtime:
             if self.placement.bases_access == "mapped":
                 for _, _, block, _ in opt.blocks():
                     self._map_bases(block)
+            if self._window is not None:
+                self._window_step_end(opt)
         self._step += 1
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._step_wait * 1e3)
@@ -416,10 +451,7 @@ class Runtime:
                 f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
                 f"in a worker of its owner rank {owner}" + (f": {error}" if error else "")
             )
-        results = [self._to_device(r, block) for r in results]
-        self.optimizer.install_refresh(block, results)
-        if self.placement.bases_access == "mapped":
-            self._map_bases(block)
+        self._install_results(key, block, results)
         self.registry.record_install(e, pending.requested, step)
         e.synced_step = step
 
@@ -557,11 +589,29 @@ class Runtime:
             ) from err
         if block is None:
             block = self._block_state(key)
-        results = [self._to_device(r, block) for r in results]
-        self.optimizer.install_refresh(block, results)
-        if self.placement.bases_access == "mapped":
-            self._map_bases(block)
+        self._install_results(key, block, results)
         self.registry.record_install(e, pending.requested, step)
+
+    def _install_results(self, key: BlockKey, block: dict, results: list[Any]) -> None:
+        """``install_refresh`` where the bases live: device, mapped host memory, or host memory
+        behind the window (the new bases are copied to pinned host memory right away)."""
+        results = [self._to_device(r, block) for r in results]
+        if self._window is None:
+            self.optimizer.install_refresh(block, results)
+            if self.placement.bases_access == "mapped":
+                self._map_bases(block)
+            return
+        bases = self._host_bases(block)
+        handed: list[Any] = []
+        if self.optimizer.install_reads_bases and any(q is not None for q in bases):
+            hosted = list(bases)
+            handed = bases[:] = self._window_use(key, block, prefetch=False)
+        self.optimizer.install_refresh(block, results)
+        bases = self._bases_list(block)
+        for i, q in enumerate(handed):  # a dim the refresh left alone keeps its host tensor
+            if q is not None and bases[i] is q:
+                bases[i] = hosted[i]
+        self._host_bases(block)
 
     # -- the spill tier ---------------------------------------------------------------------------
 
@@ -705,6 +755,84 @@ class Runtime:
                 if q is not None and q.data_ptr() in self._mapped:
                     bases[i] = q.clone()
         self._mapped.clear()
+
+    # -- bases in pinned host memory behind a device window (discrete GPUs) -----------------------
+
+    def _window_use(self, key: BlockKey, block: dict, prefetch: bool) -> list[Any]:
+        """Device copies of ``key``'s bases from the window; with ``prefetch``, also start the
+        copy of the block read after it last step (Note [Bases window])."""
+        srcs = self._host_bases(block)
+        if all(q is None for q in srcs):
+            return list(srcs)  # nothing to read yet (Shampoo before its first roots, 1-D SOAP)
+        upcoming = None
+        if prefetch:
+            self._window_seen.append(key)
+            nxt = self._window_next.get(key)
+            nblock = None if nxt is None else self._block_state_or_none(nxt)
+            if nblock is not None:
+                nsrcs = self._bases_list(nblock)
+                if all(q is None or is_host_tensor(q) for q in nsrcs):
+                    upcoming = (nxt, nsrcs)
+        self._fit_window(key, srcs)
+        return self._window.use(key, srcs, upcoming)
+
+    def _host_bases(self, block: dict) -> list[Any]:
+        """Move ``block``'s bases that are not in Asteria host memory there (pinned on CUDA, in
+        their own layout); the copy is synchronous, like the installs' host-to-device copies."""
+        bases = self._bases_list(block)
+        for i, q in enumerate(bases):
+            if q is not None and not is_host_tensor(q):
+                flat = host_empty(q.numel(), q.dtype, pinned=q.is_cuda)
+                bases[i] = view_like(flat, q).copy_(q)  # q's layout: the same arithmetic
+        return bases
+
+    def _fit_window(self, key: BlockKey, srcs: list[Any]) -> None:
+        """Grow the window's slots when a block's bases outgrow them (a parameter added after
+        attaching, a state loaded in another dtype), within ``device_budget_bytes``."""
+        need = BasesWindow.bytes_of(srcs)
+        window = self._window
+        if need <= window.slot_bytes:
+            return
+        budget = self.config.device_budget_bytes
+        planned = self.placement.bytes["device"]
+        device = planned["factors"] + planned["moments"] + window.slots * need
+        if budget is not None and device > budget:
+            raise ValueError(
+                f"Asteria: the bases of block '{self._block_name(key)}' take {need} bytes, more "
+                f"than the {window.slot_bytes}-byte slots of the device window planned when the "
+                f"runtime was attached; a window of {window.slots} such slots puts {device} "
+                f"bytes of optimizer state on the device, over device_budget_bytes={budget}. "
+                f"Raise device_budget_bytes to at least {device}, attach the runtime after "
+                "every parameter is in the optimizer, or lower max_preconditioner_dim"
+            )
+        window.resize(need)
+
+    def _window_step_end(self, opt: KroneckerOptimizer) -> None:
+        """The last block's kernels are issued; bases made this step (first steps) go to host
+        memory; the order the step read the blocks in becomes the prefetch order."""
+        self._window.finish()
+        for _, _, block, _ in opt.blocks():
+            self._host_bases(block)
+        seen = self._window_seen
+        if seen:
+            self._window_next = {k: seen[(i + 1) % len(seen)] for i, k in enumerate(seen)}
+            self._window_seen = []
+
+    def _close_window(self) -> None:
+        """Back to native mode: the bases in device memory again, the window freed."""
+        if self._window is None:
+            return
+        self._window.close()
+        for _, p, block, _ in self.optimizer.blocks():
+            bases = self._bases_list(block)
+            for i, q in enumerate(bases):
+                if q is not None and q.device != p.device:
+                    bases[i] = q.to(p.device)
+
+    def _block_state_or_none(self, key: BlockKey) -> dict | None:
+        state = self.optimizer.state.get(_params(self.optimizer)[key[0]])
+        blocks = None if state is None else state.get("blocks")
+        return None if blocks is None or key[1] >= len(blocks) else blocks[key[1]]
 
     @staticmethod
     def _to_device(result: Any, block: dict) -> Any:
@@ -851,10 +979,11 @@ class Runtime:
         the placement says which tier the CPU tensors stand for), refresh results waiting for
         install (in their futures, in host memory, paged in, or in the spill store), the pool's
         copy of each block's newest result (``WorkerPool.latest``), the job inputs kept for a
-        spilled refresh, and the CUDA staging slots. A storage shared by several of these is
-        counted once, under the first. Also: ``planned`` (the policy's figures), ``placement``
-        (kind -> tier, spilled blocks, how the device reads host bases) and ``spill`` (the spill
-        store's counters, or None).
+        spilled refresh, the CUDA staging slots and the bases window's device buffers
+        (``device/bases``). A storage shared by several of these is counted once, under the
+        first. Also: ``planned`` (the policy's figures), ``placement`` (kind -> tier, spilled
+        blocks, how the device reads host bases, the window's counters or None) and ``spill``
+        (the spill store's counters, or None).
         """
         report = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
         seen: set[tuple[int, int]] = set()
@@ -918,12 +1047,15 @@ class Runtime:
                     add("host", "results", latest[1])
             if self._staging is not None:
                 add("host", "staging", [buf for buf, _ in self._staging._slots.values()])
+            if self._window is not None:
+                add("device", "bases", self._window.buffers())
         report["planned"] = {tier: dict(kinds) for tier, kinds in self.placement.bytes.items()}
         report["placement"] = {
             "tiers": dict(self.placement.tiers),
             "spilled_blocks": sorted(self.placement.spilled),
             "bases_access": self.placement.bases_access,
             "notes": list(self.placement.notes),
+            "window": None if self._window is None else self._window.stats(),
         }
         report["spill"] = None if self._spiller is None else self._spiller.stats()
         return report

@@ -108,12 +108,15 @@ void register_pool(py::module_& m) {
 
   py::class_<asteria::RefreshPool, PoolHolder>(m, "WorkerPool")
       .def(py::init([](int workers, int lapack_threads, std::optional<std::vector<int>> affinity,
-                       int64_t queue_capacity) {
+                       int64_t queue_capacity, int64_t trim_bytes) {
              return PoolHolder(new asteria::RefreshPool(asteria::RefreshPoolOptions{
-                 workers, lapack_threads, affinity.value_or(std::vector<int>{}), queue_capacity}));
+                 workers, lapack_threads, affinity.value_or(std::vector<int>{}), queue_capacity,
+                 trim_bytes}));
            }),
            py::arg("workers"), py::arg("lapack_threads") = 1, py::arg("affinity") = py::none(),
-           py::arg("queue_capacity") = 1024, ReleaseGil())
+           py::arg("queue_capacity") = 1024, py::arg("trim_bytes") = int64_t{64} << 20,
+           ReleaseGil())
+      .def_property_readonly("trims", &asteria::RefreshPool::trims)
       .def("submit_eigh", &asteria::RefreshPool::submit_eigh, py::arg("block"), py::arg("version"),
            py::arg("deadline"), py::arg("factor"), py::arg("dtype") = at::kFloat,
            py::arg("copy") = true, ReleaseGil())

@@ -26,6 +26,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -80,6 +81,9 @@ struct RefreshPoolOptions {
   int lapack_threads = 1;
   std::vector<int> affinity;
   int64_t queue_capacity = 1024;
+  // Return freed heap memory to the system when a worker goes idle after jobs that moved at
+  // least this many bytes (0: never); Note [Returning freed memory] in refresh_pool.cpp.
+  int64_t trim_bytes = int64_t{64} << 20;
 };
 
 class RefreshPool {
@@ -98,7 +102,8 @@ class RefreshPool {
 
   void shutdown(bool wait = true) { pool_->shutdown(wait); }
   bool is_shutdown() const { return pool_->is_shutdown(); }
-  // submitted, completed, cancelled, failed, queued, running.
+  // submitted, completed, cancelled, failed, queued, running, trims (Note [Returning freed
+  // memory]).
   std::map<std::string, int64_t> stats() const;
   // The newest published result of `block` and its version, if any.
   std::optional<std::tuple<int64_t, RefreshValue>> latest(const std::string& block) const;
@@ -108,12 +113,18 @@ class RefreshPool {
   bool release(const std::string& block, int64_t version);
   int workers() const { return pool_->workers(); }
   int lapack_threads() const { return lapack_threads_; }
+  int64_t trims() const { return trims_.load(); }
 
  private:
   using Compute = std::function<RefreshValue()>;
   RefreshFuture submit(core::JobSpec spec, Compute compute);
 
+  void on_idle();
+
   const int lapack_threads_;
+  const int64_t trim_bytes_;
+  std::atomic<int64_t> churn_bytes_{0};  // bytes moved by jobs since the last trim
+  std::atomic<int64_t> trims_{0};
   core::VersionedSlots<RefreshValue> slots_;  // declared before pool_: outlives every job
   std::unique_ptr<core::WorkerPool> pool_;
 };

@@ -229,10 +229,20 @@ bool WorkerPool::setup_worker(int index) {
 
 void WorkerPool::worker_main(int index) {
   if (!setup_worker(index)) return;
+  bool ran_job = false;  // since this worker last went idle
   for (;;) {
     Queued job;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (ran_job && options_.on_idle && queue_.empty() && !stopping_) {
+        lock.unlock();
+        try {
+          options_.on_idle(index);
+        } catch (...) {  // a housekeeping hook: it must not take the worker down
+        }
+        lock.lock();
+      }
+      ran_job = false;
       work_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, and shutdown cancelled everything queued
       auto it = queue_.begin();
@@ -244,6 +254,7 @@ void WorkerPool::worker_main(int index) {
     }
     space_cv_.notify_one();
     run_job(std::move(job));
+    ran_job = true;
   }
 }
 

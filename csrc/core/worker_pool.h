@@ -129,6 +129,10 @@ struct PoolOptions {
   size_t queue_capacity = 1024;
   std::vector<int> affinity;  // CPU ids; empty: no pinning
   WorkerInit init;            // runs once on each worker thread before any job
+  // Runs on a worker, outside the pool's lock, when it finds the queue empty after running a
+  // job (before it sleeps); exceptions are swallowed. RefreshPool returns freed memory to the
+  // system here (Note [Returning freed memory] in refresh_pool.cpp).
+  std::function<void(int worker_index)> on_idle;
 };
 
 struct PoolStats {

@@ -452,12 +452,13 @@ TEST(spill_store_roundtrip_aligned_and_unaligned) {
         auto r = store.read(key, unaligned.data() + 1, sizes[i], nullptr);
         r->wait();
         CHECK_EQ(error_of(*r), std::string());
-        CHECK(std::memcmp(unaligned.data() + 1, data.data(), data.size()) == 0);
+        // (memcmp must not see the null data() of an empty vector, even for 0 bytes: UBSan)
+        CHECK(data.empty() || std::memcmp(unaligned.data() + 1, data.data(), data.size()) == 0);
         auto exact = HostBlock::allocate(sizes[i], HostPinning::kPageable);  // aligned, and
         auto e = store.read(key, exact->data(), std::max<size_t>(sizes[i], 1), nullptr);  // tight
         e->wait();
         CHECK_EQ(error_of(*e), std::string());
-        CHECK(std::memcmp(exact->data(), data.data(), data.size()) == 0);
+        CHECK(data.empty() || std::memcmp(exact->data(), data.data(), data.size()) == 0);
       }
     }
     const auto stats = store.stats();

@@ -274,6 +274,32 @@ TEST(init_hook_and_affinity) {
   CHECK_THROWS(WorkerPool{options(0)}, std::invalid_argument);
 }
 
+TEST(on_idle_runs_once_per_burst_after_the_queue_drains) {
+  Gate gate;  // declared first: outlives the pool's workers
+  std::atomic<int> idle{0};
+  std::atomic<int> done{0};
+  PoolOptions o = options(1);
+  o.on_idle = [&](int) {
+    CHECK_EQ(done.load(), 4);  // never while jobs of the burst are still queued
+    ++idle;
+    throw std::runtime_error("swallowed: the worker goes on");
+  };
+  WorkerPool pool(o);
+  std::this_thread::sleep_for(20ms);
+  CHECK_EQ(idle.load(), 0);  // not before any job ran
+  auto first = block_worker(pool, gate);
+  std::vector<std::shared_ptr<JobHandle>> rest;
+  for (int i = 0; i < 3; ++i)
+    rest.push_back(pool.submit({"b" + std::to_string(i), 0, i}, [&] { ++done; }));
+  ++done;  // the gate job counts as the burst's first
+  gate.open();
+  for (auto& h : rest) CHECK(h->wait_for(10s));
+  for (int i = 0; i < 200 && idle.load() == 0; ++i) std::this_thread::sleep_for(5ms);
+  CHECK_EQ(idle.load(), 1);
+  auto again = pool.submit({"c", 0, 0}, [] {});  // the worker survived the hook's exception
+  CHECK(again->wait_for(10s));
+}
+
 TEST(wait_for_times_out) {
   Gate gate;  // declared first: outlives the pool's workers
   WorkerPool pool(options(1));

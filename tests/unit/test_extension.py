@@ -357,6 +357,51 @@ def test_shutdown_while_jobs_run_does_not_hang(ending):
     assert "exited cleanly" in out.stdout
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_an_idle_worker_returns_freed_memory_to_the_system():
+    """Note [Returning freed memory] (refresh_pool.cpp): after a burst of large jobs whose
+    results are then released, a pool that trims on going idle holds far less resident memory
+    than one that does not (measured: ~150 MiB against ~330 MiB over a fresh process)."""
+    script = """
+        import sys, time, torch
+        from asteria import _C
+        torch.set_num_threads(1)
+        def rss():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) / 1024
+        pool = _C.WorkerPool(1, trim_bytes=int(sys.argv[1]))
+        a = torch.randn(500, 500, dtype=torch.float64)
+        a = a @ a.T
+        start = rss()
+        for _ in range(4):
+            futures = [pool.submit_eigh(f"hog{i}", 0, 0, a, torch.float64) for i in range(40)]
+            for f in futures:
+                f.result()
+            del futures
+        for i in range(40):
+            pool.release(f"hog{i}", 0)
+        deadline = time.monotonic() + 10
+        while int(sys.argv[1]) and pool.stats()["trims"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(rss() - start, pool.stats()["trims"])
+        """
+    growth = {}
+    for trim_bytes in (0, 64 << 20):
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script), str(trim_bytes)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert out.returncode == 0, out.stderr
+        mib, trims = out.stdout.split()
+        growth[trim_bytes] = float(mib)
+        assert (int(trims) >= 1) == (trim_bytes > 0)
+    assert growth[64 << 20] < growth[0] - 100, growth
+
+
 # ---- shadow stream: the CPU stand-in ------------------------------------------------------------
 
 

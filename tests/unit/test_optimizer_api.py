@@ -53,6 +53,45 @@ def test_state_dict_round_trip_is_exact(optimizer):
         assert torch.equal(a, b)
 
 
+class _Net(torch.nn.Module):
+    """The quartic problem's parameters as a module (the torch state-dict API takes one)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList(params)
+
+
+def test_torch_distributed_state_dict_api_round_trips(optimizer):
+    """``get_optimizer_state_dict`` keys the state by parameter name and probes a fresh optimizer
+    with a zero-gradient, ``lr=0`` step first (Note [State-initialisation probe] in
+    optim/base.py): the probe changes nothing, and the name-keyed state loads back exactly."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    problem = StochasticQuartic(SHAPES, 20, torch.float32)
+    plain = problem.params()
+    probed = [torch.nn.Parameter(p.detach().clone()) for p in plain]
+    opt_plain, opt_probed = optimizer(plain), optimizer(probed)
+    net = _Net(probed)
+    assert get_optimizer_state_dict(net, opt_probed)["state"] == {}  # the probe made no state
+    assert opt_probed.param_groups[0]["lr"] == opt_plain.param_groups[0]["lr"]
+    _train(opt_plain, plain, problem, 8)
+    _train(opt_probed, probed, problem, 8)
+    assert all(torch.equal(a, b) for a, b in zip(plain, probed))
+
+    saved = copy.deepcopy(get_optimizer_state_dict(net, opt_probed))
+    assert set(saved["state"]) == {f"ps.{i}" for i in range(len(SHAPES))}  # keyed by name
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in probed]
+    opt2 = optimizer(params2)
+    set_optimizer_state_dict(_Net(params2), opt2, saved)
+    assert_state_equal(opt_probed.state_dict(), opt2.state_dict())
+    _train(opt_probed, probed, problem, 8, start=8)
+    _train(opt2, params2, problem, 8, start=8)
+    assert all(torch.equal(a, b) for a, b in zip(probed, params2))
+
+
 def test_low_precision_params_keep_fp32_state(optimizer):
     problem = StochasticQuartic([(6, 5), (5,)], 12, torch.float32)
     params = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in problem.init]

@@ -1,9 +1,10 @@
-"""examples/: Asteria's optimizers inside the Hugging Face Trainer and OLMo-core's OptimConfig."""
+"""examples/: Asteria's optimizers inside the Hugging Face Trainer and OLMo-core's trainer."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +26,48 @@ def test_hf_trainer_trains_with_soap(mode: str, tmp_path) -> None:
         assert callback.runtime is None and callback.stats["steps"] == 12  # attached, detached
 
 
+OLMO_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def olmo_core_runs(tmp_path_factory) -> dict[str, tuple[list[float], Any]]:
+    """examples/olmo_core_optim.py's run() in both modes: OLMo-core's trainer, SOAP, 20 steps."""
+    from examples.olmo_core_optim import run
+
+    return {
+        mode: run("soap", mode, steps=OLMO_STEPS, work_dir=str(tmp_path_factory.mktemp(mode)))
+        for mode in ("native", "asteria")
+    }
+
+
+@pytest.mark.parametrize("mode", ["native", "asteria"])
+def test_olmo_core_trainer_trains_with_soap(mode: str, olmo_core_runs) -> None:
+    from asteria.optim import SOAP
+
+    losses, trainer = olmo_core_runs[mode]
+    assert len(losses) == OLMO_STEPS and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0  # from ln(257) = 5.55
+    opt, params = trainer.train_module.optim, list(trainer.train_module.model.parameters())
+    assert type(opt) is SOAP and len(opt.state) == len(params)
+    # One step per trainer step (the first only sets up the eigenbases): OLMo-core's dry-run
+    # batch before training runs a backward but no optimizer step.
+    assert all(opt.state[p]["step"] == OLMO_STEPS - 1 for p in params)
+    if mode == "asteria":
+        callback = trainer.callbacks["asteria"]
+        assert callback.runtime is None  # attached in pre_train, detached in post_train
+        assert callback.stats["steps"] == OLMO_STEPS and callback.stats["installs"] > 0
+
+
+def test_olmo_core_asteria_mode_matches_native_before_the_first_refresh(olmo_core_runs) -> None:
+    from examples.olmo_core_optim import AsteriaSOAPConfig
+
+    # Same seed and data order; the modes differ only in when a refresh is installed.
+    first = AsteriaSOAPConfig.precondition_frequency
+    native, asteria = olmo_core_runs["native"][0], olmo_core_runs["asteria"][0]
+    assert asteria[:first] == pytest.approx(native[:first], rel=1e-5)
+
+
 def test_olmo_core_optim_configs_build_asteria_optimizers() -> None:
-    pytest.importorskip("olmo_core", reason="ai2-olmo-core is not installed")
     from olmo_core.optim import OptimGroupOverride
 
     from asteria.optim import SOAP, KLShampoo, Shampoo

@@ -1,0 +1,399 @@
+"""The bases window: a ring of device buffers holding the bases of the blocks about to be used.
+
+Owns: ``BasesWindow``, the ordering rules of the ring (Note [Bases window]): which slot a block's
+bases are copied into, what each copy waits for, what the main stream waits for before it reads
+a slot, and how long a copy's host source stays alive. The copies themselves go through a small
+backend: ``CudaCopies`` (a lowest-priority ``torch.cuda.Stream``, ``torch.cuda.Event``s,
+``non_blocking`` copies from pinned host memory) or ``HostCopies``, the CPU stand-in with the
+same interface (the "device" is the CPU, the copy stream a queue of plain copies run in order once
+the events they wait for completed; events record the order and can be completed by hand), so
+the ordering logic is tested without a GPU (tests/unit/test_window.py; on a GPU
+tests/gpu/test_window_gpu.py).
+
+Must not: decide what lives in host memory, which block comes next or when a slot may grow (the
+runtime does, from the tier policy and the budgets), or know an optimizer.
+
+Note [Bases window]: on a discrete GPU the bases in use (SOAP's eigenbases, Shampoo's inverse
+roots, KL-Shampoo's bases) live in pinned host memory, and the device holds copies of only a few
+blocks' bases: ``slots`` buffers of ``slot_bytes`` each (tiers.plan's ``window_bytes``).
+
+* ``use(key, srcs, upcoming)`` hands out device copies of ``srcs`` (the block's host tensors):
+  from the slot that already holds exactly these tensors (a hit; tensors are compared by
+  identity, and an install replaces them, so a copy of an older version never matches), or from
+  a slot it fills now. The main stream waits for the slot's copy event before the caller's
+  kernels read it. It then starts copying the ``upcoming`` block (the next one in the step's
+  known order) into another slot: the prefetch, which overlaps the current block's kernels.
+* A slot is refilled only after the event recorded on the main stream after the last kernel that
+  read it: the block handed out last counts as being read until the next ``use`` or ``finish``
+  (the end of the step), which record that event; the copy stream waits for it before the copy.
+  The slot in use is never the target of a prefetch, so with one slot nothing is prefetched and
+  each block's copy waits for the previous block's kernels.
+* A slot keeps the host tensors it was copied from alive; when it is refilled they are retired
+  with the event of the copy that read them and dropped once that event completed, so an install
+  that replaces a block's host tensors never frees memory a copy still reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "WINDOW_BLOCKS",
+    "BasesWindow",
+    "Copies",
+    "CudaCopies",
+    "HostCopies",
+    "HostEvent",
+    "view_like",
+]
+
+#: Slots of the window: the block in use and the next one (tiers.plan's ``window_blocks``).
+WINDOW_BLOCKS = 2
+
+Tensors = Sequence[torch.Tensor | None]
+
+
+class Copies(Protocol):
+    """What the window needs from a device: buffers, a copy stream, events on the main stream."""
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A device buffer of ``nbytes`` bytes (uint8)."""
+        ...
+
+    def record(self) -> Any:
+        """An event recorded on the main (current) stream: after every kernel issued so far."""
+        ...
+
+    def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[Any]) -> Any:
+        """On the copy stream: wait for ``waits``, copy each src into its dst, record an event."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Make the main stream's later kernels wait for ``event``."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait on the host for everything issued on both streams."""
+        ...
+
+
+class BasesWindow:
+    """A ring of ``slots`` device buffers of ``slot_bytes`` (Note [Bases window])."""
+
+    def __init__(self, copies: Copies, slots: int, slot_bytes: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a bases window needs at least one slot, got {slots}")
+        if slot_bytes < 0:
+            raise ValueError(f"slot_bytes must be >= 0, got {slot_bytes}")
+        self.copies = copies
+        self._slots = [_Slot(i) for i in range(slots)]
+        self._slot_bytes = 0
+        self._current: _Slot | None = None
+        self._retired: list[tuple[Any, tuple]] = []
+        self._clock = itertools.count(1)
+        self.fills = self.hits = self.prefetches = self.prefetch_hits = 0
+        self.resize(slot_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    @staticmethod
+    def bytes_of(srcs: Tensors) -> int:
+        """Bytes a slot needs for ``srcs``, packed in order (each at a multiple of its itemsize)."""
+        offset = 0
+        for s in srcs:
+            if s is not None:
+                offset = _round_up(offset, s.element_size()) + s.numel() * s.element_size()
+        return offset
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The device buffers (what the window allocates)."""
+        return [s.buffer for s in self._slots if s.buffer is not None]
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers())
+
+    def use(
+        self,
+        key: Hashable,
+        srcs: Tensors,
+        upcoming: tuple[Hashable, Tensors] | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Device copies of ``srcs`` (the bases of block ``key``), ready for the main stream's
+        next kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot."""
+        self.finish()
+        if all(s is None for s in srcs):
+            return list(srcs)
+        need = self.bytes_of(srcs)
+        if need > self._slot_bytes:
+            raise ValueError(
+                f"the bases of block {key!r} need {need} bytes, the window's slots have "
+                f"{self._slot_bytes}: resize() it first"
+            )
+        slot = self._holding(key, srcs)
+        if slot is None:
+            slot = self._victim(key, exclude=None)
+            self._fill(slot, key, srcs)
+        else:
+            self.hits += 1
+            self.prefetch_hits += slot.prefetched
+        slot.prefetched = False
+        self.copies.wait(slot.copied)
+        slot.used = next(self._clock)
+        self._current = slot
+        if upcoming is not None:
+            self._prefetch(*upcoming, exclude=slot)
+        return list(slot.views)
+
+    def finish(self) -> None:
+        """The block handed out last is no longer read by kernels issued from now on: record the
+        event its slot's next copy waits for."""
+        if self._current is not None:
+            self._current.read = self.copies.record()
+            self._current = None
+
+    def resize(self, slot_bytes: int) -> None:
+        """Every slot to ``slot_bytes`` bytes (waits for every copy and reader first)."""
+        self.finish()
+        self.copies.synchronize()
+        self._retired.clear()
+        for slot in self._slots:
+            slot.reset()
+            slot.buffer = self.copies.alloc(slot_bytes) if slot_bytes else None
+        self._slot_bytes = slot_bytes
+
+    def close(self) -> None:
+        """Wait for every copy and reader, then free the buffers."""
+        self.finish()
+        self.copies.synchronize()
+        self._retired.clear()
+        for slot in self._slots:
+            slot.reset()
+            slot.buffer = None
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "slots": len(self._slots),
+            "slot_bytes": self._slot_bytes,
+            "fills": self.fills,
+            "hits": self.hits,
+            "prefetches": self.prefetches,
+            "prefetch_hits": self.prefetch_hits,
+        }
+
+    # -- the ring ---------------------------------------------------------------------------------
+
+    def _holding(self, key: Hashable, srcs: Tensors) -> _Slot | None:
+        for slot in self._slots:
+            if slot.key == key and _same(slot.srcs, srcs):
+                return slot
+        return None
+
+    def _victim(self, key: Hashable, exclude: _Slot | None) -> _Slot | None:
+        """The slot to fill for ``key``: one holding an older copy of it, else the least
+        recently used; never ``exclude`` (the slot in use)."""
+        free = [s for s in self._slots if s is not exclude]
+        for slot in free:
+            if slot.key == key:
+                return slot
+        return min(free, key=lambda s: s.used, default=None)
+
+    def _prefetch(self, key: Hashable, srcs: Tensors, exclude: _Slot) -> None:
+        if all(s is None for s in srcs) or self.bytes_of(srcs) > self._slot_bytes:
+            return
+        if self._holding(key, srcs) is not None:
+            return
+        slot = self._victim(key, exclude)
+        if slot is not None:
+            self._fill(slot, key, srcs)
+            slot.prefetched = True
+            slot.used = next(self._clock)  # the next block: not what a miss evicts first
+            self.prefetches += 1
+
+    def _fill(self, slot: _Slot, key: Hashable, srcs: Tensors) -> None:
+        views = _pack(slot.buffer, srcs)
+        pairs = [(v, s) for v, s in zip(views, srcs) if s is not None]
+        waits = [] if slot.read is None else [slot.read]
+        event = self.copies.copy([v for v, _ in pairs], [s for _, s in pairs], waits)
+        if slot.srcs is not None and slot.copied is not None:
+            self._retired.append((slot.copied, slot.srcs))
+        self._retired = [(e, s) for e, s in self._retired if not e.query()]
+        slot.key, slot.srcs, slot.views, slot.copied = key, tuple(srcs), views, event
+        slot.read = None  # the new contents have no reader yet; later copies queue behind this one
+        self.fills += 1
+
+
+class _Slot:
+    __slots__ = ("index", "buffer", "key", "srcs", "views", "copied", "read", "used", "prefetched")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.buffer: torch.Tensor | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.key: Hashable | None = None
+        self.srcs: tuple | None = None
+        self.views: list[torch.Tensor | None] = []
+        self.copied: Any = None  # the event of the copy that filled it
+        self.read: Any = None  # the event after the last kernel that read it
+        self.used = 0
+        self.prefetched = False
+
+
+def _same(held: tuple | None, srcs: Tensors) -> bool:
+    return held is not None and len(held) == len(srcs) and all(a is b for a, b in zip(held, srcs))
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _pack(buffer: torch.Tensor | None, srcs: Tensors) -> list[torch.Tensor | None]:
+    """Views of ``buffer`` with ``srcs``' shapes and dtypes, packed as ``bytes_of`` counts."""
+    views: list[torch.Tensor | None] = []
+    offset = 0
+    for s in srcs:
+        if s is None:
+            views.append(None)
+            continue
+        offset = _round_up(offset, s.element_size())
+        n = s.numel() * s.element_size()
+        views.append(view_like(buffer[offset : offset + n].view(s.dtype), s))
+        offset += n
+    return views
+
+
+def view_like(flat: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``flat`` (1-D, ``src.numel()`` elements) viewed with ``src``'s shape, and with its strides
+    when ``src`` is dense (a permutation of a contiguous tensor, e.g. LAPACK's column-major
+    results): kernels then read the copy with the layout they read the original with, which
+    keeps their arithmetic, and so the run, bitwise the same."""
+    order = sorted(range(src.dim()), key=lambda i: -src.stride(i))
+    if src.permute(order).is_contiguous():
+        return flat.as_strided(src.shape, src.stride())
+    return flat.view(src.shape)
+
+
+# -- backends -------------------------------------------------------------------------------------
+
+
+class CudaCopies:
+    """The CUDA backend: copies on a lowest-priority stream of ``device``, events on its current
+    stream. Host sources should be pinned (``asteria.memory.host_empty``) for the copies to be
+    asynchronous."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        least, _greatest = torch.cuda.Stream.priority_range()  # (lowest, highest) priority
+        self.stream = torch.cuda.Stream(self.device, priority=least)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[Any]) -> torch.cuda.Event:
+        with torch.cuda.stream(self.stream):
+            for event in waits:
+                self.stream.wait_event(event)
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+class HostEvent:
+    """A stand-in event: ``order`` says when it was recorded; complete once ``complete()``d."""
+
+    def __init__(self, order: int, done: bool = False) -> None:
+        self.order = order
+        self._done = done
+
+    def query(self) -> bool:
+        return self._done
+
+    def complete(self) -> None:
+        self._done = True
+
+    def __repr__(self) -> str:
+        return f"HostEvent({self.order}, {'done' if self._done else 'pending'})"
+
+
+class HostCopies:
+    """The CPU stand-in of ``CudaCopies``: buffers are CPU tensors, and the copy stream is a
+    queue of plain copies, each run (in order) once every event it waits for has completed.
+
+    ``auto_complete``: events recorded on the "main stream" are complete at once (the CPU runs
+    the kernels before it returns; what the runtime uses). ``False``: they stay pending until a
+    test completes them by hand (``HostEvent.complete``) and calls ``run()``. ``log`` lists
+    ``("record", event)`` and ``("copy", event, waits)`` in the order they happened.
+    """
+
+    def __init__(self, auto_complete: bool = True) -> None:
+        self.auto_complete = auto_complete
+        self._order = itertools.count()
+        self._queue: list[tuple[list, Tensors, Tensors, HostEvent]] = []
+        self.log: list[tuple] = []
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record(self) -> HostEvent:
+        event = HostEvent(next(self._order), done=self.auto_complete)
+        self.log.append(("record", event))
+        return event
+
+    def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[HostEvent]) -> HostEvent:
+        done = HostEvent(next(self._order))
+        self._queue.append((list(waits), dsts, srcs, done))
+        self.run()
+        return done
+
+    def run(self) -> None:
+        """Run queued copies, in order, until one waits for an event not yet complete."""
+        while self._queue and all(e.query() for e in self._queue[0][0]):
+            waits, dsts, srcs, done = self._queue.pop(0)
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src)
+            done.complete()
+            self.log.append(("copy", done, waits))
+
+    def pending(self) -> int:
+        """Copies queued behind an event that has not completed."""
+        return len(self._queue)
+
+    def wait(self, event: HostEvent) -> None:
+        self.run()
+        if not event.query():
+            raise RuntimeError(
+                f"stand-in: the main stream would wait for {event!r}, a copy queued behind a "
+                "reader event that is not complete (complete it, then run())"
+            )
+
+    def synchronize(self) -> None:
+        self.run()
+        if self._queue:
+            raise RuntimeError(
+                f"stand-in: {len(self._queue)} copies wait for events that are not complete"
+            )

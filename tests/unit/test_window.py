@@ -1,0 +1,242 @@
+"""The bases window (Note [Bases window] in asteria/memory/window.py) on its CPU stand-in.
+
+The ring's ordering is checked with stand-in events completed by hand: a slot is refilled only
+after the event recorded after its last reader, the main stream never reads a slot before its
+copy, a stale copy is never handed out. The runtime's window is run by making the CPU look like a
+discrete GPU (``detect_arch`` patched): the bases live in Asteria host blocks, the optimizers read
+them through a two-slot (or one-slot) window of "device" buffers, and training is bitwise equal
+to training without the window. The same ring on real CUDA streams: tests/gpu/test_window_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria.runtime.runtime as runtime_module
+from asteria.memory import is_host_tensor
+from asteria.memory.accounting import estimate_blocks
+from asteria.memory.tiers import Arch
+from asteria.memory.window import BasesWindow, HostCopies
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.runtime import Runtime, RuntimeConfig
+
+OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
+STEPS = 20
+
+
+# ---- the ring, with events completed by hand ----------------------------------------------------
+
+
+def _bases(value: float, n: int = 2, d: int = 4) -> list[torch.Tensor]:
+    return [torch.full((d, d), value + i) for i in range(n)]
+
+
+def _manual_window(slots: int) -> tuple[BasesWindow, HostCopies]:
+    copies = HostCopies(auto_complete=False)
+    return BasesWindow(copies, slots, BasesWindow.bytes_of(_bases(0.0))), copies
+
+
+def _reader_event(copies: HostCopies, n: int) -> object:
+    """The n-th event recorded on the main stream (a reader event)."""
+    return [e for kind, e, *_ in copies.log if kind == "record"][n]
+
+
+def test_a_slot_is_refilled_only_after_its_last_reader_completed():
+    window, copies = _manual_window(slots=2)
+    a, b, c, d = _bases(10.0), _bases(20.0), _bases(30.0), _bases(40.0)
+    got_a = window.use("a", a, upcoming=("b", b))  # fills slot 0, prefetches b into slot 1
+    assert all(torch.equal(x, y) for x, y in zip(got_a, a))
+    got_b = window.use("b", b, upcoming=("c", c))  # a's readers: event 0, still pending
+    assert window.stats()["prefetch_hits"] == 1
+    # c goes into a's slot, queued behind a's reader event: a's data is still there
+    assert copies.pending() == 1
+    assert all(torch.equal(x, y) for x, y in zip(got_a, a))
+    _reader_event(copies, 0).complete()
+    copies.run()
+    assert copies.pending() == 0
+    assert all(torch.equal(x, y) for x, y in zip(got_a, c))  # the slot now holds c
+    window.use("c", c, upcoming=("d", d))  # a hit; d waits for b's readers (event 1)
+    assert copies.pending() == 1
+    assert all(torch.equal(x, y) for x, y in zip(got_b, b))
+    # handing d out now would read a slot whose copy waits for b's readers: refused
+    with pytest.raises(RuntimeError, match="would wait"):
+        window.use("d", d)
+    assert all(torch.equal(x, y) for x, y in zip(got_b, b))
+    _reader_event(copies, 1).complete()
+    got_d = window.use("d", d)
+    assert all(torch.equal(x, y) for x, y in zip(got_d, d))
+    # every copy into a slot that had readers waited for their event
+    waited = [waits for kind, _, *rest in copies.log if kind == "copy" for waits in rest]
+    assert [len(w) for w in waited] == [0, 0, 1, 1]
+
+
+def test_a_window_of_one_slot_copies_each_block_after_the_previous_ones_readers():
+    window, copies = _manual_window(slots=1)
+    a, b = _bases(1.0), _bases(2.0)
+    got_a = window.use("a", a, upcoming=("b", b))  # nothing to prefetch into: a is in use
+    assert window.stats()["prefetches"] == 0 and copies.pending() == 0
+    with pytest.raises(RuntimeError, match="would wait"):
+        window.use("b", b)  # b's copy waits for a's readers
+    assert all(torch.equal(x, y) for x, y in zip(got_a, a))
+    _reader_event(copies, 0).complete()
+    got_b = window.use("b", b)
+    assert all(torch.equal(x, y) for x, y in zip(got_b, b))
+    assert window.stats()["fills"] == 2
+
+
+def test_new_host_tensors_are_copied_again_and_old_ones_are_never_handed_out():
+    window = BasesWindow(HostCopies(), 2, BasesWindow.bytes_of(_bases(0.0)))
+    a, b = _bases(1.0), _bases(2.0)
+    window.use("a", a, upcoming=("b", b))
+    window.use("b", b, upcoming=("a", a))
+    assert window.use("a", a)[0][0, 0] == 1.0 and window.stats()["hits"] == 2
+    a[0] = torch.full((4, 4), 7.0)  # an install replaces the tensor (same key, same shape)
+    got = window.use("a", a)
+    assert got[0][0, 0] == 7.0 and got[1][0, 0] == 2.0
+    assert window.stats()["fills"] == 3
+    with pytest.raises(ValueError, match="resize"):
+        window.use("big", _bases(0.0, d=5))
+    window.resize(BasesWindow.bytes_of(_bases(0.0, d=5)))
+    assert window.use("big", _bases(3.0, d=5))[1][0, 0] == 4.0
+    assert window.use("none", [None, None]) == [None, None]
+
+
+# ---- the runtime's window on the stand-in --------------------------------------------------------
+
+
+@pytest.fixture
+def discrete_gpu(monkeypatch):
+    """Make the runtime see a discrete GPU: bases in host memory behind a window (stand-in)."""
+    monkeypatch.setattr(runtime_module, "detect_arch", lambda device: Arch(cuda=True))
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )  # fmt: skip
+
+
+def _train(name: str, config: RuntimeConfig, steps: int = STEPS):
+    model = _mlp()
+    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
+    gen = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(steps, 16, 24, generator=gen), torch.randn(steps, 16, 4, generator=gen)
+    with Runtime(model, opt, config) as rt:
+        for t in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
+            opt.step()
+        report = rt.memory_report()
+        hosted = [
+            is_host_tensor(q)
+            for _, _, block, _ in opt.blocks()
+            for q in block[opt.bases_field]
+            if q is not None
+        ]
+    return [p.detach().clone() for p in model.parameters()], report, hosted
+
+
+CONFIGS = {
+    "staleness0": RuntimeConfig(staleness=0, workers=1),
+    "fixed_delay": RuntimeConfig(staleness=3, fixed_delay=3, workers=1),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_training_through_the_window_is_bitwise_equal_to_training_without_it(
+    name, config, monkeypatch
+):
+    reference, direct, _ = _train(name, CONFIGS[config])
+    assert direct["placement"]["bases_access"] == "direct"
+    monkeypatch.setattr(runtime_module, "detect_arch", lambda device: Arch(cuda=True))
+    params, report, hosted = _train(name, CONFIGS[config])
+    assert report["placement"]["bases_access"] == "window"
+    window = report["placement"]["window"]
+    assert window["slots"] == 2 and window["prefetch_hits"] > STEPS  # the window did the work
+    assert hosted and all(hosted)  # the bases in use are Asteria host blocks
+    for a, b in zip(params, reference):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+def test_a_window_of_one_block_still_trains_bitwise(name, monkeypatch):
+    reference, _, _ = _train(name, CONFIGS["fixed_delay"])
+    monkeypatch.setattr(runtime_module, "detect_arch", lambda device: Arch(cuda=True))
+    monkeypatch.setattr(runtime_module, "WINDOW_BLOCKS", 1)
+    params, report, _ = _train(name, CONFIGS["fixed_delay"])
+    window = report["placement"]["window"]
+    assert window["slots"] == 1 and window["prefetches"] == 0 and window["fills"] > STEPS
+    assert report["device"]["bases"] == report["planned"]["device"]["bases"]
+    for a, b in zip(params, reference):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_memory_report_counts_the_window_on_the_device_and_the_bases_in_host(name, discrete_gpu):
+    model = _mlp()
+    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
+    blocks = estimate_blocks(opt)
+    with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
+        for _ in range(12):
+            opt.zero_grad()
+            model(torch.randn(16, 24)).square().mean().backward()
+            opt.step()
+        report = rt.memory_report()
+        window = sum(b.nbytes for b in rt._window.buffers())
+        state = sum(
+            q.nbytes
+            for _, _, block, _ in opt.blocks()
+            for q in block[opt.bases_field]
+            if q is not None
+        )
+    planned = report["planned"]
+    assert report["placement"]["tiers"]["bases"] == "host"
+    assert report["device"]["bases"] == window == planned["device"]["bases"]
+    assert window == 2 * max(b.bases for b in blocks) > 0
+    assert report["host"]["bases"] == state == planned["host"]["bases"] > 0
+    assert report["device"]["factors"] == planned["device"]["factors"]
+
+
+def test_bases_that_outgrow_the_window_within_the_budget_grow_it_else_say_what_to_change(
+    discrete_gpu,
+):
+    model = _mlp()
+    opt = SOAP(model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
+    blocks = estimate_blocks(opt)
+    must = sum(b.factors + b.moments for b in blocks) + 2 * max(b.bases for b in blocks)
+    extra = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.float64))  # fp64: larger bases
+
+    def steps(rt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            (model(torch.randn(16, 24)).square().mean() + extra.sum() ** 2).backward()
+            opt.step()
+
+    with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1, device_budget_bytes=must)) as rt:
+        steps(rt, 2)
+        opt.add_param_group({"params": [extra]})  # after attaching: the plan does not know it
+        steps(rt, 1)  # its first step only initialises its bases
+        with pytest.raises(ValueError, match=r"over device_budget_bytes=\d+\. Raise"):
+            steps(rt, 1)
+    model = _mlp()
+    opt = SOAP(model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
+    with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
+        steps(rt, 2)
+        opt.add_param_group({"params": [extra]})
+        steps(rt, 3)
+        assert rt._window.slot_bytes == BasesWindow.bytes_of(opt.state[extra]["blocks"][0]["bases"])
+
+
+def test_native_mode_hands_the_optimizer_its_own_bases():
+    model = _mlp()
+    for cls in OPTIMIZERS.values():
+        opt = cls(model.parameters(), precondition_frequency=1, max_preconditioner_dim=16)
+        model(torch.randn(4, 24)).square().mean().backward()
+        opt.step()
+        opt.step()
+        key, _, block, _ = next(iter(opt.blocks()))
+        assert opt.refresher.bases(opt, key, block) is block[opt.bases_field]
