@@ -8,19 +8,23 @@ Asteria optimizer in OLMo-core is a dataclass with its hyperparameters, and Aste
 length of ``trainer.fit()``; without it the optimizer runs in native mode.
 
     python examples/olmo_core_optim.py --optimizer soap --mode asteria --steps 20
+    python examples/olmo_core_optim.py --work-dir /tmp/olmo --stop-at 10  # then again, without
+                                                                          # --stop-at: resumes
 
 ``run()`` trains a 2-layer OLMo-2 (OLMo-core's ``olmo2_14M`` with 2 layers, 0.6M parameters) on
 the byte-level corpus of ``asteria.train`` (Python's own standard library sources), written as a
 token file in OLMo's numpy layout and read by OLMo-core's own dataset and data loader. It runs
 single-process; nothing is downloaded.
 
-Checkpoints are off (``no_checkpoints=True``): OLMo-core saves and loads through
-``torch.distributed.checkpoint``'s ``get/set_optimizer_state_dict``, which do not take Asteria's
-optimizer state yet. Their flattening (OLMo-core's default) rejects the per-block state lists,
-``cpu_offload`` rejects the ``refresh_dtype`` in the param groups, and loading hands
-``load_state_dict`` state keyed by parameter name where Asteria expects positions. A save before
-the first step would also run a zero-gradient ``step()`` (torch initializes empty optimizer state
-that way), which sets SOAP's eigenbases from zero statistics.
+Checkpoints are OLMo-core's own (``save_folder`` is ``<work_dir>/run``): the trainer saves one
+before training and one at the end (``stop_at`` ends a run early, on the LR schedule of ``steps``),
+through ``torch.distributed.checkpoint.state_dict`` with OLMo-core's defaults
+(``flatten_optimizer_state_dict=True``, ``cpu_offload=True``; Note [Flat optimizer state] in
+asteria/optim/base.py), and ``run()`` in the same ``work_dir`` resumes from the latest. In Asteria
+mode the runtime callback saves the runtime's refreshes in flight with the trainer state and puts
+them back after attaching (Note [Checkpoints with work in flight] in asteria/runtime/runtime.py).
+Single-process and DDP only: under FSDP2 the optimizer state is per local shard, which torch's
+state-dict API cannot carry (Asteria refuses it; use ``asteria.checkpoint``).
 
 Needs ``ai2-olmo-core`` (in requirements-test.txt).
 """
@@ -102,28 +106,47 @@ CONFIGS: dict[str, type[OptimConfig]] = {
 @dataclass
 class AsteriaRuntimeCallback(Callback):
     """Attach an ``asteria.Runtime`` to the train module's optimizer before training, detach it
-    after (``staleness``/``workers``: ``asteria.RuntimeConfig``'s, None for the default).
-    ``stats`` holds the runtime's ``stats()`` from the moment it was detached."""
+    after (``staleness``/``fixed_delay``/``workers``: ``asteria.RuntimeConfig``'s, None for the
+    default). ``stats`` holds the runtime's ``stats()`` from the moment it was detached.
+
+    Its ``state_dict`` (part of OLMo-core's trainer state) is the runtime's refreshes in flight;
+    a resumed trainer loads it before ``pre_train``, so it is kept until the runtime is attached.
+    """
 
     staleness: int | None = None
+    fixed_delay: int | None = None
     workers: int | None = None
 
     def __post_init__(self) -> None:
         self.runtime: asteria.Runtime | None = None
         self.stats: dict[str, Any] | None = None
+        self._loaded: dict[str, Any] | None = None
 
     def runtime_config(self) -> asteria.RuntimeConfig:
-        given: dict[str, Any] = {"staleness": self.staleness, "workers": self.workers}
+        given: dict[str, Any] = {
+            "staleness": self.staleness,
+            "fixed_delay": self.fixed_delay,
+            "workers": self.workers,
+        }
         return asteria.RuntimeConfig(**{k: v for k, v in given.items() if v is not None})
 
     def attach(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
         self.runtime = asteria.Runtime(model, optim, self.runtime_config())
+        if self._loaded is not None:
+            self.runtime.load_state_dict(self._loaded)
+            self._loaded = None
 
     def detach(self) -> None:
         if self.runtime is not None:
             self.stats = self.runtime.stats()
             self.runtime.close()
             self.runtime = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.runtime is None else {"runtime": self.runtime.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict.get("runtime")
 
     def pre_train(self) -> None:
         module = self.trainer.train_module
@@ -161,10 +184,14 @@ def run(
     seq_len: int = 64,
     batch_size: int = 8,
     device: str | None = None,
+    stop_at: int | None = None,
+    fixed_delay: int | None = None,
 ) -> tuple[list[float], Trainer]:
-    """Train ``steps`` steps with OLMo-core's trainer; returns the per-step training losses and
-    the trainer (``trainer.train_module.optim`` is the Asteria optimizer, and in Asteria mode
-    ``trainer.callbacks["asteria"]`` the runtime callback)."""
+    """Train to step ``steps`` (``stop_at``: stop there instead, on the same LR schedule) with
+    OLMo-core's trainer, resuming from the latest checkpoint in ``work_dir`` if there is one;
+    returns the training losses of the steps this call ran and the trainer
+    (``trainer.train_module.optim`` is the Asteria optimizer, and in Asteria mode
+    ``trainer.callbacks["asteria"]`` the runtime callback, with ``fixed_delay`` if given)."""
     if optimizer not in CONFIGS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(CONFIGS)}")
     if mode not in ("native", "asteria"):
@@ -197,13 +224,15 @@ def run(
 
     callbacks: dict[str, Callback] = {"losses": LossRecorder()}
     if mode == "asteria":
-        callbacks["asteria"] = AsteriaRuntimeCallback(staleness=2, workers=1)
+        callbacks["asteria"] = AsteriaRuntimeCallback(
+            staleness=2, fixed_delay=fixed_delay, workers=1
+        )
     trainer = TrainerConfig(
         save_folder=str(root / "run"),
         device=device,
         max_duration=Duration.steps(steps),
+        hard_stop=None if stop_at is None else Duration.steps(stop_at),
         metrics_collect_interval=1,
-        no_checkpoints=True,
         callbacks=callbacks,
     ).build(train_module, loader)
     trainer.fit()
@@ -218,8 +247,10 @@ def main() -> None:
     p.add_argument("--mode", default="native", choices=["native", "asteria"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=None, help="default: the config's")
+    p.add_argument("--work-dir", default=None, help="resumes from its latest checkpoint")
+    p.add_argument("--stop-at", type=int, default=None, help="stop (and save) at this step")
     a = p.parse_args()
-    losses, trainer = run(a.optimizer, a.mode, a.steps, a.lr)
+    losses, trainer = run(a.optimizer, a.mode, a.steps, a.lr, a.work_dir, stop_at=a.stop_at)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
     callback = trainer.callbacks.get("asteria")
     if callback is not None and callback.stats is not None:

@@ -4,7 +4,10 @@ Owns: what SOAP, KL-Shampoo and Shampoo share: validation of the familiar argume
 skeleton (closure, parameters without gradients, sparse/complex rejection, fp32 state for
 low-precision parameters, skipping non-finite gradients, DTensor parameters through their local
 shards: Note [Local shards] at ``local_tensor``), per-parameter layouts (``blocking.py``), the
-Adam fallback for parameters that are not preconditioned, and an exact ``state_dict`` round trip.
+Adam fallback for parameters that are not preconditioned, and an exact ``state_dict`` round trip
+in a form that ``torch.distributed.checkpoint``'s state-dict API takes (Note [State-initialisation
+probe] here; Notes [Flat optimizer state] and [Sharded state and torch's state-dict API] in
+state_format.py).
 
 Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
 fused reduction per gradient (its inf-norm, a max of absolute values, so large finite values
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -34,15 +38,18 @@ import torch
 from torch.optim import Optimizer
 
 from asteria.optim import matrix_functions as mf
+from asteria.optim import state_format
 from asteria.optim.blocking import ParamLayout
 
 __all__ = [
     "BlockKey",
     "KroneckerOptimizer",
     "NativeRefresher",
+    "PLACEHOLDER_STEP",
     "RefreshJob",
     "Refresher",
     "adamw_update",
+    "basis_zeros",
     "check_betas",
     "check_range",
     "check_shampoo_beta",
@@ -287,7 +294,7 @@ class KroneckerOptimizer(Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                if state and "blocks" in state:
+                if state and "blocks" in state and not _is_placeholder(state):
                     for bi, block in enumerate(state["blocks"]):
                         yield (pid, bi), p, block, group
                 pid += 1
@@ -344,9 +351,19 @@ class KroneckerOptimizer(Optimizer):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim``'s ``state_dict``, after any deferred statistics update has run."""
+        """``torch.optim``'s ``state_dict``, after any deferred statistics update has run, in the
+        flat form of Note [Flat optimizer state] (state_format.py): each parameter's state is one
+        dict of dotted keys (``"blocks.0.bases.1"``) to tensors and numbers, and
+        ``refresh_dtype`` is a name."""
         self._refresher.sync(self)
-        return super().state_dict()
+        state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
+        saved = super().state_dict()
+        return {
+            "state": {
+                k: state_format.flat_state(v, self.bases_field) for k, v in saved["state"].items()
+            },
+            "param_groups": [state_format.portable_group(g) for g in saved["param_groups"]],
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim``'s ``zero_grad``; zeroing in place first lets deferred statistics
@@ -356,26 +373,67 @@ class KroneckerOptimizer(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict``, keeping every state tensor's saved dtype.
+        """Load a ``state_dict``, keeping every state tensor's saved dtype and layout.
 
-        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
-        dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so the exact saved tensors are
-        restored (moved to the parameter's device) after the base class has loaded the groups.
+        Takes the flat form :meth:`state_dict` writes, the same nested in dicts (as
+        ``set_optimizer_state_dict`` unflattens it), and the nested form (lists of blocks) of
+        earlier versions (Note [Flat optimizer state] in state_format.py).
+        ``torch.optim.Optimizer.load_state_dict`` would cast floating-point state to the
+        parameter's dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so only the groups
+        go through the base class and the saved tensors are restored as they are (copies, moved
+        to the parameter's device).
         """
         self._refresher.sync(self)
+        state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
         saved = copy.deepcopy(state_dict["state"])
-        super().load_state_dict(state_dict)
+        groups = [state_format.group_from_portable(g) for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "state": {}, "param_groups": groups})
+        self._layouts.clear()
         # The saved groups' "params" lists name the parameters, in order: positions as this
         # class saves them, or other keys (torch.distributed.checkpoint.state_dict's parameter
         # names), mapped by position as torch.optim does.
-        params = [p for g in self.param_groups for p in g["params"]]
+        owners = [(p, g) for g in self.param_groups for p in g["params"]]
         keys = [k for g in state_dict["param_groups"] for k in g["params"]]
-        param_of = dict(zip(keys, params))
+        owner_of = dict(zip(keys, owners))
         for key, value in saved.items():
-            if key in param_of:
-                param = param_of[key]
+            if key in owner_of:
+                param, group = owner_of[key]
+                if not any(isinstance(v, list) for v in value.values()):  # not the nested form
+                    value = self._unflatten_state(key, value, param, group)
                 self.state[param] = _to_device(value, param.device)
         self._layouts.clear()
+
+    def _unflatten_state(
+        self, key: Any, flat: dict[str, Any], param: torch.Tensor, group: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The live state of ``param`` from its flat form (Note [Flat optimizer state]), shaped
+        by the placeholder of ``param`` under ``group`` (its structure only: meta tensors)."""
+        flat = state_format.dotted(flat)
+        where = f"{type(self).__name__}.load_state_dict: the state of parameter {key!r}"
+        template = self._placeholder(param, group, device=torch.device("meta"))
+        state = state_format.fill(template, flat, "", where)
+        if flat:
+            raise ValueError(
+                f"{where} has entries {sorted(flat)} that this optimizer does not keep for it: "
+                "load a state_dict of the same optimizer class and options"
+            )
+        if not _is_placeholder(state):
+            for block in state.get("blocks", ()):
+                results = block[self.bases_field]
+                for i, q in enumerate(results):
+                    if q is not None and not bool(q.any()):
+                        results[i] = None  # zeros stand for a refresh not computed yet
+        return state
+
+    def _placeholder(
+        self, p: torch.Tensor, group: dict[str, Any], device: torch.device | None = None
+    ) -> dict[str, Any]:
+        """A placeholder state of ``p`` (Note [State-initialisation probe]): the structure of
+        its state once initialised, in zeros, on ``device`` (default: its local shard's)."""
+        local = local_tensor(p)
+        like = local if device is None else torch.empty_like(local, device=device)
+        template = self._state_template(like, group, self.layout(p, group))
+        return {"step": PLACEHOLDER_STEP, **template}
 
     # -- the step skeleton ---------------------------------------------------------------------
 
@@ -395,7 +453,10 @@ class KroneckerOptimizer(Optimizer):
                     continue
                 self._check_grad_kind(p.grad)
                 todo.append((pid, group, p))
-        if not self.state and todo and _state_init_probe(self.param_groups, todo):
+        if todo and not self._has_state() and _state_init_probe(self.param_groups, todo):
+            for _, group, p in todo:
+                if local_tensor(p).numel():
+                    self.state[p] = self._placeholder(p, group)
             return loss
         finite = (
             _finite_flags([p.grad for _, _, p in todo])
@@ -421,7 +482,8 @@ class KroneckerOptimizer(Optimizer):
             work = local
             if local.dtype != grad.dtype or not local.is_contiguous():
                 work = local.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
-            if not state:
+            if not state or _is_placeholder(state):
+                state.clear()
                 self._init_param(pid, work, grad, group, state, layout)
             else:
                 self._update_param(pid, work, grad, group, state, layout)
@@ -429,6 +491,10 @@ class KroneckerOptimizer(Optimizer):
                 local.copy_(work)
         self._refresher.step_end(self)
         return loss
+
+    def _has_state(self) -> bool:
+        """Whether some parameter has state (placeholders do not count)."""
+        return any(s and not _is_placeholder(s) for s in self.state.values())
 
     def _check_grad_kind(self, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -489,7 +555,7 @@ class KroneckerOptimizer(Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                if not state:
+                if not state or _is_placeholder(state):
                     if p.requires_grad:
                         return True
                     continue
@@ -503,6 +569,16 @@ class KroneckerOptimizer(Optimizer):
         raise NotImplementedError
 
     def _init_param(self, pid, p, grad, group, state, layout) -> None:
+        raise NotImplementedError
+
+    def _state_template(
+        self, p: torch.Tensor, group: dict[str, Any], layout: ParamLayout
+    ) -> dict[str, Any]:
+        """The state ``_init_param`` gives ``p`` and keeps from then on, less ``"step"``, in
+        zeros of ``state_dtype(p)`` on ``p``'s device: every key, shape, dtype and layout (bases
+        column-major, as the refreshes return them: ``basis_zeros``), and a refresh result that
+        starts as None (Shampoo's roots) in the shape it takes once computed. Placeholders
+        (Note [State-initialisation probe]) and loading (Note [Flat optimizer state]) use it."""
         raise NotImplementedError
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
@@ -554,21 +630,41 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _state_init_probe(groups: list[dict[str, Any]], todo: list[tuple]) -> bool:
-    """Whether this first step is ``torch.distributed.checkpoint.state_dict``'s probe, which a
-    step must not act on.
+    """Whether this first step is ``torch.distributed.checkpoint.state_dict``'s probe, which
+    makes placeholders instead of a step.
 
     Note [State-initialisation probe]: ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
-    (and the trainers built on them: torchtitan, OLMo-core) first make an optimizer with no state
-    create it, by calling ``step()`` with every gradient set to zeros and every ``lr`` to 0. For
-    Adam that is harmless; for SOAP and KL-Shampoo the first step initialises the eigenbases
-    from the first gradient (the authors' rule), so zeros would leave bases of zero statistics
-    and shift every later step by one. A first step (no state yet) whose gradients are all
-    exactly zero with every ``lr`` 0 therefore creates no state; a real first step never has
-    both. The checkpoint then simply holds no optimizer state yet, which loads back as none.
+    (and the trainers built on them: torchtitan, OLMo-core) make an optimizer with no state create
+    it, by calling ``step()`` with every gradient zero and every ``lr`` 0, and then rely on its
+    structure: DCP loads a checkpoint into the tensors of that state (in place: their shapes,
+    dtypes and layouts), and a flattened state is unflattened by the keys of the live state. For
+    Adam the step is harmless; for SOAP and KL-Shampoo the first step initialises the eigenbases
+    from the first gradient (the authors' rule), so zeros would leave bases of zero statistics and
+    shift every later step by one. A first step (no state yet) whose gradients are all exactly
+    zero with every ``lr`` 0 (a real first step never has both) therefore makes *placeholders*:
+    each parameter's state as ``_state_template`` describes it, in zeros, with ``"step"`` set to
+    ``PLACEHOLDER_STEP``. A placeholder counts as no state: the next real step initialises the
+    parameter as a first step does, ``blocks()`` and ``is_refresh_step()`` pass over it, and
+    loading a checkpoint replaces it. A checkpoint taken before the first step holds placeholders,
+    which load back as placeholders.
     """
     if any(float(g["lr"]) != 0.0 for g in groups):
         return False
     return all(not bool(local_tensor(p.grad).any()) for _, _, p in todo)
+
+
+#: The ``"step"`` of a placeholder state (Note [State-initialisation probe]); real steps are >= 0.
+PLACEHOLDER_STEP = -1
+
+
+def _is_placeholder(state: dict[str, Any]) -> bool:
+    return state.get("step") == PLACEHOLDER_STEP
+
+
+def basis_zeros(d: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A ``d x d`` zero matrix in column-major order, the layout of the bases the refreshes
+    return (Note [QR layout] in matrix_functions.py): a placeholder's basis."""
+    return torch.zeros(d, d, dtype=dtype, device=device).T
 
 
 def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:

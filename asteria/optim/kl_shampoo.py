@@ -33,11 +33,13 @@ from asteria.optim.base import (
     ParamsT,
     RefreshJob,
     adamw_update,
+    basis_zeros,
     block_views,
     check_betas,
     check_range,
     check_shampoo_beta,
     shampoo_beta,
+    state_dtype,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products, mode_scale
@@ -138,6 +140,26 @@ class KLShampoo(KroneckerOptimizer):
                 }
             )
         state["blocks"] = blocks
+
+    def _state_template(self, p, group, layout) -> dict[str, Any]:
+        dtype, device = state_dtype(p), p.device
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if not layout.blocks[0].factored[0]:  # a vector: AdamW
+            return {"exp_avg": zeros(*p.shape), "exp_avg_sq": zeros(*p.shape)}
+        return {
+            "blocks": [
+                {
+                    "exp_avg": zeros(*spec.shape),
+                    "factors": [zeros(d, d) for d in spec.shape],
+                    "bases": [basis_zeros(d, dtype, device) for d in spec.shape],
+                    "eigen_sqrt_inv": [zeros(d) for d in spec.shape],
+                }
+                for spec in layout.blocks
+            ]
+        }
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         if "blocks" not in state:

@@ -28,6 +28,7 @@ from asteria.optim.base import (
     block_views,
     check_betas,
     check_range,
+    state_dtype,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
@@ -134,6 +135,23 @@ class Shampoo(KroneckerOptimizer):
                 for spec in layout.blocks
             ]
         self._update_param(pid, p, grad, group, state, layout)
+
+    def _state_template(self, p, group, layout) -> dict[str, Any]:
+        dtype, device = state_dtype(p), p.device
+        state = {"exp_avg": torch.zeros(p.shape, dtype=dtype, device=device)}
+        if group["grafting"] in ("adam", "rmsprop", "adagrad"):
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, device=device)
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = torch.zeros(p.shape, dtype=dtype, device=device)
+        if layout.blocks[0].factored[0]:
+            state["blocks"] = [
+                {
+                    "factors": [torch.zeros(d, d, dtype=dtype, device=device) for d in spec.shape],
+                    "roots": [torch.zeros(d, d, dtype=dtype, device=device) for d in spec.shape],
+                }
+                for spec in layout.blocks
+            ]
+        return state
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         beta1 = group["betas"][0]

@@ -27,10 +27,12 @@ from asteria.optim.base import (
     KroneckerOptimizer,
     ParamsT,
     RefreshJob,
+    basis_zeros,
     block_views,
     check_betas,
     check_shampoo_beta,
     shampoo_beta,
+    state_dtype,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
@@ -169,6 +171,26 @@ class SOAP(KroneckerOptimizer):
                 }
             )
         state["blocks"] = blocks
+
+    def _state_template(self, p, group, layout) -> dict[str, Any]:
+        dtype, device = state_dtype(p), p.device
+        return {
+            "blocks": [
+                {
+                    "exp_avg": torch.zeros(spec.shape, dtype=dtype, device=device),
+                    "exp_avg_sq": torch.zeros(spec.shape, dtype=dtype, device=device),
+                    "factors": [
+                        torch.zeros(d, d, dtype=dtype, device=device) if f else None
+                        for d, f in zip(spec.shape, spec.factored)
+                    ],
+                    "bases": [
+                        basis_zeros(d, dtype, device) if f else None
+                        for d, f in zip(spec.shape, spec.factored)
+                    ],
+                }
+                for spec in layout.blocks
+            ]
+        }
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         beta1, beta2 = group["betas"]

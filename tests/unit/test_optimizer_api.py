@@ -1,17 +1,25 @@
 """The ``torch.optim`` conventions, for each of the three optimizers (parametrized, not copied).
 
-Param groups, ``state_dict`` round trips, LR schedulers, ``zero_grad``, parameters without
-gradients, fp32 state for low-precision parameters, blocking of large dims, bad input.
+Param groups, ``state_dict`` round trips (in memory, and through ``torch.distributed.checkpoint``'s
+state-dict API and DCP with the options trainers use, on one process and 2 DDP ranks), LR
+schedulers, ``zero_grad``, parameters without gradients, fp32 state for low-precision
+parameters, blocking of large dims, bad input.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.optim.base import PLACEHOLDER_STEP
 from tests.problems import StochasticQuartic, assert_state_equal, max_rel_diff, state_tensors
 
 OPTIMIZERS = {
@@ -35,6 +43,12 @@ def _train(opt, params, problem, steps, start=0):
         opt.step()
 
 
+def _layouts(opt) -> list[tuple]:
+    """Dtype, shape and strides of every tensor of the live state, in parameter order."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return [(t.dtype, t.shape, t.stride()) for p in params for t in state_tensors(opt.state[p])]
+
+
 def test_state_dict_round_trip_is_exact(optimizer):
     problem = StochasticQuartic(SHAPES, 20, torch.float32)
     params = problem.params()
@@ -42,15 +56,73 @@ def test_state_dict_round_trip_is_exact(optimizer):
     _train(opt, params, problem, 10)
 
     saved = copy.deepcopy(opt.state_dict())
+    # Note [Flat optimizer state]: one flat dict of tensors and numbers per parameter
+    assert all(
+        isinstance(v, (torch.Tensor, int, float))
+        for s in saved["state"].values()
+        for v in s.values()
+    )
     params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt2 = optimizer(params2, lr=1.0)  # hyperparameters come from the state_dict
     opt2.load_state_dict(saved)
     assert_state_equal(opt.state_dict(), opt2.state_dict())
+    assert _layouts(opt2) == _layouts(opt)  # transposed bases stay transposed
 
     _train(opt, params, problem, 10, start=10)
     _train(opt2, params2, problem, 10, start=10)
     for a, b in zip(params, params2):
         assert torch.equal(a, b)
+
+
+def test_nested_state_dict_of_earlier_versions_loads(optimizer):
+    """The nested form (lists of blocks, ``refresh_dtype`` a dtype) that ``state_dict`` wrote
+    before Note [Flat optimizer state] still loads, exactly."""
+    problem = StochasticQuartic(SHAPES, 16, torch.float32)
+    params = problem.params()
+    opt = optimizer(params)
+    _train(opt, params, problem, 8)
+    old = copy.deepcopy(torch.optim.Optimizer.state_dict(opt))  # the nested form
+    assert any(isinstance(v, list) for s in old["state"].values() for v in s.values())
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = optimizer(params2, lr=1.0)
+    opt2.load_state_dict(old)
+    assert_state_equal(opt.state_dict(), opt2.state_dict())
+    _train(opt, params, problem, 8, start=8)
+    _train(opt2, params2, problem, 8, start=8)
+    assert all(torch.equal(a, b) for a, b in zip(params, params2))
+
+
+def test_refresh_dtype_is_saved_by_name():
+    """``cpu_offload=True`` takes no ``torch.dtype``: the state_dict names it, the live groups
+    and a loaded optimizer keep the dtype."""
+    opt = SOAP([torch.nn.Parameter(torch.zeros(3, 2))], refresh_dtype=torch.float64)
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["refresh_dtype"] == "float64"
+    assert opt.param_groups[0]["refresh_dtype"] is torch.float64
+    opt2 = SOAP([torch.nn.Parameter(torch.zeros(3, 2))])
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["refresh_dtype"] is torch.float64
+    saved["param_groups"][0]["refresh_dtype"] = "float128"
+    with pytest.raises(ValueError, match="refresh_dtype 'float128'"):
+        opt2.load_state_dict(saved)
+
+
+def test_load_state_dict_rejects_state_that_does_not_fit():
+    def trained(cls, shape, **options):
+        p = torch.nn.Parameter(torch.randn(shape))
+        opt = cls([p], **options)
+        p.grad = torch.randn(shape)
+        opt.step()
+        return opt
+
+    saved = trained(SOAP, (6, 5)).state_dict()
+    with pytest.raises(ValueError, match=r"'blocks.0.exp_avg' is \(6, 5\), its layout needs"):
+        trained(SOAP, (5, 6)).load_state_dict(saved)
+    with pytest.raises(ValueError, match="no 'blocks.0.eigen_sqrt_inv.0'"):
+        trained(KLShampoo, (6, 5)).load_state_dict(saved)
+    with_momentum = trained(Shampoo, (6,), momentum=0.5).state_dict()
+    with pytest.raises(ValueError, match=r"entries \['momentum_buffer'\] that this optimizer"):
+        trained(KLShampoo, (6,)).load_state_dict(with_momentum)
 
 
 class _Net(torch.nn.Module):
@@ -64,7 +136,8 @@ class _Net(torch.nn.Module):
 def test_torch_distributed_state_dict_api_round_trips(optimizer):
     """``get_optimizer_state_dict`` keys the state by parameter name and probes a fresh optimizer
     with a zero-gradient, ``lr=0`` step first (Note [State-initialisation probe] in
-    optim/base.py): the probe changes nothing, and the name-keyed state loads back exactly."""
+    optim/base.py): the probe makes placeholders, which change nothing, and the name-keyed state
+    loads back exactly."""
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
@@ -75,8 +148,11 @@ def test_torch_distributed_state_dict_api_round_trips(optimizer):
     probed = [torch.nn.Parameter(p.detach().clone()) for p in plain]
     opt_plain, opt_probed = optimizer(plain), optimizer(probed)
     net = _Net(probed)
-    assert get_optimizer_state_dict(net, opt_probed)["state"] == {}  # the probe made no state
+    placeholders = get_optimizer_state_dict(net, opt_probed)["state"]
+    assert len(placeholders) == len(SHAPES)
+    assert all(s["step"] == PLACEHOLDER_STEP for s in placeholders.values())
     assert opt_probed.param_groups[0]["lr"] == opt_plain.param_groups[0]["lr"]
+    assert opt_probed.is_refresh_step() and not list(opt_probed.blocks())
     _train(opt_plain, plain, problem, 8)
     _train(opt_probed, probed, problem, 8)
     assert all(torch.equal(a, b) for a, b in zip(plain, probed))
@@ -90,6 +166,199 @@ def test_torch_distributed_state_dict_api_round_trips(optimizer):
     _train(opt_probed, probed, problem, 8, start=8)
     _train(opt2, params2, problem, 8, start=8)
     assert all(torch.equal(a, b) for a, b in zip(probed, params2))
+
+
+#: StateDictOptions of the save; the load uses the same flattening and ``strict=True``, as
+#: OLMo-core does ("olmo_core" is its default save).
+SAVE_OPTIONS = {
+    "nested": {},
+    "flatten": {"flatten_optimizer_state_dict": True},
+    "cpu_offload": {"cpu_offload": True},
+    "olmo_core": {"flatten_optimizer_state_dict": True, "cpu_offload": True},
+}
+
+
+@pytest.mark.parametrize("save_at", [0, 2, 7], ids=["before_step_1", "no_refresh_yet", "refreshed"])
+@pytest.mark.parametrize("options", sorted(SAVE_OPTIONS))
+def test_dcp_resume_through_torch_state_dict_api_is_exact(optimizer, options, save_at, tmp_path):
+    """What trainers do: save the model and optimizer with ``get_*_state_dict`` + DCP; resume in
+    a fresh model and optimizer by loading the checkpoint into their own state dicts (the
+    optimizer's: placeholders, Note [State-initialisation probe]) and ``set_*_state_dict``. The
+    continuation equals the uninterrupted run bit for bit, saved before any step, before the
+    first refresh (Shampoo's roots are still None) and after refreshes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    problem = StochasticQuartic(SHAPES, 14, torch.float32)
+    straight = problem.params()
+    _train(optimizer(straight), straight, problem, 14)
+
+    save = StateDictOptions(**SAVE_OPTIONS[options])
+    flatten = save.flatten_optimizer_state_dict
+    load = StateDictOptions(flatten_optimizer_state_dict=flatten, strict=True)
+    params = problem.params()
+    net, saved = _Net(params), optimizer(params)
+    _train(saved, params, problem, save_at)
+    state = {
+        "model": get_model_state_dict(net, options=save),
+        "optim": get_optimizer_state_dict(net, saved, options=save),
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path))
+
+    params = problem.params()
+    net, opt = _Net(params), optimizer(params)
+    state = {
+        "model": get_model_state_dict(net, options=load),
+        "optim": get_optimizer_state_dict(net, opt, options=load),
+    }
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    set_model_state_dict(net, state["model"], options=load)
+    set_optimizer_state_dict(net, opt, state["optim"], options=load)
+    assert_state_equal(list(saved.state.values()), list(opt.state.values()))  # None stays None
+    assert _layouts(opt) == _layouts(saved)
+    _train(opt, params, problem, 14 - save_at, start=save_at)
+    assert all(torch.equal(a, b) for a, b in zip(straight, params))
+
+
+@pytest.mark.parametrize(
+    "cls,options,dtype",
+    [
+        (SOAP, {}, torch.float32),
+        (SOAP, {"precondition_1d": True, "max_preconditioner_dim": 4}, torch.bfloat16),
+        (KLShampoo, {}, torch.float32),
+        (KLShampoo, {"max_preconditioner_dim": 4}, torch.float64),
+        (Shampoo, {}, torch.float32),
+        (
+            Shampoo,
+            {"grafting": "sgd", "momentum": 0.5, "max_preconditioner_dim": 4},
+            torch.bfloat16,
+        ),
+    ],
+)
+def test_placeholders_have_the_structure_of_the_state(cls, options, dtype):
+    """The placeholders a checkpoint is loaded into have every key, shape, dtype and stride of
+    the state after refreshes (each optimizer's ``_state_template``)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    def structure(state_dict):
+        return {
+            name: {
+                k: (v.shape, v.dtype, v.stride()) if isinstance(v, torch.Tensor) else type(v)
+                for k, v in state.items()
+            }
+            for name, state in state_dict["state"].items()
+        }
+
+    problem = StochasticQuartic(SHAPES, 8, torch.float32)
+    params = [torch.nn.Parameter(p.to(dtype)) for p in problem.init]
+    opt = cls(params, precondition_frequency=3, **options)
+    placeholders = structure(get_optimizer_state_dict(_Net(params), opt))
+    for t in range(8):
+        opt.zero_grad()
+        problem.loss([p.float() for p in params], t).backward()
+        opt.step()
+    assert structure(get_optimizer_state_dict(_Net(params), opt)) == placeholders
+
+
+TWO_RANKS = textwrap.dedent(
+    """
+    import json, sys
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+        set_model_state_dict, set_optimizer_state_dict)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from tests.distributed._workers import OPTIMIZERS, _local, _sharded, _train, make_opt, model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path, out = sys.argv[1], {}
+    save = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+    load = StateDictOptions(flatten_optimizer_state_dict=True, strict=True)
+    for name in OPTIMIZERS:
+        net = DDP(model())
+        opt = make_opt(name, list(net.parameters()))
+        _train(net, opt, rank, world, 7)
+        state = {"model": get_model_state_dict(net, options=save),
+                 "optim": get_optimizer_state_dict(net, opt, options=save)}
+        dcp.save(state, checkpoint_id=f"{path}/ddp_{name}")
+        _train(net, opt, rank, world, 14, start=7)
+        straight = [_local(p) for p in net.parameters()]
+        net = DDP(model(seed=1))
+        opt = make_opt(name, list(net.parameters()))
+        state = {"model": get_model_state_dict(net, options=load),
+                 "optim": get_optimizer_state_dict(net, opt, options=load)}
+        dcp.load(state, checkpoint_id=f"{path}/ddp_{name}")
+        set_model_state_dict(net, state["model"], options=load)
+        set_optimizer_state_dict(net, opt, state["optim"], options=load)
+        _train(net, opt, rank, world, 14, start=7)
+        resumed = [_local(p) for p in net.parameters()]
+        out[f"ddp/{name}"] = all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+        net = _sharded("fsdp", world)
+        opt = make_opt(name, list(net.parameters()))
+        _train(net, opt, rank, world, 2)
+        errors = []
+        for call in (
+            lambda: get_optimizer_state_dict(net, opt),
+            lambda: set_optimizer_state_dict(net, opt, {"state": {}, "param_groups": []}),
+        ):
+            try:
+                call()
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e))
+        out[f"fsdp/{name}"] = errors
+        opt.state_dict()  # what asteria.checkpoint calls: not refused
+    with open(f"{path}/rank{rank}.json", "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.distributed
+def test_torch_state_dict_api_on_two_ranks(tmp_path):
+    """2 gloo ranks. DDP: OLMo-core's options through DCP resume bit for bit. FSDP2: the state is
+    per local shard, of which DCP would keep one rank's copy: get/set_optimizer_state_dict refuse
+    it (Note [Sharded state and torch's state-dict API]), ``state_dict()`` itself (what
+    asteria.checkpoint calls) does not."""
+    from tests.distributed._launch import ROOT, free_port
+
+    script = tmp_path / "ranks.py"
+    script.write_text(TWO_RANKS)
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+        cmd = [sys.executable, str(script), str(tmp_path)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], errors
+    for rank in range(2):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ("soap", "kl_shampoo", "shampoo"):
+            assert out[f"ddp/{name}"], (rank, name)
+            refused = out[f"fsdp/{name}"]
+            assert len(refused) == 2 and all(e and "asteria.checkpoint" in e for e in refused)
 
 
 def test_low_precision_params_keep_fp32_state(optimizer):

@@ -27,17 +27,29 @@ def test_hf_trainer_trains_with_soap(mode: str, tmp_path) -> None:
 
 
 OLMO_STEPS = 20
+#: Where the interrupted runs stop: SOAP's refreshes requested at trainer step 11 (its optimizer
+#: step 10; the first step only initialises) install at step 13 (``fixed_delay=2``), so they are
+#: in flight when the checkpoint of step 12 is written.
+OLMO_STOP = 12
 
 
 @pytest.fixture(scope="module")
 def olmo_core_runs(tmp_path_factory) -> dict[str, tuple[list[float], Any]]:
-    """examples/olmo_core_optim.py's run() in both modes: OLMo-core's trainer, SOAP, 20 steps."""
+    """examples/olmo_core_optim.py's run() with SOAP in both modes (Asteria mode with
+    ``fixed_delay=2``, which makes it deterministic): 20 steps straight ("native", "asteria"),
+    and stopped at step 12 then resumed from OLMo-core's checkpoint by a fresh trainer in the same
+    work dir ("<mode>/first", "<mode>/resumed")."""
     from examples.olmo_core_optim import run
 
-    return {
-        mode: run("soap", mode, steps=OLMO_STEPS, work_dir=str(tmp_path_factory.mktemp(mode)))
-        for mode in ("native", "asteria")
-    }
+    runs = {}
+    for mode in ("native", "asteria"):
+        straight, interrupted = (str(tmp_path_factory.mktemp(mode)) for _ in range(2))
+        runs[mode] = run("soap", mode, OLMO_STEPS, work_dir=straight, fixed_delay=2)
+        runs[f"{mode}/first"] = run(
+            "soap", mode, OLMO_STEPS, work_dir=interrupted, stop_at=OLMO_STOP, fixed_delay=2
+        )
+        runs[f"{mode}/resumed"] = run("soap", mode, OLMO_STEPS, work_dir=interrupted, fixed_delay=2)
+    return runs
 
 
 @pytest.mark.parametrize("mode", ["native", "asteria"])
@@ -65,6 +77,23 @@ def test_olmo_core_asteria_mode_matches_native_before_the_first_refresh(olmo_cor
     first = AsteriaSOAPConfig.precondition_frequency
     native, asteria = olmo_core_runs["native"][0], olmo_core_runs["asteria"][0]
     assert asteria[:first] == pytest.approx(native[:first], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["native", "asteria"])
+def test_olmo_core_checkpoint_resumes_bit_for_bit(mode: str, olmo_core_runs) -> None:
+    """OLMo-core's own checkpointing (torch's state-dict API, flattened and offloaded to the CPU,
+    through DCP): a fresh trainer resumed from the checkpoint of step 12 logs the losses of the
+    uninterrupted run exactly; in Asteria mode with the refreshes that were in flight."""
+    straight = olmo_core_runs[mode][0]
+    first, trainer = olmo_core_runs[f"{mode}/first"]
+    resumed, resumed_trainer = olmo_core_runs[f"{mode}/resumed"]
+    assert first == straight[:OLMO_STOP]
+    assert len(resumed) == OLMO_STEPS - OLMO_STOP and resumed == straight[OLMO_STOP:]
+    opt = resumed_trainer.train_module.optim
+    params = resumed_trainer.train_module.model.parameters()
+    assert all(opt.state[p]["step"] == OLMO_STEPS - 1 for p in params)
+    if mode == "asteria":  # stats() of the interrupted run at its end: at the checkpoint
+        assert trainer.callbacks["asteria"].stats["jobs"]["in_flight"] > 0
 
 
 def test_olmo_core_optim_configs_build_asteria_optimizers() -> None:
