@@ -435,15 +435,7 @@ class Runtime:
         self._step_wait += time.perf_counter() - t0
         owner = coherence.owner(key)
         if status == 0.0:
-            self._failed += 1
-            e.failures += 1
-            e.consecutive_failures += 1
-            if e.consecutive_failures >= self.config.max_consecutive_failures:
-                raise RefreshFailedError(
-                    f"Asteria: the refresh of block '{e.name}' (owner rank {owner}) failed "
-                    f"{e.consecutive_failures} times in a row"
-                    + (f"; last error: {error}" if error else "")
-                )
+            self._count_failure(e, f" (owner rank {owner})", error)
             return  # keep the previous version, on every rank
         if status != 1.0:
             self._failed += 1
@@ -567,19 +559,28 @@ class Runtime:
                 pass
         self._step_wait += time.perf_counter() - t0
 
+    def _count_failure(
+        self, e: BlockEntry, where: str, error: str, cause: BaseException | None = None
+    ) -> None:
+        """A refresh of ``e`` that failed (the previous version stays in use): counted, and a
+        ``RefreshFailedError`` once ``max_consecutive_failures`` are in a row. ``where`` follows
+        the block's name in the message (" (owner rank r)" under torch.distributed)."""
+        self._failed += 1
+        e.failures += 1
+        e.consecutive_failures += 1
+        if e.consecutive_failures >= self.config.max_consecutive_failures:
+            raise RefreshFailedError(
+                f"Asteria: the refresh of block '{e.name}'{where} failed "
+                f"{e.consecutive_failures} times in a row"
+                + (f"; last error: {error}" if error else "")
+            ) from cause
+
     def _install(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None = None) -> None:
         pending, e.pending = e.pending, None
         try:
             results = self._results(key, e, pending, block)
         except (self._C.MatrixFunctionError, MatrixFunctionError) as err:
-            self._failed += 1
-            e.failures += 1
-            e.consecutive_failures += 1
-            if e.consecutive_failures >= self.config.max_consecutive_failures:
-                raise RefreshFailedError(
-                    f"Asteria: the refresh of block '{e.name}' failed "
-                    f"{e.consecutive_failures} times in a row; last error: {err}"
-                ) from err
+            self._count_failure(e, "", str(err), cause=err)
             return  # keep the previous version
         except Exception as err:
             self._failed += 1
