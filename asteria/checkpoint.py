@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asteria.optim.base import local_tensor
+
 __all__ = ["load", "parts", "save"]
 
 MODEL, OPTIMIZER, RUNTIME, EXTRA, META = (
@@ -78,7 +80,7 @@ def save(
         state[MODEL] = _model_state(model)
     if optimizer is not None:
         params = _params(optimizer)
-        shapes = [tuple(_local(p).shape) for p in params]
+        shapes = [tuple(local_tensor(p).shape) for p in params]
         state[OPTIMIZER] = {f"rank{rank}": _pack(optimizer.state_dict(), {"shapes": shapes})}
     if runtime is not None:
         state[RUNTIME] = {f"rank{rank}": _pack(runtime.state_dict(), {})}
@@ -123,7 +125,7 @@ def load(
         _load_model(dcp, checkpoint_id, model)
     if optimizer is not None:
         saved, info = _unpack(dcp, checkpoint_id, OPTIMIZER, source)
-        shapes = [tuple(_local(p).shape) for p in _params(optimizer)]
+        shapes = [tuple(local_tensor(p).shape) for p in _params(optimizer)]
         if [tuple(s) for s in info["shapes"]] != shapes:
             raise ValueError(
                 f"{checkpoint_id}: the optimizer state of rank {source} is for parameters of "
@@ -159,7 +161,7 @@ def _pack(state: Any, info: dict[str, Any]) -> dict[str, Any]:
 
     def strip(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            key, local = f"t{len(tensors)}", _local(value)
+            key, local = f"t{len(tensors)}", local_tensor(value)
             tensors[key] = local
             # strides too: a transposed basis must come back transposed, as BLAS results
             # depend on the operands' layout (Note [QR layout] in optim/matrix_functions.py)
@@ -264,12 +266,6 @@ def _load_model(dcp: Any, checkpoint_id: Any, model: torch.nn.Module) -> None:
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (an optimizer's state follows it), or ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _all_replicated(optimizer: torch.optim.Optimizer) -> bool:
