@@ -96,3 +96,12 @@ def assert_state_equal(a: object, b: object) -> None:
             assert_state_equal(x, y)
     else:
         assert a == b
+
+
+def mlp_24_32_32_4() -> torch.nn.Module:
+    """The small seeded MLP (24 -> 32 -> 32 -> 4, tanh) the tier and window tests train."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )  # fmt: skip

@@ -21,6 +21,7 @@ from asteria.memory.accounting import estimate_blocks
 from asteria.memory.tiers import Arch, BlockSizes, plan
 from asteria.optim import SOAP, KLShampoo
 from asteria.runtime import Runtime, RuntimeConfig
+from tests.problems import mlp_24_32_32_4
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo}
 STEPS = 36
@@ -139,7 +140,7 @@ def test_a_disk_too_small_for_the_spill_file_fails_at_start(tmp_path, monkeypatc
 
     config = RuntimeConfig(staleness=4, fixed_delay=4, nvme_path=tmp_path,
                            placement={"results": "nvme"})  # fmt: skip
-    opt = SOAP(_mlp().parameters(), max_preconditioner_dim=16)
+    opt = SOAP(mlp_24_32_32_4().parameters(), max_preconditioner_dim=16)
     almost_full = type("Usage", (), {"free": 1 << 20})()
     monkeypatch.setattr(runtime.shutil, "disk_usage", lambda path: almost_full)
     with pytest.raises(ValueError, match="has 1048576 bytes free, the spill file needs"):
@@ -150,7 +151,7 @@ def test_a_disk_too_small_for_the_spill_file_fails_at_start(tmp_path, monkeypatc
 
 
 def test_a_device_budget_below_factors_and_moments_fails_at_start():
-    opt = KLShampoo(_mlp().parameters(), max_preconditioner_dim=16)
+    opt = KLShampoo(mlp_24_32_32_4().parameters(), max_preconditioner_dim=16)
     must = sum(b.factors + b.moments for b in estimate_blocks(opt))
     with pytest.raises(ValueError, match=f"smaller than the {must} bytes that must stay"):
         Runtime(None, opt, RuntimeConfig(device_budget_bytes=must - 1))
@@ -160,14 +161,6 @@ def test_a_device_budget_below_factors_and_moments_fails_at_start():
 # ---- training with spilling ----------------------------------------------------------------------
 
 
-def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-        torch.nn.Linear(32, 4),
-    )  # fmt: skip
-
-
 def _data():
     gen = torch.Generator().manual_seed(1)
     return torch.randn(STEPS, 16, 24, generator=gen), torch.randn(STEPS, 16, 4, generator=gen)
@@ -175,7 +168,7 @@ def _data():
 
 def _train(name, config, after_step=None):
     """Train the MLP for STEPS steps under ``config``; params, memory report, stats."""
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     xs, ys = _data()
     rt = Runtime(model, opt, config)
@@ -198,7 +191,7 @@ def _spill_config(tmp_path, **kw) -> RuntimeConfig:
 
 
 def _bases_bytes(name: str):
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = OPTIMIZERS[name](model.parameters(), max_preconditioner_dim=16)
     blocks = estimate_blocks(opt)
     return sum(b.bases for b in blocks), blocks
@@ -333,7 +326,7 @@ def _state_bytes(opt) -> dict[str, int]:
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_memory_report_matches_the_tensors_allocated(name, tmp_path):
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     xs, ys = _data()
     with Runtime(model, opt, _spill_config(tmp_path, placement={"results": "nvme"})) as rt:
@@ -364,7 +357,7 @@ def test_memory_report_matches_the_tensors_allocated(name, tmp_path):
 
 
 def test_memory_report_without_spilling_counts_waiting_results_in_host():
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = SOAP(model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     xs, ys = _data()
     with Runtime(model, opt, FIXED) as rt:

@@ -20,6 +20,7 @@ from asteria.memory.tiers import Arch
 from asteria.memory.window import BasesWindow, HostCopies
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
+from tests.problems import mlp_24_32_32_4
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 STEPS = 20
@@ -111,16 +112,8 @@ def discrete_gpu(monkeypatch):
     monkeypatch.setattr(runtime_module, "detect_arch", lambda device: Arch(cuda=True))
 
 
-def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-        torch.nn.Linear(32, 4),
-    )  # fmt: skip
-
-
 def _train(name: str, config: RuntimeConfig, steps: int = STEPS):
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     gen = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(steps, 16, 24, generator=gen), torch.randn(steps, 16, 4, generator=gen)
@@ -177,7 +170,7 @@ def test_a_window_of_one_block_still_trains_bitwise(name, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_memory_report_counts_the_window_on_the_device_and_the_bases_in_host(name, discrete_gpu):
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     blocks = estimate_blocks(opt)
     with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
@@ -204,7 +197,7 @@ def test_memory_report_counts_the_window_on_the_device_and_the_bases_in_host(nam
 def test_bases_that_outgrow_the_window_within_the_budget_grow_it_else_say_what_to_change(
     discrete_gpu,
 ):
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = SOAP(model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     blocks = estimate_blocks(opt)
     must = sum(b.factors + b.moments for b in blocks) + 2 * max(b.bases for b in blocks)
@@ -222,7 +215,7 @@ def test_bases_that_outgrow_the_window_within_the_budget_grow_it_else_say_what_t
         steps(rt, 1)  # its first step only initialises its bases
         with pytest.raises(ValueError, match=r"over device_budget_bytes=\d+\. Raise"):
             steps(rt, 1)
-    model = _mlp()
+    model = mlp_24_32_32_4()
     opt = SOAP(model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
         steps(rt, 2)
@@ -232,7 +225,7 @@ def test_bases_that_outgrow_the_window_within_the_budget_grow_it_else_say_what_t
 
 
 def test_native_mode_hands_the_optimizer_its_own_bases():
-    model = _mlp()
+    model = mlp_24_32_32_4()
     for cls in OPTIMIZERS.values():
         opt = cls(model.parameters(), precondition_frequency=1, max_preconditioner_dim=16)
         model(torch.randn(4, 24)).square().mean().backward()
