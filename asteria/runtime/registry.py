@@ -17,6 +17,7 @@ Must not: submit work or wait (``runtime.py`` does both); this module is bookkee
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +74,17 @@ class Registry:
     def __init__(self, staleness: int) -> None:
         self.staleness = staleness
         self.entries: dict[tuple[int, int], BlockEntry] = {}
+        # The same entries by parameter index, for the module signals (a few per module).
+        self.by_param: dict[int, list[tuple[tuple[int, int], BlockEntry]]] = {}
         self.histogram: Counter[int] = Counter()
         self.superseded = 0
 
-    def entry(self, key: tuple[int, int], name: str) -> BlockEntry:
+    def entry(self, key: tuple[int, int], name_of: Callable[[tuple[int, int]], str]) -> BlockEntry:
+        """The block's entry, created on first use and named ``name_of(key)``."""
         e = self.entries.get(key)
         if e is None:
-            e = self.entries[key] = BlockEntry(name=name)
+            e = self.entries[key] = BlockEntry(name=name_of(key))
+            self.by_param.setdefault(key[0], []).append((key, e))
         return e
 
     def record_install(self, e: BlockEntry, requested: int, installed: int) -> None:

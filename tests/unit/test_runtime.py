@@ -12,6 +12,7 @@ from asteria.runtime import (
     RuntimeConfig,
     StalenessTimeoutError,
 )
+from asteria.runtime.hooks import ModuleSignals
 from tests.problems import StochasticQuartic, state_tensors
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
@@ -184,16 +185,55 @@ def test_hooks_are_signals_and_close_removes_them():
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     opt = SOAP(model.parameters(), precondition_frequency=2)
     with Runtime(model, opt, RuntimeConfig(staleness=4, workers=1)) as rt:
-        assert len(rt._signals) == 4  # forward pre + backward pre on each Linear
+        assert len(rt._signals) == 4  # forward pre + forward (arms the backward) on each Linear
         for _ in range(12):
             opt.zero_grad()
             model(torch.randn(16, 6)).square().mean().backward()
             opt.step()
         stats = rt.stats()
         assert stats["installs"] > 0 and stats["max_staleness"] <= 4
-    assert all(not m._forward_pre_hooks and not m._backward_pre_hooks for m in model.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     assert type(opt.refresher).__name__ == "NativeRefresher"
     assert all(e.pending is None for e in rt.registry.entries.values())
+
+
+def test_backward_signal_precedes_the_module_backward_and_allows_inplace_ops():
+    """Note [Backward signals]: the backward signal of a module arrives once its output's
+    gradient is complete and before its own backward; an in-place op on that output (which a
+    full backward pre-hook refuses) trains."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 6), torch.nn.ReLU(inplace=True), torch.nn.Linear(6, 3)
+    )
+    events: list[tuple[str, int]] = []
+    signals = ModuleSignals(
+        model,
+        [id(p) for p in model.parameters()],
+        lambda ids, event: events.append((event, ids[0])),
+    )
+    for m in (model[0], model[2]):
+        m.weight.register_post_accumulate_grad_hook(lambda p: events.append(("accumulated", id(p))))
+    model(torch.randn(4, 6)).sum().backward()
+    w0, w2 = id(model[0].weight), id(model[2].weight)
+    assert events == [
+        ("forward", w0),
+        ("forward", w2),
+        ("backward", w2),
+        ("accumulated", w2),
+        ("backward", w0),
+        ("accumulated", w0),
+    ]
+    with torch.no_grad():
+        model(torch.randn(4, 6))  # no graph: the forward signals, nothing is armed
+    assert events[-2:] == [("forward", w0), ("forward", w2)]
+    signals.remove()
+
+    opt = SOAP(model.parameters(), precondition_frequency=2)
+    with Runtime(model, opt, RuntimeConfig(staleness=2, workers=1)) as rt:
+        for _ in range(8):
+            opt.zero_grad()
+            model(torch.randn(16, 6)).square().mean().backward()
+            opt.step()
+        assert rt.stats()["installs"] > 0
 
 
 def test_soap_install_carries_state_over_exactly():

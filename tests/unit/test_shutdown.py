@@ -157,7 +157,7 @@ def test_garbage_collection_without_close():
         for keep_model in (False, True):
             model, rt_ref, opt_ref, busy = start()
             hooks = lambda: sum(
-                len(m._forward_pre_hooks) + len(m._backward_pre_hooks) for m in model.modules()
+                len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()
             )
             hooks_before = hooks()
             if not keep_model:
