@@ -21,7 +21,8 @@ update as usual, with arithmetic identical to a step without the check. Skips ar
 
 Must not: hold any algorithm's math (that is each subclass's file) or know about the runtime that
 may later take refreshes off the critical path. Subclasses implement ``_layout``, ``_init_param``
-and ``_update_param``; ``_refresh_due`` says whether a step refreshes a block.
+and ``_update_param`` (or ``_update_params``, a group's parameters at once); ``_refresh_due`` says
+whether a step refreshes a block.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.optim import Optimizer
@@ -48,6 +49,7 @@ __all__ = [
     "PLACEHOLDER_STEP",
     "RefreshJob",
     "Refresher",
+    "Update",
     "adamw_update",
     "basis_zeros",
     "check_betas",
@@ -89,6 +91,17 @@ class RefreshJob:
         raise ValueError(f"unknown refresh kind {self.kind!r}")
 
 
+class Update(NamedTuple):
+    """One parameter's update of a step: ``p`` is what to update in place (the parameter's
+    local tensor, or a working copy), ``grad`` its gradient in the state dtype."""
+
+    pid: int
+    p: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, Any]
+    layout: ParamLayout
+
+
 class Refresher(Protocol):
     """Decides when a block's refresh is computed and installed (see ``NativeRefresher``)."""
 
@@ -120,7 +133,13 @@ class Refresher(Protocol):
         that follows: the block's own, or device copies of them (Note [Bases window] in
         asteria/memory/window.py). Called right before the update's first read, once per block
         and step, in the order the step touches the blocks; what it returns is read by kernels
-        issued before the next call (or ``step_end``) only."""
+        issued before the next call (or ``step_end``) only, unless ``bases_stable``."""
+        ...
+
+    @property
+    def bases_stable(self) -> bool:
+        """Whether what ``bases`` returns stays valid until ``step_end`` (so an update may read
+        several blocks' bases at once), not only until the next call."""
         ...
 
     def sync(self, opt: KroneckerOptimizer) -> None:
@@ -142,6 +161,8 @@ class NativeRefresher:
 
     def bases(self, opt, key, block) -> list:
         return block[opt.bases_field]
+
+    bases_stable = True  # the blocks' own tensors
 
     def sync(self, opt) -> None:
         pass
@@ -464,6 +485,11 @@ class KroneckerOptimizer(Optimizer):
             else [True] * len(todo)
         )
         self._refresher.step_begin(self)
+        # Updates of one group run together (``_update_params``: SOAP fuses its elementwise
+        # math across blocks); a parameter updated through a working copy runs alone, so that
+        # only one such copy is alive at a time.
+        batch: list[Update] = []
+        batch_group: dict[str, Any] | None = None
         for (pid, group, p), ok in zip(todo, finite):
             if not ok:
                 self._skip_nonfinite(pid, p)
@@ -473,6 +499,9 @@ class KroneckerOptimizer(Optimizer):
             local = local_tensor(p)
             if local.numel() == 0:
                 continue
+            if group is not batch_group:
+                self._flush_updates(batch_group, batch)
+                batch_group = group
             grad = self._checked_grad(p)
             state = self.state[p]
             layout = self.layout(p, group)
@@ -485,12 +514,21 @@ class KroneckerOptimizer(Optimizer):
             if not state or _is_placeholder(state):
                 state.clear()
                 self._init_param(pid, work, grad, group, state, layout)
+            elif work is local:
+                batch.append(Update(pid, work, grad, state, layout))
+                continue
             else:
-                self._update_param(pid, work, grad, group, state, layout)
+                self._update_params(group, [Update(pid, work, grad, state, layout)])
             if work is not local:
                 local.copy_(work)
+        self._flush_updates(batch_group, batch)
         self._refresher.step_end(self)
         return loss
+
+    def _flush_updates(self, group: dict[str, Any] | None, batch: list[Update]) -> None:
+        if batch:
+            self._update_params(group, batch)
+            batch.clear()
 
     def _has_state(self) -> bool:
         """Whether some parameter has state (placeholders do not count)."""
@@ -583,6 +621,11 @@ class KroneckerOptimizer(Optimizer):
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         raise NotImplementedError
+
+    def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
+        """Update the parameters of one group; ``_update_param`` on each, unless overridden."""
+        for u in updates:
+            self._update_param(u.pid, u.p, u.grad, group, u.state, u.layout)
 
     def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
         """Preconditioned parameters refresh every ``precondition_frequency`` steps (t > 0)."""

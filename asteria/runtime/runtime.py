@@ -338,6 +338,10 @@ class Runtime:
         with self._lock:
             return self._window_use(key, block, prefetch=True)
 
+    @property
+    def bases_stable(self) -> bool:
+        return self._window is None  # a window slot is reused two blocks later
+
     def block_boundary(
         self,
         opt: KroneckerOptimizer,
@@ -350,7 +354,7 @@ class Runtime:
         if due and self._lane is not None:
             self._lane.wait(key)  # the snapshot reads the factors this step's statistics write
         with self._lock:
-            e = self.registry.entry(key, self._block_name(key))
+            e = self.registry.entry(key, self._block_name)
             if self._coherence is not None and self._coherence.replicated(key):
                 self._coherent_boundary(key, e, block, group, step, due)
                 return
@@ -850,16 +854,16 @@ class Runtime:
         if self._closed or self.config.fixed_delay is not None:
             return  # fixed-delay installs happen exactly at their step, not earlier
         with self._lock:
-            pids = {self._pid_of[i] for i in param_ids}
-            for key, e in self.registry.entries.items():
-                if key[0] not in pids or e.pending is None:
-                    continue
-                if self._coherence is not None and self._coherence.replicated(key):
-                    continue  # installed at its deadline on every rank
-                if e.pending.copies:
-                    self._submit_copied(e, wait=False)
-                if e.pending.done():
-                    self._install(key, e, self._current_step(key))
+            for i in param_ids:
+                for key, e in self.registry.by_param.get(self._pid_of[i], ()):
+                    if e.pending is None:
+                        continue
+                    if self._coherence is not None and self._coherence.replicated(key):
+                        continue  # installed at its deadline on every rank
+                    if e.pending.copies:
+                        self._submit_copied(e, wait=False)
+                    if e.pending.done():
+                        self._install(key, e, self._current_step(key))
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -921,7 +925,7 @@ class Runtime:
                         f"the checkpoint has a refresh in flight for block {key}, which the "
                         "optimizer does not have: load the optimizer's state_dict first"
                     )
-                e = self.registry.entry(key, self._block_name(key))
+                e = self.registry.entry(key, self._block_name)
                 jobs = [None if j is None else _job_from_options(j) for j in item.get("jobs", [])]
                 owner = item.get("owner")
                 if owner is not None and (
