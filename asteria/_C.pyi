@@ -36,6 +36,25 @@ def inverse_root(
     epsilon: float = 1e-12,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor: ...
+
+# ---- SOAP's per-step block math (GIL released; soap_step.h) ---------------------------------
+
+def soap_update_blocks(
+    grads: list[torch.Tensor],
+    lefts: list[torch.Tensor | None],
+    rights: list[torch.Tensor | None],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    step_sizes: list[float],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    normalize: bool,
+) -> None: ...
+def soap_accumulate(
+    factors: list[torch.Tensor | None], grad: torch.Tensor, beta: float
+) -> None: ...
 def eigh_path() -> str:
     """'aten' (at::linalg_eigh, the default) or 'mkl_direct' (torch's MKL ?syevd_)."""
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asteria._C import soap_accumulate, soap_update_blocks
 from asteria.optim import matrix_functions as mf
 from asteria.optim.base import (
     BlockKey,
@@ -195,8 +196,8 @@ class SOAP(KroneckerOptimizer):
         }
 
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
-        """Steps 3-6 of ALGORITHMS.md for a group's parameters; the elementwise math runs over
-        many blocks at once (Note [Fused elementwise steps])."""
+        """Steps 3-6 of ALGORITHMS.md for a group's parameters, over chunks of blocks (Note
+        [Fused elementwise steps])."""
         beta1, beta2 = group["betas"]
         work: list[tuple[BlockKey, dict, torch.Tensor, torch.Tensor, float, int]] = []
         for u in updates:
@@ -211,24 +212,15 @@ class SOAP(KroneckerOptimizer):
 
         stable = self._refresher.bases_stable
         for chunk in _chunks(work, FUSED_ELEMENTS if stable else 0):
-            bases = [self._refresher.bases(self, c[0], c[1]) for c in chunk]
-            g_rot = [mode_products(c[2], q, transpose=True) for c, q in zip(chunk, bases)]
-            exp_avg = [c[1]["exp_avg"] for c in chunk]
-            exp_avg_sq = [c[1]["exp_avg_sq"] for c in chunk]
-            torch._foreach_mul_(exp_avg, beta1)
-            torch._foreach_add_(exp_avg, g_rot, alpha=1 - beta1)
-            torch._foreach_mul_(exp_avg_sq, beta2)
-            torch._foreach_add_(exp_avg_sq, torch._foreach_pow(g_rot, 2), alpha=1 - beta2)
-            del g_rot
-            denom = torch._foreach_sqrt(exp_avg_sq)
-            torch._foreach_add_(denom, group["eps"])
-            ratio = torch._foreach_div(exp_avg, denom)
-            del denom
-            for (_, _, _, w, step_size, _), q, r in zip(chunk, bases, ratio):
-                update = mode_products(r, q, transpose=False)
-                if group["normalize_grads"]:
-                    update = update / (1e-30 + torch.mean(update**2) ** 0.5)
-                w.add_(update, alpha=-step_size)
+            native: list[tuple[tuple, list]] = []
+            python: list[tuple[tuple, list]] = []
+            for c in chunk:
+                q = self._refresher.bases(self, c[0], c[1])
+                (native if _native_block(c[2], q) else python).append((c, q))
+            if native:
+                _update_native(native, group)
+            if python:
+                _update_fused(python, group)
         if group["weight_decay"] > 0.0:
             ps = [u.p for u in updates]
             torch._foreach_add_(ps, ps, alpha=-group["lr"] * group["weight_decay"])
@@ -237,7 +229,8 @@ class SOAP(KroneckerOptimizer):
         freq = group["precondition_frequency"]
         for key, b, g, _, _, t in work:
             if any(f is not None for f in b["factors"]):
-                self._refresher.accumulate(self, key, _accumulate_factors, b["factors"], g, beta)
+                fn = soap_accumulate if g.dim() == 2 else _accumulate_factors
+                self._refresher.accumulate(self, key, fn, b["factors"], g, beta)
             self._refresher.block_boundary(self, key, b, group, t, t % freq == 0)
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
@@ -287,19 +280,73 @@ def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, bet
             f.lerp_(gram(g, i), 1 - beta)
 
 
+Chunk = list[tuple[tuple, list]]  # (block work item, its bases) pairs
+
+
+def _native_block(g: torch.Tensor, bases: list) -> bool:
+    """Whether ``asteria._C.soap_update_blocks`` takes the block: 2-D, or without bases."""
+    return g.dim() == 2 or all(q is None for q in bases)
+
+
+def _update_native(blocks: Chunk, group: dict[str, Any]) -> None:
+    """Steps 3-4 for 2-D and basis-free blocks in one C++ call (Note [SOAP step in C++] in
+    csrc/core/soap_step.cpp: the ops of ``_update_fused``, bitwise)."""
+    beta1, beta2 = group["betas"]
+    soap_update_blocks(
+        [c[2] for c, _ in blocks],
+        [q[0] if len(q) == 2 else None for _, q in blocks],
+        [q[1] if len(q) == 2 else None for _, q in blocks],
+        [c[1]["exp_avg"] for c, _ in blocks],
+        [c[1]["exp_avg_sq"] for c, _ in blocks],
+        [c[3] for c, _ in blocks],
+        [c[4] for c, _ in blocks],
+        beta1,
+        beta2,
+        group["eps"],
+        group["normalize_grads"],
+    )
+
+
+def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
+    """Steps 3-4 for any blocks, the elementwise ops over all of them at once (Note [Fused
+    elementwise steps])."""
+    beta1, beta2 = group["betas"]
+    g_rot = [mode_products(c[2], q, transpose=True) for c, q in blocks]
+    exp_avg = [c[1]["exp_avg"] for c, _ in blocks]
+    exp_avg_sq = [c[1]["exp_avg_sq"] for c, _ in blocks]
+    torch._foreach_mul_(exp_avg, beta1)
+    torch._foreach_add_(exp_avg, g_rot, alpha=1 - beta1)
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_add_(exp_avg_sq, torch._foreach_pow(g_rot, 2), alpha=1 - beta2)
+    del g_rot
+    denom = torch._foreach_sqrt(exp_avg_sq)
+    torch._foreach_add_(denom, group["eps"])
+    ratio = torch._foreach_div(exp_avg, denom)
+    del denom
+    for (c, q), r in zip(blocks, ratio):
+        update = mode_products(r, q, transpose=False)
+        if group["normalize_grads"]:
+            update = update / (1e-30 + torch.mean(update**2) ** 0.5)
+        c[3].add_(update, alpha=-c[4])
+
+
 # Note [Fused elementwise steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The moment updates and the ratio m / (sqrt(v) + eps) are the same elementwise ops on every
-# block. ``torch._foreach_*`` runs each op over a list of blocks in one call: on CUDA a few
-# multi-tensor kernel launches per op instead of one per block; on the CPU one Python dispatch
-# instead of one per block, each tensor still going through the op's own kernel. On the
-# 64-96-96-32 MLP of bench/distributed.py (13 blocks, one thread) SOAP's step went from 1.02 to
-# 0.94 ms, and the parameters and state stay bitwise those of the per-block ops
-# (tests/unit/test_fused_steps.py).
-# The lists hold one temporary per block, so a chunk is cut at FUSED_ELEMENTS elements (a block
-# over it is its own chunk): the extra memory stays that of a few blocks, not of the model. When
-# the refresher's bases are valid only until its next ``bases`` call (a device window), a chunk
-# is one block.
+# SOAP's step is some twenty small ops per block, and on small blocks their dispatch costs more
+# than their arithmetic. So the step runs over chunks of blocks, not one block at a time:
+#   * 2-D blocks and blocks without bases (linear layers' weights, unpreconditioned 1-D ones):
+#     one C++ call per chunk, which issues the same ATen ops per block (Note [SOAP step in C++]
+#     in csrc/core/soap_step.cpp); their statistics go through ``asteria._C.soap_accumulate``;
+#   * the others (order 3 and more, 1-D with ``precondition_1d``): the tensordot path, with each
+#     elementwise op run over all of them in one ``torch._foreach_*`` call (on CUDA a few
+#     multi-tensor kernel launches per op instead of one per block).
+# The arithmetic per block is unchanged: parameters and state are bitwise those of the per-block
+# ops of the authors' formulation (tests/unit/test_fused_steps.py). On the 64-96-96-32 MLP of
+# bench/distributed.py (13 blocks, one thread) SOAP's step went from 1.02 ms (per-block Python)
+# to 0.69 ms. The foreach lists hold one temporary per block, so a chunk is cut at
+# FUSED_ELEMENTS elements (a block over it is its own chunk): the extra memory stays that of a
+# few blocks, not of the model. When the refresher's bases are valid only until its next
+# ``bases`` call (a device window), a chunk is one block.
 
 FUSED_ELEMENTS = 1 << 22
 

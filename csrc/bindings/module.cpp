@@ -8,6 +8,7 @@
 #include "core/lapack_backend.h"
 #include "core/matrix_functions.h"
 #include "core/refresh_pool.h"
+#include "core/soap_step.h"
 #include "core/worker_pool.h"
 #include "cuda/shadow_stream.h"
 #include "io/spill_tensor.h"
@@ -84,6 +85,13 @@ void register_matrix_functions(py::module_& m) {
   m.def("inverse_root", &asteria::inverse_root, py::arg("factor"), py::arg("root"),
         py::arg("epsilon") = 1e-12, py::arg("dtype") = at::kFloat, ReleaseGil(),
         "factor^(-1/root) of a symmetric PSD factor by eigendecomposition (fp64 retry).");
+  m.def("soap_update_blocks", &asteria::soap_update_blocks, py::arg("grads"), py::arg("lefts"),
+        py::arg("rights"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("weights"),
+        py::arg("step_sizes"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("normalize"), ReleaseGil(),
+        "SOAP's update of a chunk of 2-D (or basis-free) blocks, in place (soap_step.h).");
+  m.def("soap_accumulate", &asteria::soap_accumulate, py::arg("factors"), py::arg("grad"),
+        py::arg("beta"), ReleaseGil(), "SOAP's factor EMAs of one 2-D block, in place.");
   m.def("eigh_path", &asteria::lapack::eigh_path, "The eigh path: 'aten' or 'mkl_direct'.");
   m.def("set_eigh_path", &asteria::lapack::set_eigh_path, py::arg("path"),
         "Select the eigh path: 'aten' (default) or 'mkl_direct'.");

@@ -96,3 +96,78 @@ def test_chunks_cut_at_the_element_limit():
     assert sizes(soap._chunks(items, 0)) == [[3], [4], [10], [2], [1]]
     assert sizes(soap._chunks(items, 100)) == [[3, 4, 10, 2, 1]]
     assert soap._chunks([], 5) == []
+
+
+def _per_block_ops(g, left, right, m, v, w, step, beta1, beta2, eps, normalize):
+    """The Python ops the C++ step mirrors (kron.mode_products for a matrix, then SOAP)."""
+    g_rot = g if left is None else left.T @ g
+    g_rot = g_rot if right is None else g_rot @ right
+    m.mul_(beta1).add_(g_rot, alpha=1 - beta1)
+    v.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
+    update = m / v.sqrt().add_(eps)
+    update = update if left is None else left @ update
+    update = update if right is None else update @ right.T
+    if normalize:
+        update = update / (1e-30 + torch.mean(update**2) ** 0.5)
+    w.add_(update, alpha=-step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_cpp_step_is_bitwise_the_python_ops(dtype, normalize):
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=dtype)  # noqa: E731
+    basis = lambda d: torch.linalg.qr(rand(d, d))[0].T.contiguous().T  # column-major  # noqa: E731
+    cases = [(7, 5, True, True), (7, 5, False, True), (4, 6, True, False), (3, 3, False, False)]
+    blocks = [
+        (rand(r, c), basis(r) if lft else None, basis(c) if rgt else None)
+        for r, c, lft, rgt in cases
+    ] + [(rand(9), None, None), (rand(2, 3, 4), None, None)]  # basis-free blocks of any order
+    state = [(rand(*g.shape), rand(*g.shape).abs(), rand(*g.shape)) for g, _, _ in blocks]
+    want = [tuple(t.clone() for t in s) for s in state]
+    steps = [0.1 * (i + 1) for i in range(len(blocks))]
+    for (g, left, right), (m, v, w), step in zip(blocks, want, steps):
+        _per_block_ops(g, left, right, m, v, w, step, 0.9, 0.95, 1e-8, normalize)
+    soap.soap_update_blocks(
+        [g for g, _, _ in blocks],
+        [left for _, left, _ in blocks],
+        [right for _, _, right in blocks],
+        [s[0] for s in state],
+        [s[1] for s in state],
+        [s[2] for s in state],
+        steps,
+        0.9,
+        0.95,
+        1e-8,
+        normalize,
+    )
+    for got, expected in zip(state, want):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+
+    factors = [rand(7, 7), None]
+    expected = factors[0].clone().lerp_(blocks[0][0] @ blocks[0][0].T, 1 - 0.95)
+    soap.soap_accumulate(factors, blocks[0][0], 0.95)
+    assert torch.equal(factors[0], expected)
+
+
+def test_cpp_step_rejects_mismatched_blocks():
+    g = torch.zeros(4, 3)
+    ok = dict(lefts=[None], rights=[None], exp_avgs=[g.clone()], exp_avg_sqs=[g.clone()])
+    with pytest.raises(ValueError, match="left basis"):
+        soap.soap_update_blocks(
+            [g], [torch.eye(3)], [None], [g.clone()], [g.clone()], [g.clone()], [1.0], 0.9,
+            0.9, 1e-8, False,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="one shape"):
+        soap.soap_update_blocks(
+            [g], ok["lefts"], ok["rights"], [torch.zeros(3, 4)], [g.clone()], [g.clone()], [1.0],
+            0.9, 0.9, 1e-8, False,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="one entry per block"):
+        soap.soap_update_blocks(
+            [g], [], ok["rights"], ok["exp_avgs"], ok["exp_avg_sqs"], [g.clone()], [1.0], 0.9,
+            0.9, 1e-8, False,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="gram"):
+        soap.soap_accumulate([torch.zeros(3, 3), None], g, 0.9)

@@ -387,7 +387,8 @@ def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes, mo
     def broken(factors, g, beta):
         raise FloatingPointError("injected statistics failure")
 
-    monkeypatch.setattr(soap_module, "_accumulate_factors", broken)
+    monkeypatch.setattr(soap_module, "_accumulate_factors", broken)  # blocks of order 3+
+    monkeypatch.setattr(soap_module, "soap_accumulate", broken)  # 2-D blocks
     with pytest.raises(RuntimeError, match=r"statistics update of block 'param0\[0\]'.*injected"):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
 

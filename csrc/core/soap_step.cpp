@@ -1,0 +1,106 @@
+#include "core/soap_step.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+
+// Note [SOAP step in C++]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// SOAP's step is some twenty small ops per block. On small blocks the cost is the dispatch, not
+// the arithmetic: from Python each op pays the interpreter and the binding, about as much again
+// as the op's own dispatcher call. These functions issue the same ATen ops, in the same order per
+// block, from C++: one Python call per chunk of blocks. The arithmetic, hence every bit of the
+// result, is that of the Python formulation (tests/unit/test_fused_steps.py checks it against
+// the per-block ops of the authors' code). Written to mirror it line by line:
+//   g_rot = Q_L^T @ G, then @ Q_R                 (kron.mode_products, transpose=True)
+//   m.mul_(b1).add_(g_rot, alpha=1-b1)
+//   v.mul_(b2).add_(g_rot.pow(2), alpha=1-b2)     (Tensor.square is pow(2))
+//   ratio = m / v.sqrt().add_(eps)
+//   u = Q_L @ ratio, then @ Q_R^T                 (mode_products, transpose=False)
+//   u = u / (1e-30 + mean(u^2)^0.5)               (normalize_grads)
+//   W.add_(u, alpha=-step)
+// The GIL is released by the binding, so the statistics lane and the pool's workers run while
+// the main thread is in here.
+
+namespace asteria {
+namespace {
+
+void check_block(std::size_t i, const at::Tensor& g, const std::optional<at::Tensor>& left,
+                 const std::optional<at::Tensor>& right, const at::Tensor& m, const at::Tensor& v,
+                 const at::Tensor& w) {
+  const bool bases = left.has_value() || right.has_value();
+  TORCH_CHECK_VALUE(!bases || g.dim() == 2, "soap_update_blocks: block ", i,
+                    " has bases but its gradient has ", g.dim(), " dims (2 expected)");
+  TORCH_CHECK_VALUE(m.sizes() == g.sizes() && v.sizes() == g.sizes() && w.sizes() == g.sizes(),
+                    "soap_update_blocks: block ", i, ": gradient ", g.sizes(), ", exp_avg ",
+                    m.sizes(), ", exp_avg_sq ", v.sizes(), ", weight ", w.sizes(),
+                    " must have one shape");
+  if (left) {
+    TORCH_CHECK_VALUE(left->dim() == 2 && left->size(0) == g.size(0) && left->size(1) == g.size(0),
+                      "soap_update_blocks: block ", i, ": left basis ", left->sizes(),
+                      " does not match a gradient of shape ", g.sizes());
+  }
+  if (right) {
+    TORCH_CHECK_VALUE(
+        right->dim() == 2 && right->size(0) == g.size(1) && right->size(1) == g.size(1),
+        "soap_update_blocks: block ", i, ": right basis ", right->sizes(),
+        " does not match a gradient of shape ", g.sizes());
+  }
+}
+
+}  // namespace
+
+void soap_update_blocks(
+    const std::vector<at::Tensor>& grads, const std::vector<std::optional<at::Tensor>>& lefts,
+    const std::vector<std::optional<at::Tensor>>& rights, const std::vector<at::Tensor>& exp_avgs,
+    const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& weights,
+    const std::vector<double>& step_sizes, double beta1, double beta2, double eps, bool normalize) {
+  const std::size_t n = grads.size();
+  TORCH_CHECK_VALUE(lefts.size() == n && rights.size() == n && exp_avgs.size() == n &&
+                        exp_avg_sqs.size() == n && weights.size() == n && step_sizes.size() == n,
+                    "soap_update_blocks: every list must have one entry per block (", n,
+                    " gradients)");
+  for (std::size_t i = 0; i < n; ++i) {
+    check_block(i, grads[i], lefts[i], rights[i], exp_avgs[i], exp_avg_sqs[i], weights[i]);
+  }
+  c10::AutoGradMode no_grad(false);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto& left = lefts[i];
+    const auto& right = rights[i];
+    at::Tensor g_rot = grads[i];
+    if (left) g_rot = at::matmul(left->t(), g_rot);
+    if (right) g_rot = at::matmul(g_rot, *right);
+    at::Tensor m = exp_avgs[i];
+    at::Tensor v = exp_avg_sqs[i];
+    m.mul_(beta1).add_(g_rot, 1 - beta1);
+    v.mul_(beta2).add_(at::pow(g_rot, 2), 1 - beta2);
+    at::Tensor update = at::div(m, at::sqrt(v).add_(eps));
+    if (left) update = at::matmul(*left, update);
+    if (right) update = at::matmul(update, right->t());
+    if (normalize) {
+      update = at::div(update, at::add(at::pow(at::mean(at::pow(update, 2)), 0.5), 1e-30));
+    }
+    at::Tensor w = weights[i];
+    w.add_(update, -step_sizes[i]);
+  }
+}
+
+void soap_accumulate(const std::vector<std::optional<at::Tensor>>& factors, const at::Tensor& grad,
+                     double beta) {
+  TORCH_CHECK_VALUE(factors.size() == 2 && grad.dim() == 2,
+                    "soap_accumulate: a 2-D gradient and two factor slots expected, got ",
+                    grad.dim(), " dims and ", factors.size(), " slots");
+  c10::AutoGradMode no_grad(false);
+  for (std::size_t i = 0; i < 2; ++i) {
+    if (!factors[i]) continue;
+    at::Tensor f = *factors[i];
+    const at::Tensor gram = i == 0 ? at::matmul(grad, grad.t()) : at::matmul(grad.t(), grad);
+    TORCH_CHECK_VALUE(f.sizes() == gram.sizes(), "soap_accumulate: factor ", i, " has shape ",
+                      f.sizes(), ", the gradient's gram ", gram.sizes());
+    f.lerp_(gram, 1 - beta);
+  }
+}
+
+}  // namespace asteria
