@@ -15,8 +15,10 @@ Figures (summed or maxed over ranks):
     rank) would send across nodes, counted on the same refreshes; goal <= 1 / ranks_per_node;
   * ``max_staleness`` of any installed version against the ``budget`` S;
   * ``soap_asteria_vs_adamw_median``: median step time (forward + backward + step, the slowest
-    rank of each step, after ``--skip`` steps) of Asteria-SOAP over AdamW's; goal <= 1.3
-    (``soap_native_vs_adamw_median``: native SOAP, for reference).
+    rank of each step, after ``--skip`` steps of each run) of Asteria-SOAP over AdamW's; goal
+    <= 1.3 (``soap_native_vs_adamw_median``: native SOAP, for reference). The three variants
+    run ``--rounds`` times in turn, ``--steps`` steps each time on a fresh model, and their step
+    times are pooled.
 
 The last line is JSON. Usage: ``python bench/distributed.py [--world 4] [--ranks-per-node 2]``.
 """
@@ -98,19 +100,39 @@ def _run(args, kind: str, rank: int, world: int) -> tuple[list[float], dict | No
     return slowest.tolist()[args.skip :], stats
 
 
+KINDS = ("adamw", "soap_native", "soap_asteria")
+COUNTERS = ("intra_node_bytes", "inter_node_bytes", "flat_inter_node_bytes", "owned_refreshes")
+
+
+def _sum_rounds(rounds: list[dict]) -> dict:
+    """One rank's Asteria figures over all rounds: counters summed, staleness maxed."""
+    total = dict(rounds[0])
+    for key in COUNTERS + ("installs",):
+        total[key] = sum(r[key] for r in rounds)
+    total["max_staleness"] = max(r["max_staleness"] for r in rounds)
+    return total
+
+
 def worker(args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    adamw, _ = _run(args, "adamw", rank, world)
-    native, _ = _run(args, "soap_native", rank, world)
-    soap, stats = _run(args, "soap_asteria", rank, world)
+    # Rounds of the three variants in turn: a slow drift of the shared machine's load reaches
+    # all three alike instead of the one that happened to run during it.
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    rounds: list[dict] = []
+    for _ in range(args.rounds):
+        for kind in KINDS:
+            t, stats = _run(args, kind, rank, world)
+            times[kind] += t
+            if stats is not None:
+                rounds.append(stats)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, stats)
+    dist.all_gather_object(gathered, _sum_rounds(rounds))
     if rank == 0:
-        raw = {"adamw": adamw, "soap_native": native, "soap": soap, "ranks": gathered}
+        raw = {**times, "ranks": gathered}
         Path(args.out).write_text(json.dumps(raw))
     dist.barrier()
     dist.destroy_process_group()
@@ -145,7 +167,7 @@ def launch(args) -> None:
     inter = sum(r["inter_node_bytes"] for r in ranks)
     flat_inter = sum(r["flat_inter_node_bytes"] for r in ranks)
     intra = sum(r["intra_node_bytes"] for r in ranks)
-    adamw, soap = statistics.median(raw["adamw"]), statistics.median(raw["soap"])
+    adamw, soap = statistics.median(raw["adamw"]), statistics.median(raw["soap_asteria"])
     native = statistics.median(raw["soap_native"])
     max_staleness = max(r["max_staleness"] for r in ranks)
     print_table(
@@ -175,13 +197,14 @@ def launch(args) -> None:
             "ranks_per_node": args.ranks_per_node,
             "nodes": args.world // args.ranks_per_node,
             "steps": args.steps,
+            "rounds": args.rounds,
             "budget": args.staleness,
             "max_staleness": max_staleness,
             "inter_node_bytes": inter,
             "intra_node_bytes": intra,
             "flat_inter_node_bytes": flat_inter,
             "inter_node_bytes_ratio": inter / flat_inter if flat_inter else None,
-            "inter_node_bytes_per_step": inter / args.steps,
+            "inter_node_bytes_per_step": inter / (args.steps * args.rounds),
             "adamw_median_ms": adamw,
             "soap_asteria_median_ms": soap,
             "soap_native_median_ms": native,
@@ -201,6 +224,9 @@ def main() -> None:
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="each variant runs --steps steps per round"
+    )
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--staleness", type=int, default=4)
     parser.add_argument("--frequency", type=int, default=10)
