@@ -10,15 +10,15 @@ probe] here; Notes [Flat optimizer state] and [Sharded state and torch's state-d
 state_format.py).
 
 Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
-fused reduction per gradient (its 2-norm; when that is not finite, its inf-norm, a max of
-absolute values, so that large finite values cannot overflow into a false alarm) and one host
-sync per device. A parameter whose gradient has
-a NaN or an Inf is skipped for that step as a whole: its step count, factors, moments, pending
-refreshes and the parameter itself stay exactly as they were (the algorithms' math runs
-per parameter, so a per-block skip would leave the parameter half-updated). Other parameters
-update as usual, with arithmetic identical to a step without the check. Skips are counted in
-``nonfinite_grads`` (``Runtime.stats()["nonfinite_grads"]``) and the first one warns
-(``RuntimeWarning`` naming the parameter). ``skip_nonfinite_grads = False`` turns the check off.
+fused reduction per gradient (its 2-norm; when that is not finite, its inf-norm, a max of absolute
+values, so that large finite values cannot overflow into a false alarm) and one host sync per
+device. A parameter whose gradient has a NaN or an Inf is skipped for that step as a whole: its
+step count, factors, moments, pending refreshes and the parameter itself stay exactly as they were
+(the algorithms' math runs per parameter, so a per-block skip would leave the parameter
+half-updated). Other parameters update as usual, with arithmetic identical to a step without the
+check. Skips are counted in ``nonfinite_grads`` (``Runtime.stats()["nonfinite_grads"]``) and the
+first one warns (``RuntimeWarning`` naming the parameter). ``skip_nonfinite_grads = False`` turns
+the check off.
 
 Must not: hold any algorithm's math (that is each subclass's file) or know about the runtime that
 may later take refreshes off the critical path. Subclasses implement ``_layout``, ``_init_param``
