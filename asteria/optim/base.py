@@ -7,7 +7,8 @@ shards: Note [Local shards] at ``local_tensor``), per-parameter layouts (``block
 Adam fallback for parameters that are not preconditioned, and an exact ``state_dict`` round trip
 in a form that ``torch.distributed.checkpoint``'s state-dict API takes (Note [State-initialisation
 probe] here; Notes [Flat optimizer state] and [Sharded state and torch's state-dict API] in
-state_format.py).
+state_format.py). The refresher seam (``Refresher``, ``NativeRefresher``, ``RefreshJob``) is in
+refresher.py and the input checks in checks.py; both are re-exported here.
 
 Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
 fused reduction per gradient (its 2-norm; when that is not finite, its inf-norm, a max of absolute
@@ -29,19 +30,18 @@ whether a step refreshes a block.
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from asteria.optim import matrix_functions as mf
 from asteria.optim import state_format
 from asteria.optim.blocking import ParamLayout
+from asteria.optim.checks import check_betas, check_range, check_shampoo_beta, finite_flags
+from asteria.optim.refresher import BlockKey, NativeRefresher, Refresher, RefreshJob, Update
 
 __all__ = [
     "BlockKey",
@@ -61,160 +61,6 @@ __all__ = [
 ]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
-
-#: A block's identity inside one optimizer: (index of its parameter in the flattened param
-#: groups, the order ``state_dict`` uses; index of the block in the parameter's layout).
-BlockKey = tuple[int, int]
-
-
-@dataclass
-class RefreshJob:
-    """One factor's refresh, described so that it can run here or on Asteria's worker pool.
-
-    ``kind`` is ``"qr"`` (one warm-started power iteration + QR of ``factor @ basis``, columns
-    sorted first when ``sort``) or ``"root"`` (``factor^{-1/root}`` with ``epsilon``). The result
-    of :meth:`run` is ``(basis, permutation or None)`` for ``"qr"`` and a matrix for ``"root"``.
-    """
-
-    kind: str
-    factor: torch.Tensor
-    basis: torch.Tensor | None = None
-    sort: bool = False
-    root: float = 0.0
-    epsilon: float = 0.0
-    dtype: torch.dtype = torch.float32
-
-    def run(self) -> Any:
-        if self.kind == "qr":
-            return mf.qr_refresh(self.factor, self.basis, sort=self.sort, dtype=self.dtype)
-        if self.kind == "root":
-            return mf.inverse_root(self.factor, self.root, self.epsilon, dtype=self.dtype)
-        raise ValueError(f"unknown refresh kind {self.kind!r}")
-
-
-class Update(NamedTuple):
-    """One parameter's update of a step: ``p`` is what to update in place (the parameter's
-    local tensor, or a working copy), ``grad`` its gradient in the state dtype."""
-
-    pid: int
-    p: torch.Tensor
-    grad: torch.Tensor
-    state: dict[str, Any]
-    layout: ParamLayout
-
-
-class Refresher(Protocol):
-    """Decides when a block's refresh is computed and installed (see ``NativeRefresher``)."""
-
-    def step_begin(self, opt: KroneckerOptimizer) -> None: ...
-
-    def block_boundary(
-        self,
-        opt: KroneckerOptimizer,
-        key: BlockKey,
-        block: dict,
-        group: dict,
-        step: int,
-        due: bool,
-    ) -> None: ...
-
-    def step_end(self, opt: KroneckerOptimizer) -> None: ...
-
-    def accumulate(self, opt: KroneckerOptimizer, key: BlockKey, fn: Callable, *args: Any) -> None:
-        """Run ``fn(*args)``, the block's statistics update of this step, now or later: nothing
-        the step reads afterwards depends on it before ``block_begin``/a refresh of ``key``."""
-        ...
-
-    def block_begin(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> None:
-        """Called before an update reads state that ``accumulate`` writes (KL-Shampoo)."""
-        ...
-
-    def bases(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> list:
-        """The tensors to read as ``block``'s bases (``block[opt.bases_field]``) in the update
-        that follows: the block's own, or device copies of them (Note [Bases window] in
-        asteria/memory/window.py). Called right before the update's first read, once per block
-        and step, in the order the step touches the blocks; what it returns is read by kernels
-        issued before the next call (or ``step_end``) only, unless ``bases_stable``."""
-        ...
-
-    @property
-    def bases_stable(self) -> bool:
-        """Whether what ``bases`` returns stays valid until ``step_end`` (so an update may read
-        several blocks' bases at once), not only until the next call."""
-        ...
-
-    def sync(self, opt: KroneckerOptimizer) -> None:
-        """Finish every deferred statistics update (before ``state_dict`` and the like)."""
-        ...
-
-
-class NativeRefresher:
-    """The synchronous algorithm: a due refresh is computed and installed in the step itself."""
-
-    def step_begin(self, opt: KroneckerOptimizer) -> None:
-        pass
-
-    def accumulate(self, opt, key, fn, *args) -> None:
-        fn(*args)
-
-    def block_begin(self, opt, key, block) -> None:
-        pass
-
-    def bases(self, opt, key, block) -> list:
-        return block[opt.bases_field]
-
-    bases_stable = True  # the blocks' own tensors
-
-    def sync(self, opt) -> None:
-        pass
-
-    def block_boundary(self, opt, key, block, group, step, due) -> None:
-        if due:
-            jobs = opt.refresh_jobs(block, group)
-            opt.install_refresh(block, [None if j is None else j.run() for j in jobs])
-
-    def step_end(self, opt: KroneckerOptimizer) -> None:
-        pass
-
-
-def check_range(
-    name: str,
-    value: Any,
-    low: float | None = None,
-    high: float | None = None,
-    *,
-    low_inclusive: bool = True,
-    high_inclusive: bool = True,
-    integer: bool = False,
-) -> None:
-    """Raise ``ValueError`` naming ``name`` and the allowed range when ``value`` is outside it."""
-    kind = "an integer" if integer else "a finite number"
-    lo = "-inf" if low is None else f"{low}"
-    hi = "inf" if high is None else f"{high}"
-    closed_high = high_inclusive and high is not None
-    allowed = f"{'[' if low_inclusive else '('}{lo}, {hi}{']' if closed_high else ')'}"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    # NaN and +-inf are never meaningful hyperparameters (a bound of None means "no limit").
-    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
-        raise ValueError(f"{name} must be {kind} in {allowed}, got {value!r}")
-    if low is not None and (value < low or (value == low and not low_inclusive)):
-        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
-    if high is not None and (value > high or (value == high and not high_inclusive)):
-        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
-
-
-def check_betas(betas: Any, *, second_may_be_one: bool = False) -> None:
-    """``betas`` must be a pair in ``[0, 1)`` (the second may be 1 where sums are allowed)."""
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    check_range("betas[0]", betas[0], 0.0, 1.0, high_inclusive=False)
-    check_range("betas[1]", betas[1], 0.0, 1.0, high_inclusive=second_may_be_one)
-
-
-def check_shampoo_beta(value: Any) -> None:
-    """``None`` or a negative number (the authors' spelling) mean ``betas[1]``; else ``[0, 1)``."""
-    if value is not None and not (isinstance(value, (int, float)) and value < 0):
-        check_range("shampoo_beta", value, 0.0, 1.0, high_inclusive=False)
 
 
 def shampoo_beta(group: dict[str, Any]) -> float:
@@ -481,7 +327,7 @@ class KroneckerOptimizer(Optimizer):
                     self.state[p] = self._placeholder(p, group)
             return loss
         finite = (
-            _finite_flags([p.grad for _, _, p in todo])
+            finite_flags([p.grad for _, _, p in todo])
             if self.skip_nonfinite_grads
             else [True] * len(todo)
         )
@@ -709,62 +555,6 @@ def basis_zeros(d: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
     """A ``d x d`` zero matrix in column-major order, the layout of the bases the refreshes
     return (Note [QR layout] in matrix_functions.py): a placeholder's basis."""
     return torch.zeros(d, d, dtype=dtype, device=device).T
-
-
-def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """Whether each gradient is finite: one 2-norm per gradient, one host sync per device, and
-    an inf-norm for a gradient whose 2-norm is not finite.
-
-    NaN and Inf propagate into both norms. The 2-norm can overflow on large finite values; the
-    inf-norm, a max of absolute values, cannot, and decides those. Sharded (DTensor) gradients
-    are checked on their local shards, and the "not finite" flags are max-reduced over every
-    dim of their mesh (one small collective per mesh dim, issued in the same order on every
-    rank), so every rank of a shard group takes the same decision.
-    """
-    flags = [True] * len(grads)
-    by_device: dict[torch.device, list[int]] = {}
-    sharded: list[int] = []
-    for i, g in enumerate(grads):
-        if hasattr(g, "to_local"):
-            sharded.append(i)
-        else:
-            by_device.setdefault(g.device, []).append(i)
-    for indices in by_device.values():
-        # A finite 2-norm means finite values, and on the CPU it is several times cheaper than
-        # the inf-norm; a 2-norm that overflowed on large finite values is told apart by the
-        # inf-norm of that gradient.
-        norms = torch._foreach_norm([grads[i] for i in indices], 2)
-        ok = torch.isfinite(torch.stack(norms)).tolist()
-        suspects = [i for i, v in zip(indices, ok) if not v]
-        if suspects:
-            norms = torch._foreach_norm([grads[i] for i in suspects], math.inf)
-            ok = torch.isfinite(torch.stack(norms)).tolist()
-            for i, v in zip(suspects, ok):
-                flags[i] = bool(v)
-    if sharded:
-        _sharded_finite_flags(grads, sharded, flags)
-    return flags
-
-
-def _sharded_finite_flags(grads: list[torch.Tensor], indices: list[int], flags: list[bool]) -> None:
-    """``_finite_flags`` for DTensor gradients: local inf-norms, flags reduced over the mesh."""
-    import torch.distributed as dist
-
-    by_mesh: dict[int, tuple[Any, list[int]]] = {}
-    for i in indices:
-        mesh = grads[i].device_mesh
-        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
-    for mesh, members in by_mesh.values():
-        locals_ = [grads[i].to_local() for i in members]
-        bad = torch.zeros(len(members), dtype=torch.float32, device=locals_[0].device)
-        for k, g in enumerate(locals_):
-            if g.numel():  # an empty shard (uneven sharding) is finite
-                bad[k] = (~torch.isfinite(torch.linalg.vector_norm(g, math.inf))).float()
-        for dim in range(mesh.ndim):
-            if mesh.size(dim) > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-        for i, v in zip(members, bad.tolist()):
-            flags[i] = v == 0.0
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

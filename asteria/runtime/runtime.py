@@ -2,7 +2,7 @@
 
 Owns: the C++ refresh pool (``asteria._C.WorkerPool``), the coherence registry, the module hooks
 and, on CUDA, the shadow stream. It attaches to a SOAP / KL-Shampoo / Shampoo optimizer as its
-``Refresher`` (optim/base.py) and runs DESIGN.md's "Asteria mode":
+``Refresher`` (optim/refresher.py) and runs DESIGN.md's "Asteria mode":
 
 1. the optimizer updates a block's factors every step, as in native mode;
 2. when a refresh is due at step ``t``, the runtime snapshots what the refresh reads (factors,

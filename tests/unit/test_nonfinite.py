@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.optim.base import _finite_flags
+from asteria.optim.checks import finite_flags
 from asteria.runtime import Runtime, RuntimeConfig
 from tests.problems import StochasticQuartic, state_tensors
 
@@ -169,8 +169,8 @@ def test_finite_flags_cannot_overflow_and_mixes_dtypes():
         torch.tensor(2.0, dtype=torch.float64),
         torch.tensor([math.inf], dtype=torch.float16),
     ]
-    assert _finite_flags(grads) == [True, False, False, True, True, False]
-    assert _finite_flags([]) == []
+    assert finite_flags(grads) == [True, False, False, True, True, False]
+    assert finite_flags([]) == []
 
 
 def test_sparse_gradient_is_refused_before_any_parameter_moves():

@@ -1,0 +1,113 @@
+"""Checks of the optimizers' inputs: hyperparameter ranges and finite gradients.
+
+Owns: ``check_range`` and its pair/optional variants (a ``ValueError`` that names the argument and
+the allowed range), and ``finite_flags`` (Note [Non-finite gradients] in base.py: which gradients
+of a step have NaN or Inf values, one fused reduction per gradient, agreed over a DTensor's mesh).
+
+Must not: change anything it checks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["check_betas", "check_range", "check_shampoo_beta", "finite_flags"]
+
+
+def check_range(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    integer: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming ``name`` and the allowed range when ``value`` is outside it."""
+    kind = "an integer" if integer else "a finite number"
+    lo = "-inf" if low is None else f"{low}"
+    hi = "inf" if high is None else f"{high}"
+    closed_high = high_inclusive and high is not None
+    allowed = f"{'[' if low_inclusive else '('}{lo}, {hi}{']' if closed_high else ')'}"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    # NaN and +-inf are never meaningful hyperparameters (a bound of None means "no limit").
+    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
+        raise ValueError(f"{name} must be {kind} in {allowed}, got {value!r}")
+    if low is not None and (value < low or (value == low and not low_inclusive)):
+        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
+    if high is not None and (value > high or (value == high and not high_inclusive)):
+        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
+
+
+def check_betas(betas: Any, *, second_may_be_one: bool = False) -> None:
+    """``betas`` must be a pair in ``[0, 1)`` (the second may be 1 where sums are allowed)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_range("betas[0]", betas[0], 0.0, 1.0, high_inclusive=False)
+    check_range("betas[1]", betas[1], 0.0, 1.0, high_inclusive=second_may_be_one)
+
+
+def check_shampoo_beta(value: Any) -> None:
+    """``None`` or a negative number (the authors' spelling) mean ``betas[1]``; else ``[0, 1)``."""
+    if value is not None and not (isinstance(value, (int, float)) and value < 0):
+        check_range("shampoo_beta", value, 0.0, 1.0, high_inclusive=False)
+
+
+def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether each gradient is finite: one 2-norm per gradient, one host sync per device, and
+    an inf-norm for a gradient whose 2-norm is not finite.
+
+    NaN and Inf propagate into both norms. The 2-norm can overflow on large finite values; the
+    inf-norm, a max of absolute values, cannot, and decides those. Sharded (DTensor) gradients
+    are checked on their local shards, and the "not finite" flags are max-reduced over every
+    dim of their mesh (one small collective per mesh dim, issued in the same order on every
+    rank), so every rank of a shard group takes the same decision.
+    """
+    flags = [True] * len(grads)
+    by_device: dict[torch.device, list[int]] = {}
+    sharded: list[int] = []
+    for i, g in enumerate(grads):
+        if hasattr(g, "to_local"):
+            sharded.append(i)
+        else:
+            by_device.setdefault(g.device, []).append(i)
+    for indices in by_device.values():
+        # A finite 2-norm means finite values, and on the CPU it is several times cheaper than
+        # the inf-norm; a 2-norm that overflowed on large finite values is told apart by the
+        # inf-norm of that gradient.
+        norms = torch._foreach_norm([grads[i] for i in indices], 2)
+        ok = torch.isfinite(torch.stack(norms)).tolist()
+        suspects = [i for i, v in zip(indices, ok) if not v]
+        if suspects:
+            norms = torch._foreach_norm([grads[i] for i in suspects], math.inf)
+            ok = torch.isfinite(torch.stack(norms)).tolist()
+            for i, v in zip(suspects, ok):
+                flags[i] = bool(v)
+    if sharded:
+        _sharded_finite_flags(grads, sharded, flags)
+    return flags
+
+
+def _sharded_finite_flags(grads: list[torch.Tensor], indices: list[int], flags: list[bool]) -> None:
+    """``finite_flags`` for DTensor gradients: local inf-norms, flags reduced over the mesh."""
+    import torch.distributed as dist
+
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
+    for i in indices:
+        mesh = grads[i].device_mesh
+        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
+    for mesh, members in by_mesh.values():
+        locals_ = [grads[i].to_local() for i in members]
+        bad = torch.zeros(len(members), dtype=torch.float32, device=locals_[0].device)
+        for k, g in enumerate(locals_):
+            if g.numel():  # an empty shard (uneven sharding) is finite
+                bad[k] = (~torch.isfinite(torch.linalg.vector_norm(g, math.inf))).float()
+        for dim in range(mesh.ndim):
+            if mesh.size(dim) > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for i, v in zip(members, bad.tolist()):
+            flags[i] = v == 0.0
