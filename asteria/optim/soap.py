@@ -18,7 +18,7 @@ Must not: know about runtimes, pools or memory tiers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -199,7 +199,7 @@ class SOAP(KroneckerOptimizer):
         """Steps 3-6 of ALGORITHMS.md for a group's parameters, over chunks of blocks (Note
         [Fused elementwise steps])."""
         beta1, beta2 = group["betas"]
-        work: list[tuple[BlockKey, dict, torch.Tensor, torch.Tensor, float, int]] = []
+        work: list[_BlockStep] = []
         for u in updates:
             u.state["step"] += 1
             t = u.state["step"]
@@ -208,15 +208,15 @@ class SOAP(KroneckerOptimizer):
                 step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
             grads, weights = block_views(u.grad, u.layout), block_views(u.p, u.layout)
             for bi, (b, g, w) in enumerate(zip(u.state["blocks"], grads, weights)):
-                work.append(((u.pid, bi), b, g, w, step_size, t))
+                work.append(_BlockStep((u.pid, bi), b, g, w, step_size, t))
 
         stable = self._refresher.bases_stable
         for chunk in _chunks(work, FUSED_ELEMENTS if stable else 0):
-            native: list[tuple[tuple, list]] = []
-            python: list[tuple[tuple, list]] = []
+            native: Chunk = []
+            python: Chunk = []
             for c in chunk:
-                q = self._refresher.bases(self, c[0], c[1])
-                (native if _native_block(c[2], q) else python).append((c, q))
+                q = self._refresher.bases(self, c.key, c.block)
+                (native if _native_block(c.grad, q) else python).append((c, q))
             if native:
                 _update_native(native, group)
             if python:
@@ -227,11 +227,12 @@ class SOAP(KroneckerOptimizer):
 
         beta = shampoo_beta(group)
         freq = group["precondition_frequency"]
-        for key, b, g, _, _, t in work:
-            if any(f is not None for f in b["factors"]):
-                fn = soap_accumulate if g.dim() == 2 else _accumulate_factors
-                self._refresher.accumulate(self, key, fn, b["factors"], g, beta)
-            self._refresher.block_boundary(self, key, b, group, t, t % freq == 0)
+        for c in work:
+            factors = c.block["factors"]
+            if any(f is not None for f in factors):
+                fn = soap_accumulate if c.grad.dim() == 2 else _accumulate_factors
+                self._refresher.accumulate(self, c.key, fn, factors, c.grad, beta)
+            self._refresher.block_boundary(self, c.key, c.block, group, c.step, c.step % freq == 0)
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
@@ -280,7 +281,18 @@ def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, bet
             f.lerp_(gram(g, i), 1 - beta)
 
 
-Chunk = list[tuple[tuple, list]]  # (block work item, its bases) pairs
+class _BlockStep(NamedTuple):
+    """One block's part of a step: its state dict, gradient and weight views, step size, step."""
+
+    key: BlockKey
+    block: dict[str, Any]
+    grad: torch.Tensor
+    weight: torch.Tensor
+    step_size: float
+    step: int
+
+
+Chunk = list[tuple[_BlockStep, list]]  # blocks with their bases
 
 
 def _native_block(g: torch.Tensor, bases: list) -> bool:
@@ -293,13 +305,13 @@ def _update_native(blocks: Chunk, group: dict[str, Any]) -> None:
     csrc/core/soap_step.cpp: the ops of ``_update_fused``, bitwise)."""
     beta1, beta2 = group["betas"]
     soap_update_blocks(
-        [c[2] for c, _ in blocks],
+        [c.grad for c, _ in blocks],
         [q[0] if len(q) == 2 else None for _, q in blocks],
         [q[1] if len(q) == 2 else None for _, q in blocks],
-        [c[1]["exp_avg"] for c, _ in blocks],
-        [c[1]["exp_avg_sq"] for c, _ in blocks],
-        [c[3] for c, _ in blocks],
-        [c[4] for c, _ in blocks],
+        [c.block["exp_avg"] for c, _ in blocks],
+        [c.block["exp_avg_sq"] for c, _ in blocks],
+        [c.weight for c, _ in blocks],
+        [c.step_size for c, _ in blocks],
         beta1,
         beta2,
         group["eps"],
@@ -311,9 +323,9 @@ def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
     """Steps 3-4 for any blocks, the elementwise ops over all of them at once (Note [Fused
     elementwise steps])."""
     beta1, beta2 = group["betas"]
-    g_rot = [mode_products(c[2], q, transpose=True) for c, q in blocks]
-    exp_avg = [c[1]["exp_avg"] for c, _ in blocks]
-    exp_avg_sq = [c[1]["exp_avg_sq"] for c, _ in blocks]
+    g_rot = [mode_products(c.grad, q, transpose=True) for c, q in blocks]
+    exp_avg = [c.block["exp_avg"] for c, _ in blocks]
+    exp_avg_sq = [c.block["exp_avg_sq"] for c, _ in blocks]
     torch._foreach_mul_(exp_avg, beta1)
     torch._foreach_add_(exp_avg, g_rot, alpha=1 - beta1)
     torch._foreach_mul_(exp_avg_sq, beta2)
@@ -327,7 +339,7 @@ def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
         update = mode_products(r, q, transpose=False)
         if group["normalize_grads"]:
             update = update / (1e-30 + torch.mean(update**2) ** 0.5)
-        c[3].add_(update, alpha=-c[4])
+        c.weight.add_(update, alpha=-c.step_size)
 
 
 # Note [Fused elementwise steps]
@@ -351,13 +363,13 @@ def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
 FUSED_ELEMENTS = 1 << 22
 
 
-def _chunks(items: list, limit: int) -> list[list]:
-    """``items`` (block tuples, the block's tensor third) in order, in runs of at most ``limit``
-    elements of that tensor; a block over ``limit`` runs alone, and ``limit=0`` means one each."""
-    chunks: list[list] = []
+def _chunks(items: list[_BlockStep], limit: int) -> list[list[_BlockStep]]:
+    """``items`` in order, in runs of at most ``limit`` gradient elements; a block over
+    ``limit`` runs alone, and ``limit=0`` means one each."""
+    chunks: list[list[_BlockStep]] = []
     size = limit
     for item in items:
-        n = item[2].numel()
+        n = item.grad.numel()
         if not chunks or size + n > limit:
             chunks.append([])
             size = 0

@@ -90,8 +90,9 @@ def test_fused_step_is_bitwise_the_per_block_ops(monkeypatch, limit):
 
 
 def test_chunks_cut_at_the_element_limit():
-    items = [(None, None, torch.empty(n)) for n in (3, 4, 10, 2, 1)]
-    sizes = lambda chunks: [[item[2].numel() for item in c] for c in chunks]  # noqa: E731
+    items = [soap._BlockStep((i, 0), {}, torch.empty(n), torch.empty(n), 0.1, 1)
+             for i, n in enumerate((3, 4, 10, 2, 1))]  # fmt: skip
+    sizes = lambda chunks: [[item.grad.numel() for item in c] for c in chunks]  # noqa: E731
     assert sizes(soap._chunks(items, 7)) == [[3, 4], [10], [2, 1]]
     assert sizes(soap._chunks(items, 0)) == [[3], [4], [10], [2], [1]]
     assert sizes(soap._chunks(items, 100)) == [[3, 4, 10, 2, 1]]
