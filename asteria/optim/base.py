@@ -156,6 +156,13 @@ class KroneckerOptimizer(Optimizer):
         """Install the results of ``refresh_jobs(block, ...)``, carrying state over exactly."""
         raise NotImplementedError
 
+    def install_cost(self, block: dict[str, Any]) -> float:
+        """About how many flops ``install_refresh(block, ...)`` computes on the training's
+        critical path; ``0`` where an install is a pointer swap. A runtime spreads costly
+        installs over the steps its staleness budget allows (Note [Paced installs] in
+        asteria/runtime/runtime.py)."""
+        return 0.0
+
     def blocks(self) -> Iterable[tuple[BlockKey, torch.Tensor, dict[str, Any], dict[str, Any]]]:
         """Every initialised preconditioned block: ``(key, parameter, block state, group)``."""
         pid = 0

@@ -273,6 +273,17 @@ class SOAP(KroneckerOptimizer):
             m = mode_products(m, back, transpose=False)
         block["exp_avg"] = mode_products(m, forth, transpose=True)
 
+    def install_cost(self, block: dict[str, Any]) -> float:
+        """The rotation of ``m`` as ``install_refresh`` does it, per factored dim (``R_i`` or
+        back and forth, whichever is cheaper), and the permutation of ``v``."""
+        numel = block["exp_avg"].numel()
+        cost = 0.0
+        for f in block["factors"]:
+            if f is not None:
+                d = f.shape[0]
+                cost += min(d**3 + numel * d, 2 * numel * d) + numel
+        return float(cost)
+
 
 def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, beta: float) -> None:
     """One step of the factor EMAs: ``F_i <- beta F_i + (1 - beta) G_(i) G_(i)^T``."""

@@ -6,6 +6,7 @@ mode; ``close()`` (or leaving a ``with`` block) switches it back.
 
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import CoherenceTimeoutError
+from asteria.runtime.lane import StatisticsLaneError
 from asteria.runtime.registry import RefreshFailedError, StalenessTimeoutError
 from asteria.runtime.runtime import Runtime
 
@@ -15,4 +16,5 @@ __all__ = [
     "Runtime",
     "RuntimeConfig",
     "StalenessTimeoutError",
+    "StatisticsLaneError",
 ]

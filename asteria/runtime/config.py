@@ -40,6 +40,10 @@ class RuntimeConfig:
         affinity: CPU ids the workers are pinned to, round-robin (``None``: no pinning).
         fixed_delay: ``None`` (install as soon as ready, within the budget) or ``d <= S``: install
             every refresh exactly ``d`` steps after it was requested, for reproducible runs.
+        pace_installs: spread the installs of refreshes that finished early over the steps
+            left before their deadlines, so that no one step pays for all of them (Note [Paced
+            installs] in runtime.py; it matters where an install computes, as SOAP's rotation of
+            its first moment does). ``False``: install each one as soon as it is ready.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;
@@ -65,6 +69,7 @@ class RuntimeConfig:
     lapack_threads: int = 1
     affinity: tuple[int, ...] | None = None
     fixed_delay: int | None = None
+    pace_installs: bool = True
     barrier_timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     hooks: bool = True
@@ -105,6 +110,8 @@ class RuntimeConfig:
         _int("max_consecutive_failures", self.max_consecutive_failures, 1)
         if not isinstance(self.hooks, bool):
             raise ValueError(f"hooks must be True or False, got {self.hooks!r}")
+        if not isinstance(self.pace_installs, bool):
+            raise ValueError(f"pace_installs must be True or False, got {self.pace_installs!r}")
         if self.statistics_lane is not None and not isinstance(self.statistics_lane, bool):
             raise ValueError(
                 f"statistics_lane must be True, False or None, got {self.statistics_lane!r}"

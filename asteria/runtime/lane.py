@@ -15,7 +15,11 @@ Coherence, per block:
   * the lane reads the step's gradient in place (no copy, hence bit-for-bit the native
     arithmetic): the gradient is only ever written again by the next backward (guarded by a
     gradient hook, hooks.py) or by ``zero_grad(set_to_none=False)`` (which syncs first);
-  * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``).
+  * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``);
+  * a refresh's snapshot of the factors is a copy queued on the lane too (``copy``), behind the
+    statistics it must see, so the training thread never waits for the lane at a refresh step
+    (before, it waited there for the whole step's statistics: 80 ms of SOAP's and 250 ms of
+    KL-Shampoo's refresh step on bench/step_time.py).
 The work is the optimizer's own Python function on the same tensors with the same thread count,
 so native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py).
 
@@ -25,6 +29,7 @@ parameters on a GPU (the runtime does not create it there).
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -33,12 +38,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["StatisticsLane"]
+__all__ = ["LaneCopy", "StatisticsLane", "StatisticsLaneError"]
 
 
-def _run(fn: Callable[..., None], args: tuple) -> None:
-    with torch.no_grad():  # grad mode is per thread; the step's no_grad does not reach here
-        fn(*args)
+class StatisticsLaneError(RuntimeError):
+    """A statistics update (or a snapshot behind it) failed on the lane; names the block."""
+
+
+class LaneCopy:
+    """A snapshot taken on the lane, with the event interface of the CUDA staging copies
+    (``query``, ``synchronize``, ``host``) so the runtime submits both kinds alike."""
+
+    def __init__(self, lane: StatisticsLane, key: Hashable) -> None:
+        self._lane, self._key = lane, key
+        self.future: Future | None = None
+        self.host: torch.Tensor | None = None
+
+    def take(self, src: torch.Tensor) -> None:
+        self.host = src.clone()  # keeps the strides (bases are column-major)
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self) -> None:
+        """Wait for the copy; a failed statistics update of its block before it raises here."""
+        self._lane._result(self._key, self.future)
 
 
 class StatisticsLane:
@@ -55,17 +79,42 @@ class StatisticsLane:
             initargs=(threads,),
         )
         self._last: dict[Hashable, Future] = {}
+        # The first error of each block: a later update of the block replaces its future in
+        # ``_last`` before anyone waits, and must not hide it.
+        self._errors: dict[Hashable, BaseException] = {}
+        self._reported: set[Hashable] = set()  # blocks whose error a wait has raised
         self._name_of = name_of
         self._lock = threading.Lock()
         self.submitted = 0
         self.wait_s = 0.0
 
-    def submit(self, key: Hashable, fn: Callable[..., None], *args: Any) -> None:
+    def submit(self, key: Hashable, fn: Callable[..., None], *args: Any) -> Future:
         """Queue ``fn(*args)`` after everything submitted before it."""
-        future = self._executor.submit(_run, fn, args)
+        future = self._executor.submit(self._run, key, fn, args)
         with self._lock:
             self._last[key] = future
         self.submitted += 1
+        return future
+
+    def copy(self, key: Hashable, src: torch.Tensor) -> LaneCopy:
+        """Queue a copy of ``src`` after everything submitted before it (``key``'s statistics
+        included); ``wait(key)`` waits for it too."""
+        copy = LaneCopy(self, key)
+        copy.future = self.submit(key, copy.take, src)
+        return copy
+
+    def _run(self, key: Hashable, fn: Callable[..., None], args: tuple) -> None:
+        """On the lane: ``fn(*args)``, unless an earlier update of ``key`` failed (then nothing
+        of ``key`` runs any more, and every wait for it raises that first error)."""
+        if key in self._errors:
+            raise self._errors[key]
+        try:
+            with torch.no_grad():  # grad mode is per thread; the step's no_grad stays there
+                fn(*args)
+        except Exception as err:
+            with self._lock:
+                self._errors.setdefault(key, err)
+            raise
 
     def pending(self) -> bool:
         with self._lock:
@@ -78,17 +127,22 @@ class StatisticsLane:
         if future is not None:
             self._result(key, future)
 
-    def wait_all(self) -> None:
+    def wait_all(self, reported_too: bool = True) -> None:
+        """Block until everything submitted has run; re-raise the first error of a block (not
+        one already raised by an earlier wait, unless ``reported_too``)."""
         with self._lock:
             items = list(self._last.items())
             self._last.clear()
         for key, future in items:
-            self._result(key, future)
+            if reported_too or key not in self._reported:
+                self._result(key, future)
+            else:
+                concurrent.futures.wait([future])
 
     def close(self) -> None:
-        """Finish the queued work (errors re-raised) and stop the thread."""
+        """Finish the queued work (errors not raised before are raised now), stop the thread."""
         try:
-            self.wait_all()
+            self.wait_all(reported_too=False)
         finally:
             self._executor.shutdown(wait=True)
 
@@ -100,8 +154,15 @@ class StatisticsLane:
         t0 = time.perf_counter()
         try:
             future.result()
+            with self._lock:
+                first = self._errors.get(key)
+            if first is not None:
+                raise first
         except Exception as err:
-            raise RuntimeError(
+            with self._lock:
+                err = self._errors.get(key, err)
+                self._reported.add(key)
+            raise StatisticsLaneError(
                 f"Asteria: the statistics update of block '{self._name_of(key)}' failed on the "
                 f"statistics lane: {err}"
             ) from err

@@ -44,7 +44,7 @@ class PendingRefresh:
 
     requested: int
     futures: list[Any]  # asteria._C.Future or None (dims without a factor)
-    copies: list[Any] = field(default_factory=list)  # CUDA snapshot copies not yet submitted
+    copies: list[Any] = field(default_factory=list)  # snapshots in flight (CUDA, lane)
     jobs: list[Any] = field(default_factory=list)  # per dim: the job's options (no tensors)
     group: dict | None = None  # the parameter group (a recompute needs it)
     spilled: Any = None  # a spill.SpilledRefresh once the results went to the spill store

@@ -6,7 +6,8 @@ and, on CUDA, the shadow stream. It attaches to a SOAP / KL-Shampoo / Shampoo op
 
 1. the optimizer updates a block's factors every step, as in native mode;
 2. when a refresh is due at step ``t``, the runtime snapshots what the refresh reads (factors,
-   current basis; on CUDA by an asynchronous copy on the low-priority shadow stream) and submits
+   current basis; on CUDA by an asynchronous copy on the low-priority shadow stream, on CPU with
+   the statistics lane by a copy queued behind the step's statistics) and submits
    one job per factor to the pool, version ``t``, deadline ``t + S``; the step goes on;
 3. at each later step boundary of the block, or when a hook says the block's module is about to
    run, a finished refresh is installed with the optimizer's ``install_refresh`` (which carries
@@ -64,7 +65,7 @@ from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import Coherence
 from asteria.runtime.hooks import GradientGuards, ModuleSignals
-from asteria.runtime.lane import StatisticsLane
+from asteria.runtime.lane import StatisticsLane, StatisticsLaneError
 from asteria.runtime.registry import (
     BlockEntry,
     PendingRefresh,
@@ -140,7 +141,7 @@ class Runtime:
             affinity=list(self.config.affinity) if self.config.affinity else None,
         )
         # Device snapshots go through pinned staging slots on the shadow stream; CPU tensors are
-        # copied by the pool itself at submission.
+        # copied by the pool itself at submission, or on the statistics lane when it runs.
         self._staging: StagingSlots | None = None
         if any(p.is_cuda for p in _params(optimizer)):
             self._staging = StagingSlots(_C.ShadowStream())
@@ -180,6 +181,8 @@ class Runtime:
         self._step = 0
         self._step_t0 = 0.0
         self._step_wait = 0.0
+        self._install_costs: dict[BlockKey, float] = {}
+        self._pace_step, self._pace_budget, self._pace_spent = -1, 0.0, 0.0
         self._submitted = 0
         self._failed = 0
         self._cancelled = 0
@@ -260,7 +263,7 @@ class Runtime:
                 self._signals.remove()
             try:
                 if self._lane is not None:
-                    self._lane.wait_all()
+                    self._lane.wait_all(reported_too=False)
                 if install_pending:
                     self._install_in_flight()
             finally:
@@ -294,6 +297,9 @@ class Runtime:
             except StalenessTimeoutError as err:
                 warnings.warn(f"{err}; dropped at close()", RuntimeWarning, stacklevel=3)
                 e.pending = None
+                continue
+            except StatisticsLaneError:  # raised by a step already (close() waited for the lane)
+                self._drop(e)
                 continue
             self._install(key, e, self._current_step(key))
 
@@ -351,8 +357,6 @@ class Runtime:
         step: int,
         due: bool,
     ) -> None:
-        if due and self._lane is not None:
-            self._lane.wait(key)  # the snapshot reads the factors this step's statistics write
         with self._lock:
             e = self.registry.entry(key, self._block_name)
             if self._coherence is not None and self._coherence.replicated(key):
@@ -367,7 +371,7 @@ class Runtime:
                         self._install(key, e, step, block)
                     else:
                         self._maybe_spill(e)
-                elif e.pending.done() or age >= self.config.staleness:
+                elif age >= self.config.staleness or (e.pending.done() and self._paced(key, step)):
                     self._wait(e, step)
                     self._install(key, e, step, block)
             if due:
@@ -478,9 +482,18 @@ class Runtime:
             if job is None:
                 continue
             if self._staging is not None:
+                if self._lane is not None:
+                    self._lane.wait(key)  # (CPU parameters under a forced stand-in, in tests)
                 events = [self._staging.copy((key, dim, "factor"), job.factor)]
                 if job.basis is not None:
                     events.append(self._staging.copy((key, dim, "basis"), job.basis))
+                e.pending.copies.append((dim, job, events))
+            elif self._lane is not None:
+                # the factors are what this step's statistics, still on the lane, write: the
+                # snapshot is queued behind them (Note [Statistics lane] in lane.py)
+                events = [self._lane.copy(key, job.factor)]
+                if job.basis is not None:
+                    events.append(self._lane.copy(key, job.basis))
                 e.pending.copies.append((dim, job, events))
             else:
                 e.pending.futures[dim] = self._submit(e, dim, job, job.factor, job.basis)
@@ -516,12 +529,11 @@ class Runtime:
         """Submit the jobs whose snapshot copies have landed (all of them when ``wait``)."""
         remaining = []
         for dim, job, events in e.pending.copies:
-            if wait:
-                for ev in events:
-                    ev.synchronize()
-            elif not all(ev.query() for ev in events):
+            if not wait and not all(ev.query() for ev in events):
                 remaining.append((dim, job, events))
                 continue
+            for ev in events:
+                ev.synchronize()  # (done already unless ``wait``) raises a failed copy's error
             basis = events[1].host if len(events) > 1 else None
             e.pending.futures[dim] = self._submit(e, dim, job, events[0].host, basis)
         e.pending.copies = remaining
@@ -533,8 +545,10 @@ class Runtime:
 
     def _drop(self, e: BlockEntry) -> None:
         """Forget ``e``'s refresh in flight: its unfinished jobs count as cancelled, its spilled
-        data is discarded."""
+        data is discarded. A job still waiting for its snapshot copy was never submitted: it
+        counts as cancelled too."""
         self._cancelled += sum(f is not None and not f.done() for f in e.pending.futures)
+        self._cancelled += len(e.pending.copies)
         if self._spiller is not None:
             self._spiller.discard(e.pending.spilled)
             self._spiller.discard(e.pending.snapshots)
@@ -596,6 +610,54 @@ class Runtime:
             block = self._block_state(key)
         self._install_results(key, block, results)
         self.registry.record_install(e, pending.requested, step)
+        if self.config.pace_installs:
+            self._pace_period(step)
+            self._pace_spent += self._install_cost(key, block)
+
+    # Note [Paced installs]: refreshes requested at the same step (SOAP's blocks all share the
+    # precondition frequency) tend to finish together, a step or two later, and an install that
+    # computes (SOAP rotates its first moment into the new basis, about a third of its step's
+    # work) would then put all of them on one step: the step after every refresh was the
+    # largest of bench/step_time.py. The budget allows installing any of them at any step up
+    # to the deadline, so the runtime spreads them: each step gets an allowance, the sum over
+    # the finished refreshes of install cost / steps left before its deadline (counted at the
+    # step's first decision), and a finished refresh is installed while the step has spent less
+    # (at least one per step, so none waits behind a large one). The deadline still forces an
+    # install, whatever the allowance (and is charged to it). Costs are the optimizer's
+    # ``install_cost`` (flops); a free install (KL-Shampoo, Shampoo: a pointer swap) is never
+    # held back. ``fixed_delay``, ``staleness=0`` and replicated blocks under torch.distributed
+    # install at fixed steps and do not pace; ``pace_installs=False`` installs on readiness.
+
+    def _paced(self, key: BlockKey, step: int) -> bool:
+        """Whether a finished refresh of ``key`` may be installed in this step (``step``: the
+        optimizer step whose boundary comes next) within its allowance (Note [Paced installs])."""
+        if not self.config.pace_installs:
+            return True
+        cost = self._install_cost(key)
+        if cost == 0.0:
+            return True
+        self._pace_period(step)
+        return self._pace_spent == 0.0 or self._pace_spent + cost <= self._pace_budget
+
+    def _pace_period(self, step: int) -> None:
+        """Open this step's allowance at its first install decision."""
+        if self._pace_step == self._step:
+            return
+        self._pace_step, self._pace_spent = self._step, 0.0
+        budget = 0.0
+        for key, e in self.registry.entries.items():
+            p = e.pending
+            if p is not None and p.owner is None and p.done():
+                left = p.requested + self.config.staleness - step + 1
+                budget += self._install_cost(key) / max(1, left)
+        self._pace_budget = budget
+
+    def _install_cost(self, key: BlockKey, block: dict | None = None) -> float:
+        cost = self._install_costs.get(key)
+        if cost is None:
+            block = self._block_state(key) if block is None else block
+            cost = self._install_costs[key] = float(self.optimizer.install_cost(block))
+        return cost
 
     def _install_results(self, key: BlockKey, block: dict, results: list[Any]) -> None:
         """``install_refresh`` where the bases live: device, mapped host memory, or host memory
@@ -862,8 +924,9 @@ class Runtime:
                         continue  # installed at its deadline on every rank
                     if e.pending.copies:
                         self._submit_copied(e, wait=False)
-                    if e.pending.done():
-                        self._install(key, e, self._current_step(key))
+                    step = self._current_step(key)
+                    if e.pending.done() and self._paced(key, step + 1):
+                        self._install(key, e, step)
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -273,6 +273,42 @@ def test_kl_shampoo_install_keeps_eigenvalue_estimates():
     assert all(torch.equal(q, r[0]) for q, r in zip(block["bases"], results))
 
 
+def _installs_per_step(pace: bool, cls=SOAP, blocks: int = 8, staleness: int = 4) -> list[int]:
+    """Installs of the refresh of step 5 (precondition_frequency 5) at each of the steps that
+    follow it, with every result finished before the next step begins."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(12, 12)) for _ in range(blocks)]
+    opt = cls(params, precondition_frequency=5)
+    config = RuntimeConfig(
+        staleness=staleness, workers=1, statistics_lane=False, pace_installs=pace
+    )
+    installs = []
+    with Runtime(None, opt, config) as rt:
+        for t in range(5 + staleness + 1):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            for e in rt.registry.entries.values():  # the results are ready before the step
+                while e.pending is not None and not e.pending.done():
+                    e.pending.futures[0].result(timeout_s=60)
+                    e.pending.futures[1].result(timeout_s=60)
+            opt.step()
+            if t >= 5:
+                installs.append(sum(e.installed_step == t for e in rt.registry.entries.values()))
+        assert rt.stats()["max_staleness"] <= staleness
+    return installs
+
+
+def test_paced_installs_spread_a_refresh_over_the_budget():
+    """Note [Paced installs]: 8 equal SOAP blocks requested at step 5 and all finished at step 6
+    are installed two per step up to the deadline (step 9), not all eight at step 6."""
+    assert _installs_per_step(pace=True) == [0, 2, 2, 2, 2]
+    assert _installs_per_step(pace=False) == [0, 8, 0, 0, 0]
+    # a free install (KL-Shampoo swaps its bases) is never held back
+    assert _installs_per_step(pace=True, cls=KLShampoo) == [0, 8, 0, 0, 0]
+    # the deadline wins over the allowance: with S = 1 everything is installed at step 6
+    assert _installs_per_step(pace=True, staleness=1) == [0, 8]
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -284,6 +320,7 @@ def test_kl_shampoo_install_keeps_eigenvalue_estimates():
         (dict(max_consecutive_failures=0), "max_consecutive_failures"),
         (dict(affinity=()), "affinity"),
         (dict(hooks="yes"), "hooks"),
+        (dict(pace_installs=1), "pace_installs"),
     ],
 )
 def test_bad_config(kwargs, match):
@@ -391,6 +428,68 @@ def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes, mo
     monkeypatch.setattr(soap_module, "soap_accumulate", broken)  # 2-D blocks
     with pytest.raises(RuntimeError, match=r"statistics update of block 'param0\[0\]'.*injected"):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
+
+
+def test_refresh_step_does_not_wait_for_the_statistics_lane(runtimes, monkeypatch):
+    """The snapshot of a due refresh is queued behind the step's statistics on the lane: the
+    step returns while they still run, and the result is still bitwise native (staleness 0)."""
+    import threading
+
+    import asteria.optim.soap as soap_module
+
+    release, waited_out = threading.Event(), []
+    real = soap_module.soap_accumulate
+
+    def held(*args):
+        if held.armed:
+            waited_out.append(not release.wait(timeout=30))
+            held.armed = False
+        real(*args)
+
+    held.armed = False
+    monkeypatch.setattr(soap_module, "soap_accumulate", held)
+    problem = StochasticQuartic([(6, 6), (5, 6)], 12, torch.float32)
+    native = problem.run(lambda ps: SOAP(ps, precondition_frequency=5))
+    params = problem.params()
+    opt = SOAP(params, precondition_frequency=5)
+    rt = Runtime(None, opt, RuntimeConfig(staleness=0, workers=1, statistics_lane=True))
+    runtimes.append(rt)
+    for t in range(12):
+        opt.zero_grad()
+        problem.loss(params, t).backward()
+        held.armed = t == 9  # step 10 refreshes: its statistics wait for the release below
+        if t != 9:
+            opt.step()
+            continue
+        rt.config = RuntimeConfig(staleness=5, workers=1)  # let step 10 not install at once
+        opt.step()
+        release.set()  # the step returned with its statistics still held on the lane
+        rt.config = RuntimeConfig(staleness=0, workers=1)
+    assert waited_out == [False]
+    rt.close()
+    for a, b in zip(params, native):
+        assert torch.equal(a, b)
+
+
+def test_statistics_lane_keeps_the_first_error_of_a_block():
+    from asteria.runtime.lane import StatisticsLane
+
+    lane = StatisticsLane()
+
+    def fail():
+        raise FloatingPointError("first")
+
+    lane.submit("b", fail)
+    lane.submit("b", lambda: None)  # replaces the failed future before anyone waits
+    copy = lane.copy("b", torch.ones(2))
+    with pytest.raises(RuntimeError, match="block 'b'.*first"):
+        lane.wait("b")
+    with pytest.raises(RuntimeError, match="block 'b'.*first"):
+        copy.synchronize()
+    assert copy.host is None  # nothing of a failed block runs any more
+    lane.submit("c", lambda: None)
+    lane.wait("c")
+    lane.abandon()
 
 
 def test_close_without_installing_drops_what_is_in_flight():
