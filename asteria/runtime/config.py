@@ -42,8 +42,10 @@ class RuntimeConfig:
             every refresh exactly ``d`` steps after it was requested, for reproducible runs.
         pace_installs: spread the installs of refreshes that finished early over the steps
             left before their deadlines, so that no one step pays for all of them (Note [Paced
-            installs] in runtime.py; it matters where an install computes, as SOAP's rotation of
-            its first moment does). ``False``: install each one as soon as it is ready.
+            installs] in runtime.py). It matters where an install computes on the training
+            thread: SOAP's rotation of its first moment, without the statistics lane (which
+            takes such installs off the training thread). It trades the spike for staleness.
+            ``False`` (default): install each refresh as soon as it is ready.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;
@@ -69,7 +71,7 @@ class RuntimeConfig:
     lapack_threads: int = 1
     affinity: tuple[int, ...] | None = None
     fixed_delay: int | None = None
-    pace_installs: bool = True
+    pace_installs: bool = False
     barrier_timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     hooks: bool = True

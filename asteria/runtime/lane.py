@@ -19,7 +19,13 @@ Coherence, per block:
   * a refresh's snapshot of the factors is a copy queued on the lane too (``copy``), behind the
     statistics it must see, so the training thread never waits for the lane at a refresh step
     (before, it waited there for the whole step's statistics: 80 ms of SOAP's and 250 ms of
-    KL-Shampoo's refresh step on bench/step_time.py).
+    KL-Shampoo's refresh step on bench/step_time.py);
+  * an install that computes (SOAP rotates ``m`` into the new basis and permutes ``v``: about
+    140 ms of the step after each refresh there, nearly a whole SOAP step) is queued on the lane
+    as well, and the block's next update waits for it where it first reads the block's bases
+    (``Refresher.bases``, before ``m`` and ``v``), as does a new request for the block (its
+    job's input basis must be the installed one). The update comes a whole forward and
+    backward later, so it normally finds the install done.
 The work is the optimizer's own Python function on the same tensors with the same thread count,
 so native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py).
 

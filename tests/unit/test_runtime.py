@@ -141,6 +141,7 @@ def test_refresh_failures_keep_the_previous_version_then_raise(runtimes):
         opt.zero_grad()
         problem.loss(params, t).backward()
         opt.step()
+    rt.sync(opt)  # finish the lane's work in flight (an install), as state_dict() does
     block = opt.state[params[0]]["blocks"][0]
     basis_before = [q.clone() for q in block["bases"]]
     block["factors"][0][0, 0] = float("nan")  # every later refresh fails in fp32 and in fp64
@@ -151,6 +152,7 @@ def test_refresh_failures_keep_the_previous_version_then_raise(runtimes):
         opt.step()
         t += 1
     assert rt.stats()["jobs"]["failed"] == 1 and t <= 6
+    rt.sync(opt)
     assert all(torch.equal(a, b) for a, b in zip(block["bases"], basis_before))
     assert all(torch.isfinite(p).all() for p in params)
     with pytest.raises(RefreshFailedError, match=r"param0\[0\].*2 times in a row"):
@@ -509,3 +511,32 @@ def test_close_without_installing_drops_what_is_in_flight():
     assert stats["jobs"]["in_flight"] == 0 and stats["jobs"]["cancelled"] > 0
     assert type(opt.refresher).__name__ == "NativeRefresher"
     assert any(h.cancelled() for h in hogs)
+
+
+def test_soap_installs_run_on_the_statistics_lane(runtimes, monkeypatch):
+    """Note [Statistics lane]: SOAP's installs (the rotation of m) run on the lane, bitwise as
+    in the training thread; KL-Shampoo's pointer swaps stay on the training thread."""
+    import threading
+
+    threads: list[str] = []
+    for cls in (SOAP, KLShampoo):
+        real = cls.install_refresh
+
+        def spy(self, block, results, real=real):
+            threads.append(threading.current_thread().name)
+            real(self, block, results)
+
+        monkeypatch.setattr(cls, "install_refresh", spy)
+    problem = StochasticQuartic(SHAPES, 40, torch.float32)
+    for cls in (SOAP, KLShampoo):
+        threads.clear()
+        runs = {}
+        for lane in (False, True):
+            config = RuntimeConfig(staleness=2, fixed_delay=1, workers=1, statistics_lane=lane)
+            runs[lane] = problem.run(_orchestrated(cls, config, runtimes))
+        for a, b in zip(runs[True], runs[False]):
+            assert torch.equal(a, b)
+        on_lane = [name.startswith("asteria-statistics") for name in threads]
+        half = len(threads) // 2  # the run without the lane, then the one with it
+        assert half >= 3 * 7 and not any(on_lane[:half])
+        assert all(on_lane[half:]) if cls is SOAP else not any(on_lane[half:])
