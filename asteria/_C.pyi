@@ -100,6 +100,7 @@ class WorkerPool:
         affinity: list[int] | None = None,
         queue_capacity: int = 1024,
         trim_bytes: int = 64 << 20,
+        nice: int = 0,
     ) -> None: ...
     @property
     def trims(self) -> int: ...

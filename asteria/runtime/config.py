@@ -38,6 +38,9 @@ class RuntimeConfig:
         workers: CPU worker threads of the refresh pool (default: cores - 1, at least 1).
         lapack_threads: LAPACK/BLAS threads per worker (1: one core per worker).
         affinity: CPU ids the workers are pinned to, round-robin (``None``: no pinning).
+        worker_nice: added to the pool's worker threads' nice value (Linux, 0..19), so that
+            the training thread and the statistics lane win a core they share with a worker
+            (Note [Worker priority] in csrc/core/worker_pool.cpp). ``0``: same priority.
         fixed_delay: ``None`` (install as soon as ready, within the budget) or ``d <= S``: install
             every refresh exactly ``d`` steps after it was requested, for reproducible runs.
         pace_installs: spread the installs of refreshes that finished early over the steps
@@ -70,6 +73,7 @@ class RuntimeConfig:
     workers: int | None = None
     lapack_threads: int = 1
     affinity: tuple[int, ...] | None = None
+    worker_nice: int = 10
     fixed_delay: int | None = None
     pace_installs: bool = False
     barrier_timeout_s: float = 600.0
@@ -94,6 +98,9 @@ class RuntimeConfig:
             for cpu in self.affinity:
                 _int("affinity[i]", cpu, 0)
             object.__setattr__(self, "affinity", tuple(self.affinity))
+        _int("worker_nice", self.worker_nice, 0)
+        if self.worker_nice > 19:
+            raise ValueError(f"worker_nice must be in [0, 19], got {self.worker_nice!r}")
         if self.fixed_delay is not None:
             _int("fixed_delay", self.fixed_delay, 0)
             if self.fixed_delay > self.staleness:

@@ -16,8 +16,9 @@ Coherence, per block:
     arithmetic): the gradient is only ever written again by the next backward (guarded by a
     gradient hook, hooks.py) or by ``zero_grad(set_to_none=False)`` (which syncs first);
   * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``);
-  * a refresh's snapshot of the factors is a copy queued on the lane too (``copy``), behind the
-    statistics it must see, so the training thread never waits for the lane at a refresh step
+  * a refresh's snapshot of the factors is queued on the lane too (``call``): behind the
+    statistics it must see, the lane submits the job to the pool, which copies the factors
+    there and then; so the training thread never waits for the lane at a refresh step
     (before, it waited there for the whole step's statistics: 80 ms of SOAP's and 250 ms of
     KL-Shampoo's refresh step on bench/step_time.py);
   * an install that computes (SOAP rotates ``m`` into the new basis and permutes ``v``: about
@@ -44,30 +45,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["LaneCopy", "StatisticsLane", "StatisticsLaneError"]
+__all__ = ["LaneWork", "StatisticsLane", "StatisticsLaneError"]
 
 
 class StatisticsLaneError(RuntimeError):
     """A statistics update (or a snapshot behind it) failed on the lane; names the block."""
 
 
-class LaneCopy:
-    """A snapshot taken on the lane, with the event interface of the CUDA staging copies
-    (``query``, ``synchronize``, ``host``) so the runtime submits both kinds alike."""
+class LaneWork:
+    """Work queued on the lane behind a block's statistics (a refresh's submission), with the
+    event interface of the CUDA staging copies (``query``, ``synchronize``) so the runtime
+    handles both kinds of snapshot alike; ``value`` is what the work returned."""
 
     def __init__(self, lane: StatisticsLane, key: Hashable) -> None:
         self._lane, self._key = lane, key
         self.future: Future | None = None
-        self.host: torch.Tensor | None = None
+        self.value: Any = None
 
-    def take(self, src: torch.Tensor) -> None:
-        self.host = src.clone()  # keeps the strides (bases are column-major)
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.value = fn(*args)
 
     def query(self) -> bool:
         return self.future.done()
 
     def synchronize(self) -> None:
-        """Wait for the copy; a failed statistics update of its block before it raises here."""
+        """Wait for the work; a failed statistics update of its block before it raises here."""
         self._lane._result(self._key, self.future)
 
 
@@ -102,12 +104,12 @@ class StatisticsLane:
         self.submitted += 1
         return future
 
-    def copy(self, key: Hashable, src: torch.Tensor) -> LaneCopy:
-        """Queue a copy of ``src`` after everything submitted before it (``key``'s statistics
-        included); ``wait(key)`` waits for it too."""
-        copy = LaneCopy(self, key)
-        copy.future = self.submit(key, copy.take, src)
-        return copy
+    def call(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> LaneWork:
+        """Queue ``fn(*args)`` after everything submitted before it (``key``'s statistics
+        included); ``wait(key)`` waits for it too, and its result is the work's ``value``."""
+        work = LaneWork(self, key)
+        work.future = self.submit(key, work.run, fn, *args)
+        return work
 
     def _run(self, key: Hashable, fn: Callable[..., None], args: tuple) -> None:
         """On the lane: ``fn(*args)``, unless an earlier update of ``key`` failed (then nothing

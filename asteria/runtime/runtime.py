@@ -65,7 +65,7 @@ from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import Coherence
 from asteria.runtime.hooks import GradientGuards, ModuleSignals
-from asteria.runtime.lane import StatisticsLane, StatisticsLaneError
+from asteria.runtime.lane import LaneWork, StatisticsLane, StatisticsLaneError
 from asteria.runtime.registry import (
     BlockEntry,
     PendingRefresh,
@@ -139,6 +139,7 @@ class Runtime:
             workers=self.config.resolved_workers,
             lapack_threads=self.config.lapack_threads,
             affinity=list(self.config.affinity) if self.config.affinity else None,
+            nice=self.config.worker_nice,
         )
         # Device snapshots go through pinned staging slots on the shadow stream; CPU tensors are
         # copied by the pool itself at submission, or on the statistics lane when it runs.
@@ -503,11 +504,12 @@ class Runtime:
                 e.pending.copies.append((dim, job, events))
             elif self._lane is not None:
                 # the factors are what this step's statistics, still on the lane, write: the
-                # snapshot is queued behind them (Note [Statistics lane] in lane.py)
-                events = [self._lane.copy(key, job.factor)]
-                if job.basis is not None:
-                    events.append(self._lane.copy(key, job.basis))
-                e.pending.copies.append((dim, job, events))
+                # job is submitted from the lane, behind them (Note [Statistics lane] in lane.py)
+                keep = e.pending.snapshots is not None
+                work = self._lane.call(
+                    key, self._lane_submit, f"{e.name}.dim{dim}", step, job, keep
+                )
+                e.pending.copies.append((dim, job, [work]))
             else:
                 e.pending.futures[dim] = self._submit(e, dim, job, job.factor, job.basis)
 
@@ -516,19 +518,33 @@ class Runtime:
         e: BlockEntry,
         dim: int,
         job: RefreshJob,
-        factor: torch.Tensor,
+        factor: torch.Tensor | None,
         basis: torch.Tensor | None,
         pending: PendingRefresh | None = None,
+        future: Any = None,
     ) -> Any:
-        """One job on the pool (it copies its inputs): version = request step, deadline t + S.
-        A spilled block's inputs are written to the spill store too (an exact recompute)."""
+        """One job on the pool (it copies its inputs): version = request step, deadline t + S,
+        or the bookkeeping of one the statistics lane submitted (``future``). A spilled block's
+        inputs are written to the spill store too (an exact recompute)."""
         pending = e.pending if pending is None else pending
         if pending.snapshots is not None and pending is e.pending:
             self._spiller.add(pending.snapshots, dim, (factor, basis), clone=True)
             self._spiller.counts["snapshots"] += 1
         self._submitted += 1
-        name, version = f"{e.name}.dim{dim}", pending.requested
+        name = f"{e.name}.dim{dim}"
         self._pool_names.add(name)
+        if future is not None:
+            return future
+        return self._pool_submit(name, pending.requested, job, factor, basis)
+
+    def _pool_submit(
+        self,
+        name: str,
+        version: int,
+        job: RefreshJob,
+        factor: torch.Tensor,
+        basis: torch.Tensor | None,
+    ) -> Any:
         deadline = version + self.config.staleness
         if job.kind == "qr":
             return self._pool.submit_qr_refresh(
@@ -538,8 +554,20 @@ class Runtime:
             name, version, deadline, factor, job.root, job.epsilon, job.dtype
         )
 
+    def _lane_submit(
+        self, name: str, version: int, job: RefreshJob, keep: bool
+    ) -> tuple[Any, tuple | None]:
+        """On the statistics lane, behind the block's statistics: submit the job (the pool
+        copies the factor and basis as they are now), and keep copies of them for a spilled
+        block (``keep``)."""
+        kept = None
+        if keep:
+            kept = (job.factor.clone(), None if job.basis is None else job.basis.clone())
+        return self._pool_submit(name, version, job, job.factor, job.basis), kept
+
     def _submit_copied(self, e: BlockEntry, wait: bool) -> None:
-        """Submit the jobs whose snapshot copies have landed (all of them when ``wait``)."""
+        """Submit the jobs whose snapshot copies have landed (all of them when ``wait``); book
+        those the statistics lane submitted."""
         remaining = []
         for dim, job, events in e.pending.copies:
             if not wait and not all(ev.query() for ev in events):
@@ -547,6 +575,11 @@ class Runtime:
                 continue
             for ev in events:
                 ev.synchronize()  # (done already unless ``wait``) raises a failed copy's error
+            if isinstance(events[0], LaneWork):
+                future, kept = events[0].value
+                factor, basis = kept if kept is not None else (None, None)
+                e.pending.futures[dim] = self._submit(e, dim, job, factor, basis, future=future)
+                continue
             basis = events[1].host if len(events) > 1 else None
             e.pending.futures[dim] = self._submit(e, dim, job, events[0].host, basis)
         e.pending.copies = remaining

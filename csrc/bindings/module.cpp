@@ -116,14 +116,19 @@ void register_pool(py::module_& m) {
 
   py::class_<asteria::RefreshPool, PoolHolder>(m, "WorkerPool")
       .def(py::init([](int workers, int lapack_threads, std::optional<std::vector<int>> affinity,
-                       int64_t queue_capacity, int64_t trim_bytes) {
-             return PoolHolder(new asteria::RefreshPool(asteria::RefreshPoolOptions{
-                 workers, lapack_threads, affinity.value_or(std::vector<int>{}), queue_capacity,
-                 trim_bytes}));
+                       int64_t queue_capacity, int64_t trim_bytes, int nice) {
+             asteria::RefreshPoolOptions options;
+             options.workers = workers;
+             options.lapack_threads = lapack_threads;
+             options.affinity = affinity.value_or(std::vector<int>{});
+             options.queue_capacity = queue_capacity;
+             options.trim_bytes = trim_bytes;
+             options.nice = nice;
+             return PoolHolder(new asteria::RefreshPool(options));
            }),
            py::arg("workers"), py::arg("lapack_threads") = 1, py::arg("affinity") = py::none(),
            py::arg("queue_capacity") = 1024, py::arg("trim_bytes") = int64_t{64} << 20,
-           ReleaseGil())
+           py::arg("nice") = 0, ReleaseGil())
       .def_property_readonly("trims", &asteria::RefreshPool::trims)
       .def("submit_eigh", &asteria::RefreshPool::submit_eigh, py::arg("block"), py::arg("version"),
            py::arg("deadline"), py::arg("factor"), py::arg("dtype") = at::kFloat,

@@ -159,6 +159,9 @@ RefreshPool::RefreshPool(const RefreshPoolOptions& options)
   pool_options.workers = options.workers;
   pool_options.queue_capacity = static_cast<size_t>(options.queue_capacity);
   pool_options.affinity = options.affinity;
+  TORCH_CHECK_VALUE(options.nice >= 0 && options.nice <= 19, "nice must be in [0, 19], got ",
+                    options.nice);
+  pool_options.nice = options.nice;
   const int threads = options.lapack_threads;
   pool_options.init = [threads](int) { lapack::set_thread_lapack_threads(threads); };
   TORCH_CHECK_VALUE(options.trim_bytes >= 0, "trim_bytes must be >= 0, got ", options.trim_bytes);

@@ -81,6 +81,7 @@ struct RefreshPoolOptions {
   int lapack_threads = 1;
   std::vector<int> affinity;
   int64_t queue_capacity = 1024;
+  int nice = 0;  // added to each worker's nice value (Note [Worker priority], worker_pool.cpp)
   // Return freed heap memory to the system when a worker goes idle after jobs that moved at
   // least this many bytes (0: never); Note [Returning freed memory] in refresh_pool.cpp.
   int64_t trim_bytes = int64_t{64} << 20;

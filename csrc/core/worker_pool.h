@@ -23,9 +23,10 @@
 //   joined. The destructor does shutdown(true). shutdown_all_pools() shuts every live pool down
 //   (for interpreter exit: no worker may still run when static destructors start).
 // * Workers: `workers` threads; worker i is pinned to affinity[i % affinity.size()] when an
-//   affinity list is given (Linux; ignored elsewhere), then runs the init hook (e.g. one LAPACK
-//   thread per worker). The constructor waits for every worker's setup and rethrows the first
-//   failure, so a bad CPU index or a throwing hook fails construction, not a later job.
+//   affinity list is given (Linux; ignored elsewhere), lowers its CPU priority by `nice` (Note
+//   [Worker priority]), then runs the init hook (e.g. one LAPACK thread per worker). The
+//   constructor waits for every worker's setup and rethrows the first failure, so a bad CPU index
+//   or a throwing hook fails construction, not a later job.
 //
 // Torch-free on purpose: this file and worker_pool.cpp build with the plain C++17 toolchain of
 // CMakeLists.txt and are tested by tests/cpp (also under ThreadSanitizer).
@@ -128,6 +129,7 @@ struct PoolOptions {
   int workers = 1;
   size_t queue_capacity = 1024;
   std::vector<int> affinity;  // CPU ids; empty: no pinning
+  int nice = 0;               // added to each worker thread's nice value, 0..19 (Linux)
   WorkerInit init;            // runs once on each worker thread before any job
   // Runs on a worker, outside the pool's lock, when it finds the queue empty after running a
   // job (before it sleeps); exceptions are swallowed. RefreshPool returns freed memory to the

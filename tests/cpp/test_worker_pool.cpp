@@ -1,6 +1,8 @@
 // Tests of the torch-free worker pool and versioned slots (csrc/core). Run by ctest, also under
 // ThreadSanitizer and AddressSanitizer (CMakeLists.txt option ASTERIA_SANITIZE).
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -8,6 +10,12 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "core/versioned_slots.h"
 #include "core/worker_pool.h"
@@ -272,6 +280,38 @@ TEST(init_hook_and_affinity) {
   CHECK_THROWS(WorkerPool{bad_cpu}, std::invalid_argument);
 #endif
   CHECK_THROWS(WorkerPool{options(0)}, std::invalid_argument);
+}
+
+TEST(workers_lower_their_own_priority) {
+#if defined(__linux__)
+  // Note [Worker priority]: each worker adds `nice` to its own nice value (capped at 19); the
+  // submitting thread keeps its own.
+  errno = 0;
+  const int base = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  CHECK(errno == 0);
+  for (int nice : {0, 7, 19}) {
+    PoolOptions o = options(2);
+    o.nice = nice;
+    WorkerPool pool(o);
+    std::vector<std::shared_ptr<JobHandle>> handles;
+    std::mutex mu;
+    std::vector<int> seen;
+    for (int i = 0; i < 4; ++i) {
+      handles.push_back(pool.submit(JobSpec{"b" + std::to_string(i), 1, 1}, [&] {
+        const int p = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+        std::lock_guard<std::mutex> lock(mu);
+        seen.push_back(p);
+      }));
+    }
+    for (auto& h : handles) h->wait();
+    CHECK_EQ(static_cast<int>(seen.size()), 4);
+    for (int p : seen) CHECK_EQ(p, std::min(19, base + nice));
+    CHECK_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), base);
+  }
+#endif
+  PoolOptions negative = options(1);
+  negative.nice = -1;
+  CHECK_THROWS(WorkerPool{negative}, std::invalid_argument);
 }
 
 TEST(on_idle_runs_once_per_burst_after_the_queue_drains) {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -323,6 +325,8 @@ def test_paced_installs_spread_a_refresh_over_the_budget():
         (dict(affinity=()), "affinity"),
         (dict(hooks="yes"), "hooks"),
         (dict(pace_installs=1), "pace_installs"),
+        (dict(worker_nice=-1), "worker_nice"),
+        (dict(worker_nice=20), "worker_nice"),
     ],
 )
 def test_bad_config(kwargs, match):
@@ -483,14 +487,15 @@ def test_statistics_lane_keeps_the_first_error_of_a_block():
 
     lane.submit("b", fail)
     lane.submit("b", lambda: None)  # replaces the failed future before anyone waits
-    copy = lane.copy("b", torch.ones(2))
+    work = lane.call("b", torch.ones, 2)
     with pytest.raises(RuntimeError, match="block 'b'.*first"):
         lane.wait("b")
     with pytest.raises(RuntimeError, match="block 'b'.*first"):
-        copy.synchronize()
-    assert copy.host is None  # nothing of a failed block runs any more
-    lane.submit("c", lambda: None)
+        work.synchronize()
+    assert work.value is None  # nothing of a failed block runs any more
+    work = lane.call("c", torch.ones, 2)
     lane.wait("c")
+    assert work.query() and torch.equal(work.value, torch.ones(2))
     lane.abandon()
 
 
@@ -540,3 +545,23 @@ def test_soap_installs_run_on_the_statistics_lane(runtimes, monkeypatch):
         half = len(threads) // 2  # the run without the lane, then the one with it
         assert half >= 3 * 7 and not any(on_lane[:half])
         assert all(on_lane[half:]) if cls is SOAP else not any(on_lane[half:])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
+def test_pool_workers_run_at_a_lower_priority():
+    """Note [Worker priority]: the workers add ``worker_nice`` to their nice value; the
+    training thread keeps its own."""
+
+    def nice_of(tid: str) -> int:
+        stat = open(f"/proc/self/task/{tid}/stat").read()
+        return int(stat.rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    p = torch.nn.Parameter(torch.zeros(3, 3))
+    for nice in (0, 7):
+        before = set(os.listdir("/proc/self/task"))
+        with Runtime(None, SOAP([p]), RuntimeConfig(workers=2, worker_nice=nice)):
+            workers = set(os.listdir("/proc/self/task")) - before
+            assert len(workers) >= 2
+            assert sorted(nice_of(t) for t in workers)[:2] == [min(19, mine + nice)] * 2
+        assert os.getpriority(os.PRIO_PROCESS, 0) == mine

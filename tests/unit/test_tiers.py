@@ -268,13 +268,15 @@ def _flip_once(kind: str, flipped: list):
     return flip
 
 
+@pytest.mark.parametrize("lane", [False, True])  # inputs kept by the statistics lane, or here
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_corrupt_spill_slot_is_recomputed_from_its_inputs_bitwise(name, tmp_path):
+def test_a_corrupt_spill_slot_is_recomputed_from_its_inputs_bitwise(name, lane, tmp_path):
     reference, _, _ = _train(name, FIXED)
     flipped: list[str] = []
     with pytest.warns(RuntimeWarning, match="could not be read back.*same result"):
         params, report, stats = _train(
-            name, _spill_config(tmp_path, placement={"results": "nvme"}),
+            name,
+            _spill_config(tmp_path, placement={"results": "nvme"}, statistics_lane=lane),
             _flip_once("results", flipped),
         )  # fmt: skip
     assert len(flipped) == 1
