@@ -505,9 +505,12 @@ class Runtime:
             elif self._lane is not None:
                 # the factors are what this step's statistics, still on the lane, write: the
                 # job is submitted from the lane, behind them (Note [Statistics lane] in lane.py)
+                # (what the lane runs holds no reference to the runtime or the optimizer, which
+                # stay collectable without close(): tests/unit/test_shutdown.py)
                 keep = e.pending.snapshots is not None
+                name, deadline = f"{e.name}.dim{dim}", step + self.config.staleness
                 work = self._lane.call(
-                    key, self._lane_submit, f"{e.name}.dim{dim}", step, job, keep
+                    key, _lane_submit, self._pool, name, step, deadline, job, keep
                 )
                 e.pending.copies.append((dim, job, [work]))
             else:
@@ -535,35 +538,9 @@ class Runtime:
         self._pool_names.add(name)
         if future is not None:
             return future
-        return self._pool_submit(name, pending.requested, job, factor, basis)
-
-    def _pool_submit(
-        self,
-        name: str,
-        version: int,
-        job: RefreshJob,
-        factor: torch.Tensor,
-        basis: torch.Tensor | None,
-    ) -> Any:
+        version = pending.requested
         deadline = version + self.config.staleness
-        if job.kind == "qr":
-            return self._pool.submit_qr_refresh(
-                name, version, deadline, factor, basis, job.sort, job.dtype
-            )
-        return self._pool.submit_inverse_root(
-            name, version, deadline, factor, job.root, job.epsilon, job.dtype
-        )
-
-    def _lane_submit(
-        self, name: str, version: int, job: RefreshJob, keep: bool
-    ) -> tuple[Any, tuple | None]:
-        """On the statistics lane, behind the block's statistics: submit the job (the pool
-        copies the factor and basis as they are now), and keep copies of them for a spilled
-        block (``keep``)."""
-        kept = None
-        if keep:
-            kept = (job.factor.clone(), None if job.basis is None else job.basis.clone())
-        return self._pool_submit(name, version, job, job.factor, job.basis), kept
+        return _pool_submit(self._pool, name, version, deadline, job, factor, basis)
 
     def _submit_copied(self, e: BlockEntry, wait: bool) -> None:
         """Submit the jobs whose snapshot copies have landed (all of them when ``wait``); book
@@ -719,7 +696,8 @@ class Runtime:
             if self._lane_installs_on and self.optimizer.install_cost(block) > 0:
                 # an install that computes (SOAP's rotation of m) runs on the statistics lane;
                 # the block's next read of its state waits for it (``_settle_install``)
-                self._lane.submit(key, self.optimizer.install_refresh, block, results)
+                opt = weakref.ref(self.optimizer)
+                self._lane.submit(key, _install_weakly, opt, block, results)
                 self._lane_installs.add(key)
                 return
             self.optimizer.install_refresh(block, results)
@@ -1229,6 +1207,42 @@ def _weak_signal(runtime: Runtime) -> Any:
             method(param_ids, event)
 
     return signal
+
+
+def _pool_submit(
+    pool: Any,
+    name: str,
+    version: int,
+    deadline: int,
+    job: RefreshJob,
+    factor: torch.Tensor,
+    basis: torch.Tensor | None,
+) -> Any:
+    """One job on the pool (it copies ``factor`` and ``basis`` at submission)."""
+    if job.kind == "qr":
+        return pool.submit_qr_refresh(name, version, deadline, factor, basis, job.sort, job.dtype)
+    return pool.submit_inverse_root(
+        name, version, deadline, factor, job.root, job.epsilon, job.dtype
+    )
+
+
+def _lane_submit(
+    pool: Any, name: str, version: int, deadline: int, job: RefreshJob, keep: bool
+) -> tuple[Any, tuple | None]:
+    """On the statistics lane, behind the block's statistics: submit the job (the pool copies
+    the factor and basis as they are now), and keep copies of them for a spilled block
+    (``keep``)."""
+    kept = None
+    if keep:
+        kept = (job.factor.clone(), None if job.basis is None else job.basis.clone())
+    return _pool_submit(pool, name, version, deadline, job, job.factor, job.basis), kept
+
+
+def _install_weakly(opt: weakref.ref, block: dict, results: list[Any]) -> None:
+    """On the statistics lane: ``install_refresh``, unless the optimizer is gone."""
+    optimizer = opt()
+    if optimizer is not None:
+        optimizer.install_refresh(block, results)
 
 
 def _job_options(job: RefreshJob) -> dict[str, Any]:
