@@ -6,9 +6,9 @@ and, on CUDA, the shadow stream. It attaches to a SOAP / KL-Shampoo / Shampoo op
 
 1. the optimizer updates a block's factors every step, as in native mode;
 2. when a refresh is due at step ``t``, the runtime snapshots what the refresh reads (factors,
-   current basis; on CUDA by an asynchronous copy on the low-priority shadow stream, on CPU with
-   the statistics lane by a copy queued behind the step's statistics) and submits
-   one job per factor to the pool, version ``t``, deadline ``t + S``; the step goes on;
+   current basis; on CUDA by an asynchronous copy on the low-priority shadow stream) and submits
+   one job per factor to the pool, version ``t``, deadline ``t + S`` (on CPU with the statistics
+   lane, the lane submits it, behind the step's statistics); the step goes on;
 3. at each later step boundary of the block, or when a hook says the block's module is about to
    run, a finished refresh is installed with the optimizer's ``install_refresh`` (which carries
    basis-dependent state over exactly); at step ``t + S`` the step waits for it (Note [Staleness
