@@ -2,7 +2,8 @@
 
 Owns: one background thread that runs, in submission order, the per-step statistics updates an
 optimizer hands to its refresher (``Refresher.accumulate``: SOAP's and Shampoo's factor EMAs,
-KL-Shampoo's factor and eigenvalue EMAs), and the per-block waits that keep them coherent.
+KL-Shampoo's factor and eigenvalue EMAs), the runtime's work that must follow them (refresh
+submissions, SOAP's installs), and the per-block waits that keep them coherent.
 
 Note [Statistics lane]: on a GPU the factor statistics are cheap device kernels that overlap the
 host anyway; on a CPU-only run they are a third of SOAP's step and most of KL-Shampoo's, paid on
