@@ -40,7 +40,10 @@ class RuntimeConfig:
         affinity: CPU ids the workers are pinned to, round-robin (``None``: no pinning).
         worker_nice: added to the pool's worker threads' nice value (Linux, 0..19), so that
             the training thread and the statistics lane win a core they share with a worker
-            (Note [Worker priority] in csrc/core/worker_pool.cpp). ``0``: same priority.
+            (Note [Worker priority] in csrc/core/worker_pool.cpp). ``None`` (default): 10 when
+            torch's intra-op threads leave a core free (the workers then share it with the
+            lane only), 0 when they take every core (lowered workers would then miss their
+            deadlines and make the steps wait). ``0``: the training's priority.
         fixed_delay: ``None`` (install as soon as ready, within the budget) or ``d <= S``: install
             every refresh exactly ``d`` steps after it was requested, for reproducible runs.
         pace_installs: spread the installs of refreshes that finished early over the steps
@@ -73,7 +76,7 @@ class RuntimeConfig:
     workers: int | None = None
     lapack_threads: int = 1
     affinity: tuple[int, ...] | None = None
-    worker_nice: int = 10
+    worker_nice: int | None = None
     fixed_delay: int | None = None
     pace_installs: bool = False
     barrier_timeout_s: float = 600.0
@@ -98,9 +101,10 @@ class RuntimeConfig:
             for cpu in self.affinity:
                 _int("affinity[i]", cpu, 0)
             object.__setattr__(self, "affinity", tuple(self.affinity))
-        _int("worker_nice", self.worker_nice, 0)
-        if self.worker_nice > 19:
-            raise ValueError(f"worker_nice must be in [0, 19], got {self.worker_nice!r}")
+        if self.worker_nice is not None:
+            _int("worker_nice", self.worker_nice, 0)
+            if self.worker_nice > 19:
+                raise ValueError(f"worker_nice must be in [0, 19], got {self.worker_nice!r}")
         if self.fixed_delay is not None:
             _int("fixed_delay", self.fixed_delay, 0)
             if self.fixed_delay > self.staleness:

@@ -135,11 +135,18 @@ class Runtime:
             self._spiller = self._open_spill_store()  # before any thread or hook exists
         _C = load_extension()
         self._C = _C
+        # Whether torch's intra-op threads leave a core free; under torchrun, the threads of
+        # every process on this machine (LOCAL_WORLD_SIZE) count.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if distributed else 1
+        spare_core = torch.get_num_threads() * local < (os.cpu_count() or 1)
+        nice = self.config.worker_nice
+        if nice is None:  # Note [Worker priority] in csrc/core/worker_pool.cpp
+            nice = 10 if spare_core else 0
         self._pool = _C.WorkerPool(
             workers=self.config.resolved_workers,
             lapack_threads=self.config.lapack_threads,
             affinity=list(self.config.affinity) if self.config.affinity else None,
-            nice=self.config.worker_nice,
+            nice=nice,
         )
         # Device snapshots go through pinned staging slots on the shadow stream; CPU tensors are
         # copied by the pool itself at submission, or on the statistics lane when it runs.
@@ -156,10 +163,7 @@ class Runtime:
         # lane is opt-in (statistics_lane=True) for DTensor parameters.
         sharded = any(hasattr(p, "to_local") for p in _params(optimizer))
         # By default only where the training leaves a core free: on a machine whose cores all
-        # run intra-op threads, the lane would take its time from the training itself. Under
-        # torchrun, the threads of every process on this machine (LOCAL_WORLD_SIZE) count.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if distributed else 1
-        spare_core = torch.get_num_threads() * local < (os.cpu_count() or 1)
+        # run intra-op threads, the lane would take its time from the training itself.
         lane_on = self.config.statistics_lane or (
             self.config.statistics_lane is None and not sharded and spare_core
         )

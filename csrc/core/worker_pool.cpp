@@ -52,7 +52,10 @@ std::set<WorkerPool*>& registry() {
 // (measured on bench/step_time.py: 50-120 ms of that step's forward off CPU at nice 0, 2-35 ms
 // with the workers at nice +10). So a worker thread raises its own nice value by `nice` (on
 // Linux, setpriority on the thread id changes that thread only). Raising needs no privilege;
-// the result is capped at 19. Elsewhere a no-op.
+// the result is capped at 19. Elsewhere a no-op. Only where a core is left to the workers and
+// the lane (the runtime's default): a lowered worker that competes with every training thread
+// gets almost no CPU, misses its deadlines, and the steps wait at the barrier (`make demo` at
+// two training threads on two cores: 5.4 s of waiting, where it had none at nice 0).
 void lower_current_thread_priority(int nice) {
   if (nice < 0 || nice > 19) {
     throw std::invalid_argument("WorkerPool: nice must be in [0, 19], got " + std::to_string(nice));

@@ -558,10 +558,19 @@ def test_pool_workers_run_at_a_lower_priority():
 
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     p = torch.nn.Parameter(torch.zeros(3, 3))
-    for nice in (0, 7):
-        before = set(os.listdir("/proc/self/task"))
-        with Runtime(None, SOAP([p]), RuntimeConfig(workers=2, worker_nice=nice)):
-            workers = set(os.listdir("/proc/self/task")) - before
-            assert len(workers) >= 2
-            assert sorted(nice_of(t) for t in workers)[:2] == [min(19, mine + nice)] * 2
-        assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+    cores, threads = os.cpu_count() or 1, torch.get_num_threads()
+    # (worker_nice, torch threads, expected): by default +10 only where a core is left free
+    cases = [(0, threads, 0), (7, threads, 7), (None, cores, 0)]
+    if cores > 1:
+        cases.append((None, 1, 10))
+    try:
+        for nice, training_threads, expected in cases:
+            torch.set_num_threads(training_threads)
+            before = set(os.listdir("/proc/self/task"))
+            with Runtime(None, SOAP([p]), RuntimeConfig(workers=2, worker_nice=nice)):
+                workers = set(os.listdir("/proc/self/task")) - before
+                assert len(workers) >= 2
+                assert sorted(nice_of(t) for t in workers)[:2] == [min(19, mine + expected)] * 2
+            assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+    finally:
+        torch.set_num_threads(threads)
