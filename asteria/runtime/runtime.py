@@ -499,9 +499,7 @@ class Runtime:
         for dim, job in enumerate(jobs):
             if job is None:
                 continue
-            if self._staging is not None:
-                if self._lane is not None:
-                    self._lane.wait(key)  # (CPU parameters under a forced stand-in, in tests)
+            if self._staging is not None:  # device parameters: never with the lane
                 events = [self._staging.copy((key, dim, "factor"), job.factor)]
                 if job.basis is not None:
                     events.append(self._staging.copy((key, dim, "basis"), job.basis))
@@ -684,8 +682,10 @@ class Runtime:
 
     def _install_cost(self, key: BlockKey, block: dict | None = None) -> float:
         """The install's cost on the training thread: none when it runs on the lane."""
-        if self._lane_installs_on:
-            return 0.0
+        return 0.0 if self._lane_installs_on else self._install_flops(key, block)
+
+    def _install_flops(self, key: BlockKey, block: dict | None = None) -> float:
+        """The optimizer's ``install_cost`` of ``key``'s block (its shapes never change)."""
         cost = self._install_costs.get(key)
         if cost is None:
             block = self._block_state(key) if block is None else block
@@ -697,7 +697,7 @@ class Runtime:
         behind the window (the new bases are copied to pinned host memory right away)."""
         results = [self._to_device(r, block) for r in results]
         if self._window is None:
-            if self._lane_installs_on and self.optimizer.install_cost(block) > 0:
+            if self._lane_installs_on and self._install_flops(key, block) > 0:
                 # an install that computes (SOAP's rotation of m) runs on the statistics lane;
                 # the block's next read of its state waits for it (``_settle_install``)
                 opt = weakref.ref(self.optimizer)

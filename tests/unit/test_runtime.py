@@ -61,7 +61,9 @@ def test_snapshots_through_staging_slots_keep_native_results(runtimes):
 
     def make(params):
         opt = KLShampoo(params, precondition_frequency=5)
-        rt = Runtime(None, opt, RuntimeConfig(staleness=0, workers=1))
+        # the staging path is for device parameters, where the statistics lane never runs
+        config = RuntimeConfig(staleness=0, workers=1, statistics_lane=False)
+        rt = Runtime(None, opt, config)
         rt._staging = StagingSlots(_C.ShadowStream())
         runtimes.append(rt)
         return opt
