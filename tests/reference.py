@@ -499,7 +499,7 @@ class _ShampooBlock:
     def __init__(self, index: tuple[slice, ...], shape: list[int], dtype, device):
         self.index = index  # where the block sits in the parameter
         self.factors = [torch.zeros(d, d, dtype=dtype, device=device) for d in shape]
-        self.roots = [torch.eye(d, dtype=dtype, device=device) for d in shape]  # identity at first
+        self.roots: list[Tensor | None] = [None] * len(shape)  # none until first computed
         self.failures = 0  # consecutive root computations that failed even in fp64
 
 
@@ -529,10 +529,10 @@ class RefShampoo:
     * If ``t % precondition_frequency == 0`` (after the factor update):
       ``R_i = Q diag((max(lam, 0) + epsilon)^(-1/(2k))) Q^T`` from ``eigh(L_i)`` in
       ``refresh_dtype`` (fp64 retry; if that fails too the previous root is kept, and after
-      ``max_consecutive_root_failures`` consecutive failures an error is raised). Roots are the
-      identity until first computed.
+      ``max_consecutive_root_failures`` consecutive failures an error is raised).
     * ``t < start_preconditioning_step``: ``direction = graft`` (``M_hat`` for ``none``). Otherwise
-      per block ``P = M_hat_block x_i R_i``, rescaled with grafting to
+      per block: ``graft_block`` while the block has no roots yet, else ``P = M_hat_block x_i R_i``,
+      rescaled with grafting to
       ``||graft_block|| / ||P||`` (Frobenius; left alone when ``||P|| == 0``).
     * Momentum (``> 0``): ``buf = momentum * buf + direction`` (``buf`` starts at 0),
       ``direction = buf``.
@@ -543,8 +543,10 @@ class RefShampoo:
     Note: roots are computed whenever ``t % precondition_frequency == 0``, whether or not
     preconditioning has started; with the default ``start_preconditioning_step =
     precondition_frequency`` the first roots are computed in the very step they are first used.
-    If ``start_preconditioning_step`` is not a multiple of ``precondition_frequency``, the steps
-    between it and the first multiple precondition with the identity roots (i.e. grafted ``M_hat``).
+    If ``start_preconditioning_step`` comes before the first multiple of
+    ``precondition_frequency``, the steps in between take the grafting direction (Meta's
+    Distributed Shampoo rejects such a start; identity roots, the alternative, would rescale
+    ``M_hat`` to the grafting norm, a direction no configuration of Meta's ever takes).
     """
 
     GRAFTINGS = ("adam", "rmsprop", "adagrad", "sgd", "none")
@@ -675,9 +677,13 @@ class RefShampoo:
         else:
             direction = torch.empty_like(G)
             for block in st.blocks:
+                if all(R is None for R in block.roots):
+                    direction[block.index] = graft[block.index]
+                    continue
                 P = M_hat[block.index]
                 for i, R in enumerate(block.roots):
-                    P = mode_product(P, R, i)
+                    if R is not None:  # a factor whose first root failed
+                        P = mode_product(P, R, i)
                 if self.grafting != "none":
                     p_norm = torch.linalg.vector_norm(P)
                     if p_norm != 0:

@@ -114,6 +114,11 @@ class KroneckerOptimizer(Optimizer):
     #: Whether ``install_refresh`` reads the block's current bases (SOAP rotates its first
     #: moment by ``Q_old^T Q_new``); a runtime then hands it device copies of them.
     install_reads_bases = True
+    #: Whether the native step computes a due refresh before its update reads the bases
+    #: (Shampoo: the roots of step ``t`` precondition step ``t``) rather than after it (SOAP,
+    #: KL-Shampoo: from step ``t + 1``). A refresh a runtime installs between two steps is then
+    #: one step staler than one installed there for the others (Note [Staleness bound]).
+    refresh_precedes_update = False
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         params = _param_list(type(self).__name__, params)

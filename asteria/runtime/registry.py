@@ -9,7 +9,10 @@ It is installed at some step ``s`` with ``t <= s <= t + S``: at the first step b
 at which it is ready, and at step ``t + S`` at the latest, where the step waits for it (the
 bounded barrier, ``Runtime._wait``). "Installed at step ``s``" means after the update of step
 ``s``, exactly where native mode installs a refresh requested at ``s``; the version is used from
-step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode.
+step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode. Shampoo computes a due
+refresh before its update (its roots of step ``t`` precondition step ``t``), so there the same
+version is used from step ``s``, and an install between steps ``s`` and ``s + 1`` (a hook) counts
+as installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``).
 
 Must not: submit work or wait (``runtime.py`` does both); this module is bookkeeping.
 """

@@ -966,7 +966,10 @@ class Runtime:
                         self._submit_copied(e, wait=False)
                     step = self._current_step(key)
                     if e.pending.done() and self._paced(key, step + 1):
-                        self._install(key, e, step)
+                        # between steps `step` and `step + 1`: "after the update of step
+                        # + 1" for an optimizer that refreshes before its update (Shampoo)
+                        late = int(self.optimizer.refresh_precedes_update)
+                        self._install(key, e, step + late)
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The rank side of tests/distributed: ``python -m tests.distributed._workers SCENARIO OUT_DIR``.
 
-Launched once per rank by ``_launch.py`` (gloo on the CPU, env:// rendezvous); every rank writes
-``OUT_DIR/rank{r}.json`` with what the test asserts on. Rank 0 also runs the single-process
-reference, after the distributed run, with the runtime's distributed mode off.
+Launched once per rank by ``_launch.py`` (gloo on the CPU, a rendezvous file per launch); every
+rank writes ``OUT_DIR/rank{r}.json`` with what the test asserts on. Rank 0 also runs the
+single-process reference, after the distributed run, with the runtime's distributed mode off.
 
 The model is a small MLP; the global batch of step ``t`` is seeded by ``t``, each rank takes its
 half of the rows, and the loss is a mean over rows. The single-process reference computes the
@@ -16,7 +16,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
+from tests.distributed._launch import init_gloo
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 DIMS = (6, 5, 4)
@@ -476,7 +476,7 @@ WITH_PATH = {
 def main() -> None:
     scenario, path = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    init_gloo(timeout_s=60)
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
     if scenario in WITH_PATH:

@@ -77,6 +77,13 @@ CASES = {
         # their first root (rank-deficient + epsilon=1e-12 is ill-posed)
         dict(lr=1e-2, grafting="rmsprop", max_preconditioner_dim=4, precondition_frequency=5),
     ),
+    # The start precedes the first roots (step 10): steps 3-9 take the grafting direction.
+    "shampoo-early-start": (
+        Shampoo,
+        RefShampoo,
+        [(6, 5), (3, 4, 2)],
+        dict(lr=1e-2, precondition_frequency=10, start_preconditioning_step=3),
+    ),
     "shampoo-adagrad": (Shampoo, RefShampoo, [(6, 6)], dict(lr=1e-2, grafting="adagrad")),
     "shampoo-sgd": (Shampoo, RefShampoo, [(6, 6)], dict(lr=1e-3, grafting="sgd")),
     "shampoo-none": (Shampoo, RefShampoo, [(6, 6)], dict(lr=1e-2, grafting="none", epsilon=1e-6)),

@@ -269,7 +269,6 @@ def test_placeholders_have_the_structure_of_the_state(cls, options, dtype):
 TWO_RANKS = textwrap.dedent(
     """
     import json, sys
-    from datetime import timedelta
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -277,10 +276,11 @@ TWO_RANKS = textwrap.dedent(
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
         set_model_state_dict, set_optimizer_state_dict)
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from tests.distributed._launch import init_gloo
     from tests.distributed._workers import OPTIMIZERS, _local, _sharded, _train, make_opt, model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    init_gloo(timeout_s=60)
     rank, world = dist.get_rank(), dist.get_world_size()
     path, out = sys.argv[1], {}
     save = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
@@ -334,16 +334,15 @@ def test_torch_state_dict_api_on_two_ranks(tmp_path):
     per local shard, of which DCP would keep one rank's copy: get/set_optimizer_state_dict refuse
     it (Note [Sharded state and torch's state-dict API]), ``state_dict()`` itself (what
     asteria.checkpoint calls) does not."""
-    from tests.distributed._launch import ROOT, free_port
+    from tests.distributed._launch import ROOT, rendezvous_env
 
     script = tmp_path / "ranks.py"
     script.write_text(TWO_RANKS)
-    port, procs = free_port(), []
+    rendezvous, procs = rendezvous_env(tmp_path), []
     for rank in range(2):
         env = {
             **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **rendezvous,
             "RANK": str(rank),
             "WORLD_SIZE": "2",
             "OMP_NUM_THREADS": "1",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from asteria.runtime import (
     StalenessTimeoutError,
 )
 from asteria.runtime.hooks import ModuleSignals
-from tests.problems import StochasticQuartic, state_tensors
+from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SHAPES = [(6, 6), (5, 6), (4, 3, 2), (7,)]
@@ -89,6 +90,25 @@ def test_fixed_delay_is_deterministic_and_exact(name, runtimes):
     assert set(hist) == {2}
     native = problem.run(lambda ps: cls(ps, precondition_frequency=5))
     assert any(not torch.equal(a, b) for a, b in zip(first, native)), "the delay must matter"
+
+
+def test_shampoo_grafts_until_its_first_roots_arrive(runtimes):
+    """Shampoo's first roots, requested at step 5 (its start), arrive at step 7 under
+    ``fixed_delay=2``: steps 5 and 6 take the grafting direction, as before the start (identity
+    roots there would rescale ``M_hat`` to the grafting norm instead)."""
+    config = RuntimeConfig(staleness=2, fixed_delay=2, workers=1)
+    problem = StochasticQuartic(SHAPES, 6, torch.float32)
+    delayed = problem.run(_orchestrated(Shampoo, config, runtimes))
+    grafting = problem.run(
+        lambda ps: Shampoo(ps, precondition_frequency=5, start_preconditioning_step=10**9)
+    )
+    assert max_rel_diff(delayed, grafting) < 1e-6  # the same math in another operation order
+    longer = StochasticQuartic(SHAPES, 7, torch.float32)
+    delayed = longer.run(_orchestrated(Shampoo, config, runtimes))
+    grafting = longer.run(
+        lambda ps: Shampoo(ps, precondition_frequency=5, start_preconditioning_step=10**9)
+    )
+    assert max_rel_diff(delayed, grafting) > 1e-4, "step 7 uses the roots"
 
 
 def _hog(runtime: Runtime, seconds_each: int = 4) -> list:
@@ -201,6 +221,27 @@ def test_hooks_are_signals_and_close_removes_them():
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     assert type(opt.refresher).__name__ == "NativeRefresher"
     assert all(e.pending is None for e in rt.registry.entries.values())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_hook_installs_count_staleness_as_the_optimizer_uses_the_version(name):
+    """A refresh installed by a hook, between steps t and t+1, is used from step t+1: native
+    SOAP and KL-Shampoo do the same with their refresh of step t (staleness 0), native Shampoo
+    already used it in step t (staleness 1; Note [Staleness bound])."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=2)
+    config = RuntimeConfig(staleness=3, workers=1, statistics_lane=False)
+    with Runtime(model, opt, config) as rt:
+        for _ in range(12):
+            opt.zero_grad()
+            # every refresh is ready when the next forward starts
+            while any(e.pending and not e.pending.done() for e in rt.registry.entries.values()):
+                time.sleep(0.001)
+            model(torch.randn(16, 6)).square().mean().backward()
+            opt.step()
+        hist = rt.stats()["staleness_histogram"]
+    assert hist == ({1: sum(hist.values())} if name == "shampoo" else {0: sum(hist.values())})
+    assert sum(hist.values()) >= 2 * 5
 
 
 def test_backward_signal_precedes_the_module_backward_and_allows_inplace_ops():

@@ -497,7 +497,16 @@ def test_fsdp_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     one = tmp_path / "one"
     assert main([*argv, "--out", str(one)]) == 0
     out = tmp_path / "fsdp"
-    cmd = [torchrun, "--nproc-per-node", "2", "-m", "asteria.train", "--fsdp", *argv]
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "asteria.train",
+        "--fsdp",
+        *argv,
+    ]
     proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("adamw: lr") == 1  # rank 0 alone prints and writes
@@ -521,7 +530,16 @@ def test_fsdp_second_order_checkpoints_per_shard_and_resumes_under_torchrun(
     argv = [*QUICK, "--model", "nano", "--steps", "6", "--compare", "soap:native,soap:asteria"]
 
     def launch(procs: int, out: Path, *extra: str) -> subprocess.CompletedProcess:
-        cmd = [torchrun, "--nproc-per-node", str(procs), "-m", "asteria.train", "--fsdp", *argv]
+        cmd = [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            str(procs),
+            "-m",
+            "asteria.train",
+            "--fsdp",
+            *argv,
+        ]
         return subprocess.run(
             [*cmd, *extra, "--out", str(out)], capture_output=True, text=True, timeout=300
         )
