@@ -109,6 +109,15 @@ class Refresher(Protocol):
         """Finish every deferred statistics update (before ``state_dict`` and the like)."""
         ...
 
+    def beside(
+        self, opt: KroneckerOptimizer, fn: Callable[..., None], *args: Any
+    ) -> Callable[[], None] | None:
+        """Start ``fn(*args)``, part of the step's update, on another thread, concurrently with
+        the caller, and return the function that waits for it (and raises its error); ``None``
+        when the refresher has no thread for it (the caller then does all the work itself).
+        ``fn`` runs after everything the refresher queued before (installs, statistics)."""
+        ...
+
 
 class NativeRefresher:
     """The synchronous algorithm: a due refresh is computed and installed in the step itself."""
@@ -129,6 +138,9 @@ class NativeRefresher:
 
     def sync(self, opt) -> None:
         pass
+
+    def beside(self, opt, fn, *args) -> None:
+        return None
 
     def block_boundary(self, opt, key, block, group, step, due) -> None:
         if due:

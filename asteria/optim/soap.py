@@ -218,7 +218,7 @@ class SOAP(KroneckerOptimizer):
                 q = self._refresher.bases(self, c.key, c.block)
                 (native if _native_block(c.grad, q) else python).append((c, q))
             if native:
-                _update_native(native, group)
+                self._update_native_split(native, group)
             if python:
                 _update_fused(python, group)
         if group["weight_decay"] > 0.0:
@@ -233,6 +233,21 @@ class SOAP(KroneckerOptimizer):
                 fn = soap_accumulate if c.grad.dim() == 2 else _accumulate_factors
                 self._refresher.accumulate(self, c.key, fn, factors, c.grad, beta)
             self._refresher.block_boundary(self, c.key, c.block, group, c.step, c.step % freq == 0)
+
+    def _update_native_split(self, blocks: Chunk, group: dict[str, Any]) -> None:
+        """``_update_native`` of ``blocks``, half of them (by flops) on the refresher's other
+        thread where it has one (Note [Split updates] in asteria/runtime/runtime.py)."""
+        wait = None
+        if len(blocks) > 1:
+            mine, theirs = _halves(blocks)
+            wait = self._refresher.beside(self, _update_native, theirs, group)
+        if wait is None:
+            _update_native(blocks, group)
+            return
+        try:
+            _update_native(mine, group)
+        finally:
+            wait()  # also when this half raised: the other half must not outlive the step
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
@@ -309,6 +324,26 @@ Chunk = list[tuple[_BlockStep, list]]  # blocks with their bases
 def _native_block(g: torch.Tensor, bases: list) -> bool:
     """Whether ``asteria._C.soap_update_blocks`` takes the block: 2-D, or without bases."""
     return g.dim() == 2 or all(q is None for q in bases)
+
+
+def _update_flops(g: torch.Tensor, bases: list) -> int:
+    """About the flops of a block's update: two products per basis (into it and back), and
+    some ten elementwise ops."""
+    return 10 * g.numel() + sum(4 * g.numel() * q.shape[0] for q in bases if q is not None)
+
+
+def _halves(blocks: Chunk) -> tuple[Chunk, Chunk]:
+    """``blocks`` in two parts of about equal flops (largest first, each to the lighter part),
+    each in its original order."""
+    flops = [_update_flops(c.grad, q) for c, q in blocks]
+    side, load = [0] * len(blocks), [0, 0]
+    for i in sorted(range(len(blocks)), key=lambda i: -flops[i]):
+        side[i] = 0 if load[0] <= load[1] else 1
+        load[side[i]] += flops[i]
+    return (
+        [b for b, s in zip(blocks, side) if s == 0],
+        [b for b, s in zip(blocks, side) if s == 1],
+    )
 
 
 def _update_native(blocks: Chunk, group: dict[str, Any]) -> None:

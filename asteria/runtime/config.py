@@ -52,6 +52,9 @@ class RuntimeConfig:
             thread: SOAP's rotation of its first moment, without the statistics lane (which
             takes such installs off the training thread). It trades the spike for staleness.
             ``False`` (default): install each refresh as soon as it is ready.
+        split_updates: with the statistics lane, the lane runs about half of the blocks of
+            each step's update (SOAP's 2-D blocks), beside the training thread (Note [Split
+            updates] in runtime.py); bitwise the same parameters. No effect without the lane.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;
@@ -79,6 +82,7 @@ class RuntimeConfig:
     worker_nice: int | None = None
     fixed_delay: int | None = None
     pace_installs: bool = False
+    split_updates: bool = True
     barrier_timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     hooks: bool = True
@@ -125,6 +129,8 @@ class RuntimeConfig:
             raise ValueError(f"hooks must be True or False, got {self.hooks!r}")
         if not isinstance(self.pace_installs, bool):
             raise ValueError(f"pace_installs must be True or False, got {self.pace_installs!r}")
+        if not isinstance(self.split_updates, bool):
+            raise ValueError(f"split_updates must be True or False, got {self.split_updates!r}")
         if self.statistics_lane is not None and not isinstance(self.statistics_lane, bool):
             raise ValueError(
                 f"statistics_lane must be True, False or None, got {self.statistics_lane!r}"

@@ -22,6 +22,7 @@ Coherence, per block:
     there and then; so the training thread never waits for the lane at a refresh step
     (before, it waited there for the whole step's statistics: 80 ms of SOAP's and 250 ms of
     KL-Shampoo's refresh step on bench/step_time.py);
+  * part of the step's update itself can run here too (Note [Split updates] in runtime.py);
   * an install that computes (SOAP rotates ``m`` into the new basis and permutes ``v``: about
     140 ms of the step after each refresh there, nearly a whole SOAP step) is queued on the lane
     as well, and the block's next update waits for it where it first reads the block's bases
@@ -47,6 +48,11 @@ from typing import Any
 import torch
 
 __all__ = ["LaneWork", "StatisticsLane", "StatisticsLaneError"]
+
+
+def _no_grad_call(fn: Callable[..., None], args: tuple) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        fn(*args)
 
 
 class StatisticsLaneError(RuntimeError):
@@ -111,6 +117,20 @@ class StatisticsLane:
         work = LaneWork(self, key)
         work.future = self.submit(key, work.run, fn, *args)
         return work
+
+    def beside(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+        """Queue ``fn(*args)``, part of the step's update (Note [Split updates] in runtime.py),
+        after everything submitted before it; return the function that waits for it and raises
+        its own error (no block's: the step that called it fails, nothing else)."""
+        future = self._executor.submit(_no_grad_call, fn, args)
+        return lambda: self._wait_beside(future)
+
+    def _wait_beside(self, future: Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     def _run(self, key: Hashable, fn: Callable[..., None], args: tuple) -> None:
         """On the lane: ``fn(*args)``, unless an earlier update of ``key`` failed (then nothing

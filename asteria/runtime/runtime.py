@@ -343,6 +343,24 @@ class Runtime:
         if self._lane is not None:
             self._lane.wait(key)
 
+    def beside(self, opt: KroneckerOptimizer, fn: Any, *args: Any) -> Any:
+        """Part of the step's update on the statistics lane (Note [Split updates])."""
+        if self._lane is None or not self.config.split_updates:
+            return None
+        return self._lane.beside(fn, *args)
+
+    # Note [Split updates]: with a statistics lane, training takes one core and the lane and
+    # the refresh pool share the other; the lane's statistics and the pool's refreshes run
+    # while the training thread does the forward and backward, and the second core idles while
+    # the training thread does the optimizer's update. So an optimizer that updates many
+    # blocks in one call (SOAP's 2-D blocks, one C++ call per chunk) splits them in two halves
+    # of about equal flops and hands one to the lane (``Refresher.beside``), which runs it
+    # while the training thread does the other; the step goes on once both are done. Each
+    # block's update is the same ops on the same tensors with the same thread count, whichever
+    # thread runs it, so the parameters stay bitwise those of native mode. The lane's half runs
+    # after everything queued on the lane before it (installs included), so it reads a block's
+    # installed bases just as the training thread's half does after ``bases``.
+
     def sync(self, opt: KroneckerOptimizer) -> None:
         if self._lane is not None:
             self._lane.wait_all()

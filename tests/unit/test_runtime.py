@@ -363,6 +363,7 @@ def test_paced_installs_spread_a_refresh_over_the_budget():
         (dict(staleness=2, fixed_delay=3), "fixed_delay"),
         (dict(workers=0), "workers"),
         (dict(barrier_timeout_s=0), "barrier_timeout_s"),
+        (dict(split_updates="yes"), "split_updates"),
         (dict(lapack_threads=0), "lapack_threads"),
         (dict(max_consecutive_failures=0), "max_consecutive_failures"),
         (dict(affinity=()), "affinity"),
@@ -588,6 +589,57 @@ def test_soap_installs_run_on_the_statistics_lane(runtimes, monkeypatch):
         half = len(threads) // 2  # the run without the lane, then the one with it
         assert half >= 3 * 7 and not any(on_lane[:half])
         assert all(on_lane[half:]) if cls is SOAP else not any(on_lane[half:])
+
+
+def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
+    """Note [Split updates]: with the lane, SOAP's 2-D and basis-free blocks are updated in two
+    halves of about equal flops, one on the lane, beside the training thread; the parameters
+    are bitwise those of native mode. An error in the lane's half reaches the step as is."""
+    import threading
+
+    import asteria.optim.soap as soap_module
+
+    calls: list[tuple[str, int]] = []
+    real = soap_module.soap_update_blocks
+
+    def spy(grads, *args):
+        calls.append((threading.current_thread().name, sum(g.numel() for g in grads)))
+        real(grads, *args)
+
+    monkeypatch.setattr(soap_module, "soap_update_blocks", spy)
+    problem = StochasticQuartic([(12, 10), (6, 6), (5, 6), (4, 3, 2), (7,)], 40, torch.float32)
+    native = problem.run(lambda ps: SOAP(ps, precondition_frequency=5))
+    assert len(calls) == 39  # the first step initializes the bases and does not update
+    delayed = {}
+    for split in (False, True):
+        calls.clear()
+        config = RuntimeConfig(staleness=0, workers=1, statistics_lane=True, split_updates=split)
+        for a, b in zip(problem.run(_orchestrated(SOAP, config, runtimes)), native):
+            assert torch.equal(a, b)
+        # installs queued on the lane before its half of the update, and read by both halves
+        config = RuntimeConfig(
+            staleness=2, fixed_delay=1, workers=1, statistics_lane=True, split_updates=split
+        )
+        delayed[split] = problem.run(_orchestrated(SOAP, config, runtimes))
+        calls[:] = calls[: len(calls) // 2]  # the run at staleness 0
+        lane = [n for name, n in calls if name.startswith("asteria-statistics")]
+        mine = [n for name, n in calls if not name.startswith("asteria-statistics")]
+        if split:
+            # the (12, 10) block alone on one side, the other three (36 + 30 + 7) on the other
+            assert len(lane) == len(mine) == 39 and sorted({*lane, *mine}) == [73, 120]
+        else:
+            assert not lane and len(mine) == 39
+    for a, b in zip(delayed[True], delayed[False]):
+        assert torch.equal(a, b)
+
+    def broken(grads, *args):
+        if threading.current_thread().name.startswith("asteria-statistics"):
+            raise ValueError("broken on the lane")
+        real(grads, *args)
+
+    monkeypatch.setattr(soap_module, "soap_update_blocks", broken)
+    with pytest.raises(ValueError, match="broken on the lane"):
+        problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
