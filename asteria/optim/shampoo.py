@@ -15,10 +15,9 @@ whose roots have not been computed yet takes the grafting direction, as every bl
 ``start_preconditioning_step``. Meta's code never meets that case (it requires the start to be at
 least ``precondition_frequency``, so the first roots exist before they are used); here it happens
 when the start precedes the first refresh, and under an ``asteria.Runtime``, whose first roots
-arrive up to ``S`` steps after they are requested.
-Identity roots instead (the block's ``M_hat`` rescaled to the grafting norm) put the whole step
-of an embedding on its few frequent rows: one such step on the ``tiny`` LM takes the loss from 3.3
-to 5.1.
+arrive up to ``S`` steps after they are requested. Identity roots instead (the block's ``M_hat``
+rescaled to the grafting norm) put the whole step of an embedding on its few frequent rows: one
+such step on the ``tiny`` LM took the loss from 3.3 to 5.1.
 
 Must not: know about runtimes, pools or memory tiers.
 """

@@ -986,8 +986,8 @@ class Runtime:
                         self._submit_copied(e, wait=False)
                     step = self._current_step(key)
                     if e.pending.done() and self._paced(key, step + 1):
-                        # between steps `step` and `step + 1`: "after the update of step
-                        # + 1" for an optimizer that refreshes before its update (Shampoo)
+                        # between steps `step` and `step + 1`; Shampoo, which refreshes
+                        # before its update, would have used it in step `step` already
                         late = int(self.optimizer.refresh_precedes_update)
                         self._install(key, e, step + late)
 
