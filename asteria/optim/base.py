@@ -33,7 +33,7 @@ import copy
 import sys
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+T = TypeVar("T")
 
 
 def shampoo_beta(group: dict[str, Any]) -> float:
@@ -585,6 +586,20 @@ def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
     """Views of ``t`` (viewed with the layout's shape) for every block, in layout order."""
     v = layout.view(t)
     return [v[b.index] for b in layout.blocks]
+
+
+def halves(items: list[T], costs: list[float]) -> tuple[list[T], list[T]]:
+    """``items`` in two parts of about equal cost (largest first, each to the cheaper part so
+    far), each in its original order: the two threads of a split update (Note [Split updates]
+    in asteria/runtime/runtime.py)."""
+    side, load = [0] * len(items), [0.0, 0.0]
+    for i in sorted(range(len(items)), key=lambda i: -costs[i]):
+        side[i] = 0 if load[0] <= load[1] else 1
+        load[side[i]] += costs[i]
+    return (
+        [x for x, s in zip(items, side) if s == 0],
+        [x for x, s in zip(items, side) if s == 1],
+    )
 
 
 def zeros_like_blocks(layout: ParamLayout, dtype: torch.dtype, device) -> list[torch.Tensor]:

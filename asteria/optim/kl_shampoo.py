@@ -23,21 +23,24 @@ Must not: know about runtimes, pools or memory tiers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from asteria.optim import matrix_functions as mf
 from asteria.optim.base import (
+    BlockKey,
     KroneckerOptimizer,
     ParamsT,
     RefreshJob,
+    Update,
     adamw_update,
     basis_zeros,
     block_views,
     check_betas,
     check_range,
     check_shampoo_beta,
+    halves,
     shampoo_beta,
     state_dtype,
 )
@@ -161,6 +164,70 @@ class KLShampoo(KroneckerOptimizer):
             ]
         }
 
+    def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
+        """The group's updates in three phases, so that the refresher may run half of the
+        blocks' arithmetic on another thread (Note [Split updates] in
+        asteria/runtime/runtime.py): the waits for each block's statistics and bases (in the
+        training thread), the blocks' updates (split by flops), then each block's statistics and
+        refresh decision, in the per-parameter path's block order. Per block, the same ops on
+        the same tensors as ``_update_param``; where bases are valid only until the next
+        ``bases`` call (a device window), that path runs instead."""
+        if not self._refresher.bases_stable:
+            super()._update_params(group, updates)
+            return
+        beta1, lr = group["betas"][0], group["lr"]
+        work: list[_KLBlock] = []
+        for u in updates:
+            if "blocks" not in u.state:
+                self._update_param(u.pid, u.p, u.grad, group, u.state, u.layout)
+                continue
+            u.state["step"] += 1
+            for bi, (spec, b, g, w) in enumerate(
+                zip(
+                    u.layout.blocks,
+                    u.state["blocks"],
+                    block_views(u.grad, u.layout),
+                    block_views(u.p, u.layout),
+                )
+            ):
+                key = (u.pid, bi)
+                self._refresher.block_begin(self, key, b)  # the last step's statistics are in
+                bases = list(self._refresher.bases(self, key, b))
+                work.append(_KLBlock(key, b, g, w, bases, spec.numel, u))
+        wait = None
+        if len(work) > 1:
+            mine, theirs = halves(work, [_update_flops(k.grad, k.bases) for k in work])
+            wait = self._refresher.beside(self, _update_blocks, theirs, beta1, lr)
+        if wait is None:
+            _update_blocks(work, beta1, lr)
+        else:
+            try:
+                _update_blocks(mine, beta1, lr)
+            finally:
+                wait()
+        beta = shampoo_beta(group)
+        for k in work:
+            step = k.update.state["step"]
+            # The statistics read this step's bases (the list taken above): a refresh
+            # installed at the boundary below cannot change what they read.
+            self._refresher.accumulate(
+                self,
+                k.key,
+                self._update_statistics,
+                k.block,
+                k.bases,
+                k.grad,
+                k.numel,
+                beta,
+                group["max_clamp_value"],
+            )
+            refresh = step % group["precondition_frequency"] == 0
+            self._refresher.block_boundary(self, k.key, k.block, group, step, refresh)
+        if group["weight_decay"] > 0.0:
+            for u in updates:
+                if "blocks" in u.state:
+                    u.p.add_(u.p, alpha=-lr * group["weight_decay"])
+
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         if "blocks" not in state:
             adamw_update(
@@ -245,3 +312,30 @@ class KLShampoo(KroneckerOptimizer):
         block["bases"] = [
             q.to(dtype=f.dtype, device=f.device) for (q, _), f in zip(results, block["factors"])
         ]
+
+
+class _KLBlock(NamedTuple):
+    """One matrix block's part of a step: its key and state, gradient and weight views, the
+    bases its update and statistics read, its element count, and its parameter's update."""
+
+    key: BlockKey
+    block: dict[str, Any]
+    grad: torch.Tensor
+    weight: torch.Tensor
+    bases: list[torch.Tensor]
+    numel: int
+    update: Update
+
+
+def _update_flops(g: torch.Tensor, bases: list[torch.Tensor]) -> float:
+    """About the flops of a block's update: a product into and out of each basis."""
+    return float(g.numel() * (4 * sum(q.shape[0] for q in bases) + 4))
+
+
+def _update_blocks(blocks: list[_KLBlock], beta1: float, lr: float) -> None:
+    """Steps 1, 2 and 6 (the update part) of ALGORITHMS.md for each block, in order."""
+    for k in blocks:
+        b = k.block
+        b["exp_avg"].lerp_(k.grad, 1 - beta1)
+        scaled = mode_scale(mode_products(b["exp_avg"], k.bases, True), b["eigen_sqrt_inv"])
+        k.weight.add_(mode_products(scaled, k.bases, False), alpha=-lr)

@@ -34,6 +34,7 @@ from asteria.optim.base import (
     block_views,
     check_betas,
     check_shampoo_beta,
+    halves,
     shampoo_beta,
     state_dtype,
 )
@@ -239,7 +240,7 @@ class SOAP(KroneckerOptimizer):
         thread where it has one (Note [Split updates] in asteria/runtime/runtime.py)."""
         wait = None
         if len(blocks) > 1:
-            mine, theirs = _halves(blocks)
+            mine, theirs = halves(blocks, [_update_flops(c.grad, q) for c, q in blocks])
             wait = self._refresher.beside(self, _update_native, theirs, group)
         if wait is None:
             _update_native(blocks, group)
@@ -330,20 +331,6 @@ def _update_flops(g: torch.Tensor, bases: list) -> int:
     """About the flops of a block's update: two products per basis (into it and back), and
     some ten elementwise ops."""
     return 10 * g.numel() + sum(4 * g.numel() * q.shape[0] for q in bases if q is not None)
-
-
-def _halves(blocks: Chunk) -> tuple[Chunk, Chunk]:
-    """``blocks`` in two parts of about equal flops (largest first, each to the lighter part),
-    each in its original order."""
-    flops = [_update_flops(c.grad, q) for c, q in blocks]
-    side, load = [0] * len(blocks), [0, 0]
-    for i in sorted(range(len(blocks)), key=lambda i: -flops[i]):
-        side[i] = 0 if load[0] <= load[1] else 1
-        load[side[i]] += flops[i]
-    return (
-        [b for b, s in zip(blocks, side) if s == 0],
-        [b for b, s in zip(blocks, side) if s == 1],
-    )
 
 
 def _update_native(blocks: Chunk, group: dict[str, Any]) -> None:

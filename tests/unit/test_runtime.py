@@ -642,6 +642,43 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
 
 
+def test_kl_shampoo_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
+    """Note [Split updates] for KL-Shampoo: its blocks' updates in two halves, one on the lane;
+    bitwise native at S = 0, and split = unsplit with refreshes in flight."""
+    import threading
+
+    import asteria.optim.kl_shampoo as kl_module
+
+    calls: list[tuple[str, int]] = []
+    real = kl_module._update_blocks
+
+    def spy(blocks, *args):
+        calls.append((threading.current_thread().name, len(blocks)))
+        real(blocks, *args)
+
+    monkeypatch.setattr(kl_module, "_update_blocks", spy)
+    problem = StochasticQuartic(SHAPES, 40, torch.float32)
+    native = problem.run(lambda ps: KLShampoo(ps, precondition_frequency=5))
+    assert [n for _, n in calls] == [3] * 39  # one call per step, the three matrix blocks
+    delayed = {}
+    for split in (False, True):
+        calls.clear()
+        config = RuntimeConfig(staleness=0, workers=1, statistics_lane=True, split_updates=split)
+        for a, b in zip(problem.run(_orchestrated(KLShampoo, config, runtimes)), native):
+            assert torch.equal(a, b)
+        on_lane = sorted(n for name, n in calls if name.startswith("asteria-statistics"))
+        mine = sorted(n for name, n in calls if not name.startswith("asteria-statistics"))
+        # the (6, 6) block (the most flops) alone in the training thread, (5, 6) and (4, 3, 2)
+        # on the lane
+        assert (on_lane, mine) == (([2] * 39, [1] * 39) if split else ([], [3] * 39))
+        config = RuntimeConfig(
+            staleness=2, fixed_delay=1, workers=1, statistics_lane=True, split_updates=split
+        )
+        delayed[split] = problem.run(_orchestrated(KLShampoo, config, runtimes))
+    for a, b in zip(delayed[True], delayed[False]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
 def test_pool_workers_run_at_a_lower_priority():
     """Note [Worker priority]: the workers add ``worker_nice`` to their nice value; the
