@@ -53,7 +53,7 @@ class RuntimeConfig:
             takes such installs off the training thread). It trades the spike for staleness.
             ``False`` (default): install each refresh as soon as it is ready.
         split_updates: with the statistics lane, the lane runs about half of the blocks of
-            each step's update (SOAP's 2-D blocks), beside the training thread (Note [Split
+            each step's update (SOAP, KL-Shampoo), beside the training thread (Note [Split
             updates] in runtime.py); bitwise the same parameters. No effect without the lane.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
