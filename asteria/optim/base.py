@@ -482,6 +482,22 @@ class KroneckerOptimizer(Optimizer):
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         raise NotImplementedError
 
+    def _run_split(
+        self, fn: Callable[..., None], items: list[T], cost: Callable[[T], float], *args: Any
+    ) -> None:
+        """``fn(items, *args)``; where the refresher has a thread beside this one, as two calls
+        on halves of ``items`` of about equal ``cost``, one on each thread (Note [Split
+        updates] in asteria/runtime/runtime.py)."""
+        if len(items) < 2 or not self._refresher.splits_updates:
+            fn(items, *args)
+            return
+        mine, theirs = _halves(items, [cost(x) for x in items])
+        wait = self._refresher.beside(self, fn, theirs, *args)
+        try:
+            fn(mine, *args)
+        finally:
+            wait()  # also when this half raised: the other half must not outlive the step
+
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
         """Update the parameters of one group; ``_update_param`` on each, unless overridden."""
         for u in updates:
@@ -588,10 +604,9 @@ def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
     return [v[b.index] for b in layout.blocks]
 
 
-def halves(items: list[T], costs: list[float]) -> tuple[list[T], list[T]]:
+def _halves(items: list[T], costs: list[float]) -> tuple[list[T], list[T]]:
     """``items`` in two parts of about equal cost (largest first, each to the cheaper part so
-    far), each in its original order: the two threads of a split update (Note [Split updates]
-    in asteria/runtime/runtime.py)."""
+    far), each in its original order."""
     side, load = [0] * len(items), [0.0, 0.0]
     for i in sorted(range(len(items)), key=lambda i: -costs[i]):
         side[i] = 0 if load[0] <= load[1] else 1

@@ -40,7 +40,6 @@ from asteria.optim.base import (
     check_betas,
     check_range,
     check_shampoo_beta,
-    halves,
     shampoo_beta,
     state_dtype,
 )
@@ -194,17 +193,7 @@ class KLShampoo(KroneckerOptimizer):
                 self._refresher.block_begin(self, key, b)  # the last step's statistics are in
                 bases = list(self._refresher.bases(self, key, b))
                 work.append(_KLBlock(key, b, g, w, bases, spec.numel, u))
-        wait = None
-        if len(work) > 1:
-            mine, theirs = halves(work, [_update_flops(k.grad, k.bases) for k in work])
-            wait = self._refresher.beside(self, _update_blocks, theirs, beta1, lr)
-        if wait is None:
-            _update_blocks(work, beta1, lr)
-        else:
-            try:
-                _update_blocks(mine, beta1, lr)
-            finally:
-                wait()
+        self._run_split(_update_blocks, work, _update_flops, beta1, lr)
         beta = shampoo_beta(group)
         for k in work:
             step = k.update.state["step"]
@@ -327,9 +316,9 @@ class _KLBlock(NamedTuple):
     update: Update
 
 
-def _update_flops(g: torch.Tensor, bases: list[torch.Tensor]) -> float:
+def _update_flops(k: _KLBlock) -> float:
     """About the flops of a block's update: a product into and out of each basis."""
-    return float(g.numel() * (4 * sum(q.shape[0] for q in bases) + 4))
+    return float(k.grad.numel() * (4 * sum(q.shape[0] for q in k.bases) + 4))
 
 
 def _update_blocks(blocks: list[_KLBlock], beta1: float, lr: float) -> None:

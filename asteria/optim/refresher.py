@@ -109,13 +109,18 @@ class Refresher(Protocol):
         """Finish every deferred statistics update (before ``state_dict`` and the like)."""
         ...
 
+    @property
+    def splits_updates(self) -> bool:
+        """Whether ``beside`` has a thread to run part of the step's update on."""
+        ...
+
     def beside(
         self, opt: KroneckerOptimizer, fn: Callable[..., None], *args: Any
-    ) -> Callable[[], None] | None:
+    ) -> Callable[[], None]:
         """Start ``fn(*args)``, part of the step's update, on another thread, concurrently with
-        the caller, and return the function that waits for it (and raises its error); ``None``
-        when the refresher has no thread for it (the caller then does all the work itself).
-        ``fn`` runs after everything the refresher queued before (installs, statistics)."""
+        the caller, and return the function that waits for it (and raises its error). Only
+        called where ``splits_updates``. ``fn`` runs after everything the refresher queued
+        before (installs, statistics)."""
         ...
 
 
@@ -139,8 +144,10 @@ class NativeRefresher:
     def sync(self, opt) -> None:
         pass
 
-    def beside(self, opt, fn, *args) -> None:
-        return None
+    splits_updates = False  # everything in the step's own thread
+
+    def beside(self, opt, fn, *args):
+        raise RuntimeError("NativeRefresher runs the whole update in the step's thread")
 
     def block_boundary(self, opt, key, block, group, step, due) -> None:
         if due:

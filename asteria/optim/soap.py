@@ -34,7 +34,6 @@ from asteria.optim.base import (
     block_views,
     check_betas,
     check_shampoo_beta,
-    halves,
     shampoo_beta,
     state_dtype,
 )
@@ -219,7 +218,7 @@ class SOAP(KroneckerOptimizer):
                 q = self._refresher.bases(self, c.key, c.block)
                 (native if _native_block(c.grad, q) else python).append((c, q))
             if native:
-                self._update_native_split(native, group)
+                self._run_split(_update_native, native, _chunk_flops, group)
             if python:
                 _update_fused(python, group)
         if group["weight_decay"] > 0.0:
@@ -234,21 +233,6 @@ class SOAP(KroneckerOptimizer):
                 fn = soap_accumulate if c.grad.dim() == 2 else _accumulate_factors
                 self._refresher.accumulate(self, c.key, fn, factors, c.grad, beta)
             self._refresher.block_boundary(self, c.key, c.block, group, c.step, c.step % freq == 0)
-
-    def _update_native_split(self, blocks: Chunk, group: dict[str, Any]) -> None:
-        """``_update_native`` of ``blocks``, half of them (by flops) on the refresher's other
-        thread where it has one (Note [Split updates] in asteria/runtime/runtime.py)."""
-        wait = None
-        if len(blocks) > 1:
-            mine, theirs = halves(blocks, [_update_flops(c.grad, q) for c, q in blocks])
-            wait = self._refresher.beside(self, _update_native, theirs, group)
-        if wait is None:
-            _update_native(blocks, group)
-            return
-        try:
-            _update_native(mine, group)
-        finally:
-            wait()  # also when this half raised: the other half must not outlive the step
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
@@ -327,9 +311,10 @@ def _native_block(g: torch.Tensor, bases: list) -> bool:
     return g.dim() == 2 or all(q is None for q in bases)
 
 
-def _update_flops(g: torch.Tensor, bases: list) -> int:
+def _chunk_flops(item: tuple[_BlockStep, list]) -> int:
     """About the flops of a block's update: two products per basis (into it and back), and
     some ten elementwise ops."""
+    g, bases = item[0].grad, item[1]
     return 10 * g.numel() + sum(4 * g.numel() * q.shape[0] for q in bases if q is not None)
 
 

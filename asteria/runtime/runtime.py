@@ -343,10 +343,12 @@ class Runtime:
         if self._lane is not None:
             self._lane.wait(key)
 
+    @property
+    def splits_updates(self) -> bool:
+        return self._lane is not None and self.config.split_updates
+
     def beside(self, opt: KroneckerOptimizer, fn: Any, *args: Any) -> Any:
         """Part of the step's update on the statistics lane (Note [Split updates])."""
-        if self._lane is None or not self.config.split_updates:
-            return None
         return self._lane.beside(fn, *args)
 
     # Note [Split updates]: with a statistics lane, training takes one core and the lane and

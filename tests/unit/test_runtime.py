@@ -591,6 +591,27 @@ def test_soap_installs_run_on_the_statistics_lane(runtimes, monkeypatch):
         assert all(on_lane[half:]) if cls is SOAP else not any(on_lane[half:])
 
 
+def _split_runs(cls, problem, native, runtimes, calls: list) -> dict[bool, list]:
+    """Note [Split updates]: ``cls`` with the lane, with and without split updates. At S = 0
+    each run is bitwise ``native``; under ``fixed_delay=1`` (installs queued on the lane before
+    its half, and read by both halves) split equals unsplit. Returns, per ``split``, the
+    ``(lane?, size)`` of the ``calls`` the spy recorded in the run at S = 0."""
+    seen, delayed = {}, {}
+    for split in (False, True):
+        calls.clear()
+        config = RuntimeConfig(staleness=0, workers=1, statistics_lane=True, split_updates=split)
+        for a, b in zip(problem.run(_orchestrated(cls, config, runtimes)), native):
+            assert torch.equal(a, b)
+        seen[split] = [(name.startswith("asteria-statistics"), n) for name, n in calls]
+        config = RuntimeConfig(
+            staleness=2, fixed_delay=1, workers=1, statistics_lane=True, split_updates=split
+        )
+        delayed[split] = problem.run(_orchestrated(cls, config, runtimes))
+    for a, b in zip(delayed[True], delayed[False]):
+        assert torch.equal(a, b)
+    return seen
+
+
 def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
     """Note [Split updates]: with the lane, SOAP's 2-D and basis-free blocks are updated in two
     halves of about equal flops, one on the lane, beside the training thread; the parameters
@@ -610,27 +631,15 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
     problem = StochasticQuartic([(12, 10), (6, 6), (5, 6), (4, 3, 2), (7,)], 40, torch.float32)
     native = problem.run(lambda ps: SOAP(ps, precondition_frequency=5))
     assert len(calls) == 39  # the first step initializes the bases and does not update
-    delayed = {}
-    for split in (False, True):
-        calls.clear()
-        config = RuntimeConfig(staleness=0, workers=1, statistics_lane=True, split_updates=split)
-        for a, b in zip(problem.run(_orchestrated(SOAP, config, runtimes)), native):
-            assert torch.equal(a, b)
-        # installs queued on the lane before its half of the update, and read by both halves
-        config = RuntimeConfig(
-            staleness=2, fixed_delay=1, workers=1, statistics_lane=True, split_updates=split
-        )
-        delayed[split] = problem.run(_orchestrated(SOAP, config, runtimes))
-        calls[:] = calls[: len(calls) // 2]  # the run at staleness 0
-        lane = [n for name, n in calls if name.startswith("asteria-statistics")]
-        mine = [n for name, n in calls if not name.startswith("asteria-statistics")]
+    seen = _split_runs(SOAP, problem, native, runtimes, calls)
+    for split, runs in seen.items():
+        lane = [n for on_lane, n in runs if on_lane]
+        mine = [n for on_lane, n in runs if not on_lane]
         if split:
             # the (12, 10) block alone on one side, the other three (36 + 30 + 7) on the other
             assert len(lane) == len(mine) == 39 and sorted({*lane, *mine}) == [73, 120]
         else:
             assert not lane and len(mine) == 39
-    for a, b in zip(delayed[True], delayed[False]):
-        assert torch.equal(a, b)
 
     def broken(grads, *args):
         if threading.current_thread().name.startswith("asteria-statistics"):
@@ -660,23 +669,13 @@ def test_kl_shampoo_update_is_split_with_the_statistics_lane(runtimes, monkeypat
     problem = StochasticQuartic(SHAPES, 40, torch.float32)
     native = problem.run(lambda ps: KLShampoo(ps, precondition_frequency=5))
     assert [n for _, n in calls] == [3] * 39  # one call per step, the three matrix blocks
-    delayed = {}
-    for split in (False, True):
-        calls.clear()
-        config = RuntimeConfig(staleness=0, workers=1, statistics_lane=True, split_updates=split)
-        for a, b in zip(problem.run(_orchestrated(KLShampoo, config, runtimes)), native):
-            assert torch.equal(a, b)
-        on_lane = sorted(n for name, n in calls if name.startswith("asteria-statistics"))
-        mine = sorted(n for name, n in calls if not name.startswith("asteria-statistics"))
+    seen = _split_runs(KLShampoo, problem, native, runtimes, calls)
+    for split, runs in seen.items():
+        lane = sorted(n for on_lane, n in runs if on_lane)
+        mine = sorted(n for on_lane, n in runs if not on_lane)
         # the (6, 6) block (the most flops) alone in the training thread, (5, 6) and (4, 3, 2)
         # on the lane
-        assert (on_lane, mine) == (([2] * 39, [1] * 39) if split else ([], [3] * 39))
-        config = RuntimeConfig(
-            staleness=2, fixed_delay=1, workers=1, statistics_lane=True, split_updates=split
-        )
-        delayed[split] = problem.run(_orchestrated(KLShampoo, config, runtimes))
-    for a, b in zip(delayed[True], delayed[False]):
-        assert torch.equal(a, b)
+        assert (lane, mine) == (([2] * 39, [1] * 39) if split else ([], [3] * 39))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
