@@ -20,6 +20,14 @@ Figures (summed or maxed over ranks):
     run ``--rounds`` times in turn, ``--steps`` steps each time on a fresh model, and their step
     times are pooled.
 
+Note [Rows per rank]: SOAP's own arithmetic per step, rotations and statistics, is about
+``6 m n (m + n)`` flops for an ``m x n`` block, against ``6 T m n`` for the forward and backward
+of ``T`` rows: a ratio of ``(m + n) / T`` whatever the runtime does. LLM training runs blocks
+of 1024-2048 (``m + n`` of 2048-4096) on thousands of tokens per rank, a ratio of about 0.1 to
+1. The default, 2048 rows (512 per rank) on blocks of at most 64 (``m + n = 128``), is 0.25.
+With ``--rows 64`` (16 per rank, a ratio of 8) the step is per-op overhead: native SOAP alone
+then takes 1.2-1.4x AdamW's step, and the ratio against AdamW measures SOAP, not Asteria.
+
 The last line is JSON. Usage: ``python bench/distributed.py [--world 4] [--ranks-per-node 2]``.
 """
 
@@ -79,7 +87,9 @@ def _run(args, kind: str, rank: int, world: int) -> tuple[list[float], dict | No
         )
     if kind == "soap_asteria":
         lane = {"auto": None, "on": True, "off": False}[args.lane]
-        config = RuntimeConfig(staleness=args.staleness, workers=1, statistics_lane=lane)
+        config = RuntimeConfig(
+            staleness=args.staleness, workers=1, statistics_lane=lane, worker_nice=args.worker_nice
+        )
         runtime = Runtime(net, opt, config, ranks_per_node=args.ranks_per_node)
     times = []
     for t in range(args.steps):
@@ -227,12 +237,20 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="each variant runs --steps steps per round"
     )
-    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=2048,
+        help="global batch rows per step (default 2048: 512 per rank; see the docstring)",
+    )
     parser.add_argument("--staleness", type=int, default=4)
     parser.add_argument("--frequency", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
         "--lane", choices=("auto", "on", "off"), default="auto", help="the statistics lane"
+    )
+    parser.add_argument(
+        "--worker-nice", type=int, default=None, help="RuntimeConfig.worker_nice (default: auto)"
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)

@@ -266,16 +266,24 @@ class KLShampoo(KroneckerOptimizer):
         """Factor and eigenvalue EMAs of one step, all from the bases/eigenvalues before it."""
         s = b["eigen_sqrt_inv"]
         k = g.dim()
+        # rotated[i]: G in every basis but dim i's; projected: G in every basis.
+        rotated: list[torch.Tensor | None] = [None] * k
+        if k == 2:  # Q_a^T G serves both S_b's statistics and the projection: one product less
+            rotated[1] = bases[0].T @ g  # = mode_products(g, [Q_a, None], True)
+            projected = rotated[1] @ bases[1]  # = mode_products(g, bases, True), bit for bit
+        else:
+            projected = mode_products(g, bases, True)
         # S_i += (1-beta)/d_other * H H^T with H = G whitened along every other dim.
         for i in range(k):
-            whiten = [None if j == i else bases[j] for j in range(k)]
-            h = mode_scale(
-                mode_products(g, whiten, True), [None if j == i else s[j] for j in range(k)]
-            )
+            x = rotated[i]
+            if x is None:
+                x = mode_products(g, [None if j == i else bases[j] for j in range(k)], True)
+            rotated[i] = None
+            h = mode_scale(x, [None if j == i else s[j] for j in range(k)])
+            del x
             d_other = numel // g.shape[i]
             b["factors"][i].mul_(beta).add_(gram(h, i), alpha=(1 - beta) / d_other)
         # lambda_i EMA: mean over the other dims of (Q^T G Q * s_others)^2.
-        projected = mode_products(g, bases, True)
         diags = []
         for i in range(k):
             others = [None if j == i else s[j] for j in range(k)]

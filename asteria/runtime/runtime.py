@@ -184,7 +184,7 @@ class Runtime:
         if model is not None and self.config.hooks:
             # issue 7: the hooks hold the runtime weakly and go when it is collected without
             # close(), so a model that outlives its optimizer keeps no runtime (or pool) alive
-            self._signals = ModuleSignals(model, self._pid_of.keys(), _weak_signal(self))
+            self._signals = ModuleSignals(model, self._signalled(), _weak_signal(self))
             weakref.finalize(self, self._signals.remove)
         self._closed = False
         self._step = 0
@@ -199,6 +199,17 @@ class Runtime:
         self._finalizer = weakref.finalize(
             self, Runtime._shutdown, self._pool, self._spiller, self._lane, self._grad_guards
         )
+
+    def _signalled(self) -> list[int]:
+        """The ``id()`` of the parameters whose hooks can change anything (``_on_signal``): none
+        under ``fixed_delay`` (installs happen at their step), and none of the blocks a
+        coherence installs at their deadline (DDP-replicated: every block of a DDP model). A
+        hook that would only return costs a registration per forward (Note [Backward
+        signals] in hooks.py), so it is not registered."""
+        if self.config.fixed_delay is not None:
+            return []
+        c = self._coherence
+        return [i for i, pid in self._pid_of.items() if c is None or not c.replicated((pid, 0))]
 
     def _plan(self, optimizer: KroneckerOptimizer) -> Placement:
         """The tier policy's placement for this optimizer's state (ValueError: what to change)."""

@@ -158,6 +158,7 @@ def scenario_ddp(rank: int, world: int, out: dict) -> None:
                 stats = rt.stats()
                 case["distributed"] = stats["distributed"]
                 case["histogram"] = stats["staleness_histogram"]
+                case["hooks"] = len(rt._signals)
                 rt.close()
             if rank == 0:
                 if name not in refs:
@@ -194,6 +195,7 @@ def scenario_fsdp(rank: int, world: int, out: dict, hsdp: bool = False) -> None:
                 stats = rt.stats()
                 case["distributed"] = stats["distributed"]
                 case["histogram"] = stats["staleness_histogram"]
+                case["hooks"] = len(rt._signals)
                 rt.close()
             # each rank compares its shards against the reference's pieces for its rank
             ref = reference(name, steps, shards=None if hsdp else world)

@@ -46,6 +46,8 @@ def test_ddp_matches_one_process_natively_and_at_staleness_zero(tmp_path: Path) 
             assert all(s["owned_blocks"] > 0 for s in stats), "both ranks must own blocks"
             assert sum(s["owned_refreshes"] for s in stats) > 0
             assert all(set(r[f"{name}/{mode}"]["histogram"]) == {"0"} for r in results)
+            # every block is installed at its deadline: no module hook would do anything
+            assert all(r[f"{name}/{mode}"]["hooks"] == 0 for r in results)
         one_node = [r[f"{name}/runtime"]["distributed"] for r in results]
         two_nodes = [r[f"{name}/runtime_2nodes"]["distributed"] for r in results]
         assert sum(s["inter_node_bytes"] for s in one_node) == 0
@@ -64,6 +66,7 @@ def test_fsdp2_local_shards_match_one_process_with_shards_as_parameters(tmp_path
                 assert case["equal"], (rank, name, mode, case["max_diff"])
             # plain FSDP2 shards are not replicated: no owner, no sync
             assert r[f"{name}/runtime"]["distributed"]["replicated_blocks"] == 0
+            assert r[f"{name}/runtime"]["hooks"] > 0  # local blocks install early on signals
         # a NaN in one rank's shard: every rank skips the parameter, nothing else
         assert r["nonfinite"] == {"skipped": 1, "first_unchanged": True, "others_changed": True}
 
@@ -78,6 +81,7 @@ def test_hsdp_replicated_shards_match_one_process(tmp_path: Path) -> None:
                 assert case["equal"], (rank, name, mode, case["max_diff"])
             stats = r[f"{name}/runtime"]["distributed"]
             assert stats["replicated_blocks"] > 0 and stats["owned_blocks"] > 0
+            assert r[f"{name}/runtime"]["hooks"] == 0
         assert r["nonfinite"] == {"skipped": 1, "first_unchanged": True, "others_changed": True}
 
 

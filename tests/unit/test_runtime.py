@@ -221,6 +221,10 @@ def test_hooks_are_signals_and_close_removes_them():
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     assert type(opt.refresher).__name__ == "NativeRefresher"
     assert all(e.pending is None for e in rt.registry.entries.values())
+    # with fixed_delay, installs happen at their step: a hook would only return
+    with Runtime(model, opt, RuntimeConfig(staleness=4, fixed_delay=2, workers=1)) as rt:
+        assert len(rt._signals) == 0
+        assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
