@@ -14,8 +14,10 @@ Coherence, per block:
   * an update reads what the block's previous statistics wrote only after ``wait(key)``
     (``Refresher.block_begin``), and a refresh snapshots the factors only after it too;
   * the lane reads the step's gradient in place (no copy, hence bit-for-bit the native
-    arithmetic): the gradient is only ever written again by the next backward (guarded by a
-    gradient hook, hooks.py) or by ``zero_grad(set_to_none=False)`` (which syncs first);
+    arithmetic): the gradient is only ever written again by a backward that accumulates into
+    it (guarded by a gradient hook; after ``zero_grad()`` the backward writes new tensors and
+    runs beside the lane: Note [Gradient guards] in hooks.py) or by
+    ``zero_grad(set_to_none=False)`` (which syncs first);
   * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``);
   * a refresh's snapshot of the factors is queued on the lane too (``call``): behind the
     statistics it must see, the lane submits the job to the pool, which copies the factors

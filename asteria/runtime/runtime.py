@@ -172,7 +172,9 @@ class Runtime:
             self._lane = StatisticsLane(
                 lambda key: f"{names.get(key[0], f'param{key[0]}')}[{key[1]}]"
             )
-            self._grad_guards = GradientGuards(_params(optimizer), self._lane)
+            self._grad_guards = GradientGuards(
+                _params(optimizer), self._lane, always=self._coherence is not None
+            )
         # Installs that compute go to the lane too, for optimizers that read their bases (and
         # the state installs rewrite) only after ``Refresher.bases``.
         self._lane_installs_on = self._lane is not None and optimizer.reads_bases_through_refresher

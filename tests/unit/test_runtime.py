@@ -470,6 +470,54 @@ def test_statistics_lane_guards_gradients_accumulated_in_place(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(with_lane, without))
 
 
+def test_backward_runs_beside_the_lane_unless_it_accumulates_into_grad(monkeypatch):
+    """The gradient hook waits for the lane only where the backward writes into an existing
+    ``.grad``: after ``zero_grad()`` (set to None) it runs while the lane still reads the last
+    gradient; without it, it waits. The lane's statistics are held on an event to show both."""
+    import threading
+
+    original = KLShampoo._update_statistics
+    release, entered = threading.Event(), threading.Event()
+
+    def gated(*args):
+        entered.set()
+        assert release.wait(10)
+        original(*args)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    opt = KLShampoo(model.parameters(), precondition_frequency=3)
+    x = torch.randn(16, 8)
+
+    def backward():
+        model(x).square().mean().backward()
+
+    config = RuntimeConfig(staleness=2, workers=1, statistics_lane=True)
+    with Runtime(model, opt, config) as rt:
+        backward()
+        opt.step()  # the first step: factors and bases only
+        monkeypatch.setattr(KLShampoo, "_update_statistics", staticmethod(gated))
+        for zero_grad in (True, False):
+            release.clear()
+            entered.clear()
+            opt.zero_grad()
+            backward()
+            opt.step()  # queues this step's statistics on the lane, which holds them
+            assert entered.wait(10)
+            if zero_grad:
+                opt.zero_grad()
+                backward()  # new .grad tensors: does not wait
+                assert rt._lane.pending()
+                release.set()
+            else:
+                threading.Timer(0.3, release.set).start()
+                t0 = time.perf_counter()
+                backward()  # adds into the .grad the lane reads: waits for the lane
+                assert time.perf_counter() - t0 >= 0.25 and not rt._lane.pending()
+            opt.step()
+            rt._lane.wait_all()  # this step's statistics pass the gate before it closes again
+
+
 def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes, monkeypatch):
     import asteria.optim.soap as soap_module
 
@@ -511,6 +559,8 @@ def test_refresh_step_does_not_wait_for_the_statistics_lane(runtimes, monkeypatc
     for t in range(12):
         opt.zero_grad()
         problem.loss(params, t).backward()
+        if t == 9:  # the backward ran beside the last step's statistics: let them finish
+            rt._lane.wait_all()
         held.armed = t == 9  # step 10 refreshes: its statistics wait for the release below
         if t != 9:
             opt.step()
