@@ -60,7 +60,10 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     opt = build_optimizer(name, model.parameters())
     runtime = None
     if mode == "asteria":
-        runtime = Runtime(model, opt, RuntimeConfig(staleness=args.staleness, workers=args.workers))
+        config = RuntimeConfig(
+            staleness=args.staleness, workers=args.workers, refresh_lead=args.refresh_lead == "on"
+        )
+        runtime = Runtime(model, opt, config)
     batches = train_batches(
         corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
     )
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--staleness", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--refresh-lead", choices=("on", "off"), default="on", help="RuntimeConfig.refresh_lead"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args(argv)
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                     "threads",
                     "workers",
                     "staleness",
+                    "refresh_lead",
                     "device",
                 )
             },

@@ -114,6 +114,13 @@ class Refresher(Protocol):
         """Whether ``beside`` has a thread to run part of the step's update on."""
         ...
 
+    @property
+    def lead(self) -> int:
+        """How many steps before the step that uses it an optimizer whose update uses the
+        refresh of its own step (``refresh_precedes_update``) requests a refresh: 0 in the
+        synchronous algorithm (Note [Refresh lead] in asteria/runtime/runtime.py)."""
+        ...
+
     def beside(
         self, opt: KroneckerOptimizer, fn: Callable[..., None], *args: Any
     ) -> Callable[[], None]:
@@ -145,6 +152,8 @@ class NativeRefresher:
         pass
 
     splits_updates = False  # everything in the step's own thread
+
+    lead = 0  # a due refresh is computed in the step that uses it
 
     def beside(self, opt, fn, *args):
         raise RuntimeError("NativeRefresher runs the whole update in the step's thread")

@@ -173,7 +173,8 @@ class Shampoo(KroneckerOptimizer):
 
         blocks = state.get("blocks")
         if blocks is not None:
-            due = self._refresh_due(state, group, next_step=False)
+            # a runtime may request the refresh of step t + lead now (Note [Refresh lead])
+            due = self._refresh_due(state, group, next_step=self._refresher.lead > 0)
             for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout))):
                 self._refresher.accumulate(self, (pid, bi), self._update_factors, b, g, group)
                 self._refresher.block_boundary(self, (pid, bi), b, group, t, due)

@@ -55,6 +55,10 @@ class RuntimeConfig:
         split_updates: with the statistics lane, the lane runs about half of the blocks of
             each step's update (SOAP, KL-Shampoo), beside the training thread (Note [Split
             updates] in runtime.py); bitwise the same parameters. No effect without the lane.
+        refresh_lead: with a budget (``staleness``, or ``fixed_delay``) of at least 1, an
+            optimizer whose update uses the refresh of its own step (Shampoo) requests it one
+            step ahead, so that it can arrive in time for that step (Note [Refresh lead] in
+            runtime.py). ``False``: at the step itself, the result used from a later step.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;
@@ -83,6 +87,7 @@ class RuntimeConfig:
     fixed_delay: int | None = None
     pace_installs: bool = False
     split_updates: bool = True
+    refresh_lead: bool = True
     barrier_timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     hooks: bool = True
@@ -131,6 +136,8 @@ class RuntimeConfig:
             raise ValueError(f"pace_installs must be True or False, got {self.pace_installs!r}")
         if not isinstance(self.split_updates, bool):
             raise ValueError(f"split_updates must be True or False, got {self.split_updates!r}")
+        if not isinstance(self.refresh_lead, bool):
+            raise ValueError(f"refresh_lead must be True or False, got {self.refresh_lead!r}")
         if self.statistics_lane is not None and not isinstance(self.statistics_lane, bool):
             raise ValueError(
                 f"statistics_lane must be True, False or None, got {self.statistics_lane!r}"

@@ -12,7 +12,9 @@ bounded barrier, ``Runtime._wait``). "Installed at step ``s``" means after the u
 step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode. Shampoo computes a due
 refresh before its update (its roots of step ``t`` precondition step ``t``), so there the same
 version is used from step ``s``, and an install between steps ``s`` and ``s + 1`` (a hook) counts
-as installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``).
+as installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``). With a budget of at
+least 1, Shampoo requests the refresh due at step ``t`` at step ``t - 1`` (version ``t - 1``), so
+that it can be installed in time for step ``t`` (Note [Refresh lead] in runtime.py).
 
 Must not: submit work or wait (``runtime.py`` does both); this module is bookkeeping.
 """

@@ -360,6 +360,28 @@ class Runtime:
     def splits_updates(self) -> bool:
         return self._lane is not None and self.config.split_updates
 
+    # Note [Refresh lead]
+    # ~~~~~~~~~~~~~~~~~~~
+    # Native Shampoo computes a due root inside the step that first uses it: at a refresh step
+    # t it preconditions with the roots of L_t. A runtime cannot hand back a result in the step
+    # that requests it (unless S = 0), so a request at step t left step t on the roots of the
+    # previous refresh, L_{t-f}, f steps old, and every later step of the interval on those of
+    # L_t, as native. With a budget of at least one step, such optimizers
+    # (``refresh_precedes_update``) request the refresh one step ahead instead, at the
+    # boundary of step t-1, with the factors of L_{t-1}: the job runs during step t's forward
+    # and backward, and step t's boundary installs it when it is ready (at the latest at
+    # t-1+S, as any request). Every step of the interval then uses roots one gradient older
+    # than native's (one term of a sum over t steps for Shampoo's default betas[1] = 1), none
+    # f steps older. The registry counts the same staleness, 1, for both. S = 0 keeps the
+    # native schedule, bit for bit; SOAP and KL-Shampoo update with the bases of the previous
+    # refresh natively, and keep their schedule.
+    @property
+    def lead(self) -> int:
+        budget = self.config.fixed_delay
+        if budget is None:
+            budget = self.config.staleness
+        return 1 if budget >= 1 and self.config.refresh_lead else 0
+
     def beside(self, opt: KroneckerOptimizer, fn: Any, *args: Any) -> Any:
         """Part of the step's update on the statistics lane (Note [Split updates])."""
         return self._lane.beside(fn, *args)

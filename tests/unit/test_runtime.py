@@ -92,23 +92,27 @@ def test_fixed_delay_is_deterministic_and_exact(name, runtimes):
     assert any(not torch.equal(a, b) for a, b in zip(first, native)), "the delay must matter"
 
 
-def test_shampoo_grafts_until_its_first_roots_arrive(runtimes):
-    """Shampoo's first roots, requested at step 5 (its start), arrive at step 7 under
-    ``fixed_delay=2``: steps 5 and 6 take the grafting direction, as before the start (identity
-    roots there would rescale ``M_hat`` to the grafting norm instead)."""
-    config = RuntimeConfig(staleness=2, fixed_delay=2, workers=1)
-    problem = StochasticQuartic(SHAPES, 6, torch.float32)
+@pytest.mark.parametrize("lead", [True, False], ids=["refresh_lead", "no_lead"])
+def test_shampoo_grafts_until_its_first_roots_arrive(lead, runtimes):
+    """Shampoo's first roots are due at step 5 (its start). Under ``fixed_delay=2`` they are
+    requested at step 4, one step ahead (Note [Refresh lead]), and arrive at step 6; without the
+    lead, requested at step 5, they arrive at step 7. Until then the steps take the grafting
+    direction, as before the start (identity roots there would rescale ``M_hat`` to the
+    grafting norm instead)."""
+    config = RuntimeConfig(staleness=2, fixed_delay=2, workers=1, refresh_lead=lead)
+    first = 6 if lead else 7  # the first step that uses the roots
+
+    def grafting(ps):
+        return Shampoo(ps, precondition_frequency=5, start_preconditioning_step=10**9)
+
+    problem = StochasticQuartic(SHAPES, first - 1, torch.float32)
     delayed = problem.run(_orchestrated(Shampoo, config, runtimes))
-    grafting = problem.run(
-        lambda ps: Shampoo(ps, precondition_frequency=5, start_preconditioning_step=10**9)
-    )
-    assert max_rel_diff(delayed, grafting) < 1e-6  # the same math in another operation order
-    longer = StochasticQuartic(SHAPES, 7, torch.float32)
+    assert max_rel_diff(delayed, problem.run(grafting)) < 1e-6  # another operation order
+    longer = StochasticQuartic(SHAPES, first, torch.float32)
     delayed = longer.run(_orchestrated(Shampoo, config, runtimes))
-    grafting = longer.run(
-        lambda ps: Shampoo(ps, precondition_frequency=5, start_preconditioning_step=10**9)
-    )
-    assert max_rel_diff(delayed, grafting) > 1e-4, "step 7 uses the roots"
+    assert max_rel_diff(delayed, longer.run(grafting)) > 1e-4, f"step {first} uses the roots"
+    hist = runtimes[-1].stats()["staleness_histogram"]
+    assert {int(k) for k in hist} == {2}, hist  # one install per block, 2 steps after request
 
 
 def _hog(runtime: Runtime, seconds_each: int = 4) -> list:
@@ -368,6 +372,7 @@ def test_paced_installs_spread_a_refresh_over_the_budget():
         (dict(workers=0), "workers"),
         (dict(barrier_timeout_s=0), "barrier_timeout_s"),
         (dict(split_updates="yes"), "split_updates"),
+        (dict(refresh_lead=1), "refresh_lead"),
         (dict(lapack_threads=0), "lapack_threads"),
         (dict(max_consecutive_failures=0), "max_consecutive_failures"),
         (dict(affinity=()), "affinity"),
