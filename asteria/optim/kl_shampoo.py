@@ -233,9 +233,7 @@ class KLShampoo(KroneckerOptimizer):
             key = (pid, bi)
             self._refresher.block_begin(self, key, b)  # the last step's statistics are in
             bases = self._refresher.bases(self, key, b)  # b["bases"], or device copies
-            b["exp_avg"].lerp_(g, 1 - beta1)
-            scaled = mode_scale(mode_products(b["exp_avg"], bases, True), b["eigen_sqrt_inv"])
-            delta = mode_products(scaled, bases, False)
+            _update_block(b, g, w, bases, beta1, group["lr"])
             # The statistics read this step's bases: a list of them travels with the update, so
             # a refresh installed at the boundary below cannot change what they read.
             self._refresher.accumulate(
@@ -250,7 +248,6 @@ class KLShampoo(KroneckerOptimizer):
                 group["max_clamp_value"],
             )
             self._refresher.block_boundary(self, key, b, group, state["step"], refresh)
-            w.add_(delta, alpha=-group["lr"])
         if group["weight_decay"] > 0.0:
             p.add_(p, alpha=-group["lr"] * group["weight_decay"])
 
@@ -329,10 +326,21 @@ def _update_flops(k: _KLBlock) -> float:
     return float(k.grad.numel() * (4 * sum(q.shape[0] for q in k.bases) + 4))
 
 
+def _update_block(
+    b: dict[str, Any],
+    g: torch.Tensor,
+    w: torch.Tensor,
+    bases: list[torch.Tensor],
+    beta1: float,
+    lr: float,
+) -> None:
+    """Steps 1, 2 and 6 (the update part) of ALGORITHMS.md for one block."""
+    b["exp_avg"].lerp_(g, 1 - beta1)
+    scaled = mode_scale(mode_products(b["exp_avg"], bases, True), b["eigen_sqrt_inv"])
+    w.add_(mode_products(scaled, bases, False), alpha=-lr)
+
+
 def _update_blocks(blocks: list[_KLBlock], beta1: float, lr: float) -> None:
-    """Steps 1, 2 and 6 (the update part) of ALGORITHMS.md for each block, in order."""
+    """``_update_block`` for each block, in order."""
     for k in blocks:
-        b = k.block
-        b["exp_avg"].lerp_(k.grad, 1 - beta1)
-        scaled = mode_scale(mode_products(b["exp_avg"], k.bases, True), b["eigen_sqrt_inv"])
-        k.weight.add_(mode_products(scaled, k.bases, False), alpha=-lr)
+        _update_block(k.block, k.grad, k.weight, k.bases, beta1, lr)

@@ -203,15 +203,19 @@ class Runtime:
         )
 
     def _signalled(self) -> list[int]:
-        """The ``id()`` of the parameters whose hooks can change anything (``_on_signal``): none
-        under ``fixed_delay`` (installs happen at their step), and none of the blocks a
-        coherence installs at their deadline (DDP-replicated: every block of a DDP model). A
+        """The ``id()`` of the parameters whose hooks can change anything (``_on_signal``). A
         hook that would only return costs a registration per forward (Note [Backward
         signals] in hooks.py), so it is not registered."""
+        return [i for i, pid in self._pid_of.items() if self._installs_on_signal(pid)]
+
+    def _installs_on_signal(self, pid: int) -> bool:
+        """Whether a ready refresh of parameter ``pid``'s blocks may be installed on a module
+        signal: not under ``fixed_delay`` (installs happen exactly at their step), nor where a
+        coherence installs its blocks at their deadline on every rank (replicated: every block
+        of a DDP model)."""
         if self.config.fixed_delay is not None:
-            return []
-        c = self._coherence
-        return [i for i, pid in self._pid_of.items() if c is None or not c.replicated((pid, 0))]
+            return False
+        return self._coherence is None or not self._coherence.replicated((pid, 0))
 
     def _plan(self, optimizer: KroneckerOptimizer) -> Placement:
         """The tier policy's placement for this optimizer's state (ValueError: what to change)."""
@@ -1012,15 +1016,16 @@ class Runtime:
     # -- hooks: flush what is ready --------------------------------------------------------------
 
     def _on_signal(self, param_ids: tuple[int, ...], event: str) -> None:
-        if self._closed or self.config.fixed_delay is not None:
-            return  # fixed-delay installs happen exactly at their step, not earlier
+        if self._closed:
+            return
         with self._lock:
             for i in param_ids:
-                for key, e in self.registry.by_param.get(self._pid_of[i], ()):
+                pid = self._pid_of[i]
+                if not self._installs_on_signal(pid):
+                    continue
+                for key, e in self.registry.by_param.get(pid, ()):
                     if e.pending is None:
                         continue
-                    if self._coherence is not None and self._coherence.replicated(key):
-                        continue  # installed at its deadline on every rank
                     if e.pending.copies:
                         self._submit_copied(e, wait=False)
                     step = self._current_step(key)
