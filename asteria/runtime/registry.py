@@ -63,7 +63,9 @@ class PendingRefresh:
 @dataclass
 class BlockEntry:
     name: str
-    version: int = 0  # 0: the initial eigendecomposition of the first step
+    # the version of the basis in use (Note [Staleness contract] in schedule.py); None: no
+    # basis yet, or not yet seen by the runtime
+    version: int | None = None
     requested_step: int = 0
     installed_step: int = 0
     pending: PendingRefresh | None = None
@@ -71,6 +73,10 @@ class BlockEntry:
     failures: int = 0
     installs: int = 0
     synced_step: int = -1  # distributed: the step its version was last synchronized
+    owed: bool = False  # a due request coalesced into the refresh in flight (schedule.py)
+    age: int = 0  # the age of the basis the block's last update read
+    max_age: int = 0
+    bound: int | None = None  # the bound on that age (None: not measured yet)
 
 
 class Registry:
@@ -82,7 +88,6 @@ class Registry:
         # The same entries by parameter index, for the module signals (a few per module).
         self.by_param: dict[int, list[tuple[tuple[int, int], BlockEntry]]] = {}
         self.histogram: Counter[int] = Counter()
-        self.superseded = 0
 
     def entry(self, key: tuple[int, int], name_of: Callable[[tuple[int, int]], str]) -> BlockEntry:
         """The block's entry, created on first use and named ``name_of(key)``."""
@@ -108,16 +113,21 @@ class Registry:
         return sum(e.pending is not None for e in self.entries.values())
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """Per block: version in use, its request and install steps, failures."""
+        """Per block: version in use (-1: none yet), its request and install steps, failures,
+        the age of the basis in use and its bound (Note [Staleness contract])."""
         return {
             e.name: {
-                "version": e.version,
+                "version": -1 if e.version is None else e.version,
                 "requested_step": e.requested_step,
                 "installed_step": e.installed_step,
                 "installs": e.installs,
                 "failures": e.failures,
                 "pending": e.pending.requested if e.pending is not None else -1,
                 "synced_step": e.synced_step,
+                "basis_age": e.age,
+                "max_basis_age": e.max_age,
+                "basis_age_bound": e.bound,
+                "coalesced": e.owed,
             }
             for e in self.entries.values()
         }

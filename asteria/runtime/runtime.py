@@ -62,6 +62,7 @@ from asteria.memory.window import (
 )
 from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
 from asteria.optim.matrix_functions import MatrixFunctionError
+from asteria.runtime import testing
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import Coherence
 from asteria.runtime.hooks import GradientGuards, ModuleSignals
@@ -73,6 +74,7 @@ from asteria.runtime.registry import (
     Registry,
     StalenessTimeoutError,
 )
+from asteria.runtime.schedule import Schedule
 from asteria.runtime.spill import SpilledRefresh, Spiller, SpillLost
 
 __all__ = ["Runtime"]
@@ -106,6 +108,12 @@ class Runtime:
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
         self.optimizer = optimizer
         self.registry = Registry(self.config.staleness)
+        fixed = self.config.fixed_delay
+        self.schedule = Schedule(
+            self.config.staleness if fixed is None else fixed,
+            fixed is not None,
+            optimizer.refresh_precedes_update,
+        )
         self._lock = threading.RLock()
         self._closed = False
         self._names = self._param_names(model, optimizer)
@@ -430,33 +438,47 @@ class Runtime:
         step: int,
         due: bool,
     ) -> None:
+        """Note [Staleness contract] (schedule.py): install what is due, then request or
+        coalesce; measure the age of the basis this step's update reads."""
+        schedule = self.schedule
+        freq = group["precondition_frequency"]
         with self._lock:
             e = self.registry.entry(key, self._block_name)
-            if self._coherence is not None and self._coherence.replicated(key):
-                self._coherent_boundary(key, e, block, group, step, due)
-                return
-            fixed = self.config.fixed_delay
-            if e.pending is not None:
-                age = step - e.pending.requested
-                if fixed is not None:
-                    if age >= fixed:
-                        self._wait(e, step)
-                        self._install(key, e, step, block)
-                    else:
-                        self._maybe_spill(e)
-                elif age >= self.config.staleness or (e.pending.done() and self._paced(key, step)):
-                    self._wait(e, step)
-                    self._install(key, e, step, block)
-            if due:
-                if e.pending is not None:
-                    self._supersede(e)
+            if e.version is None and e.installs == 0 and _has_bases(block):
+                e.version = schedule.initial_version(step, freq)  # a basis made before us
+            if not schedule.precedes_update:
+                schedule.record_age(e, step, freq)  # the update of this step read it already
+            replicated = self._coherence is not None and self._coherence.replicated(key)
+            if e.pending is not None and schedule.install_now(
+                e.pending,
+                step,
+                due or e.owed,
+                exact=schedule.fixed or replicated,
+                paced=lambda: self._paced(key, step),
+            ):
+                self._install_now(key, e, step, block, replicated)
+            if due and e.pending is not None:
+                if not e.owed:
+                    schedule.coalesced += 1
+                e.owed = True  # requested where the refresh in flight is installed
+            elif due or (e.owed and e.pending is None):
+                e.owed = False
                 self._request(key, e, block, group, step)
-                if (
-                    e.pending is not None
-                    and (fixed if fixed is not None else self.config.staleness) == 0
-                ):
-                    self._wait(e, step)
-                    self._install(key, e, step, block)
+                if e.pending is not None and schedule.budget == 0:
+                    self._install_now(key, e, step, block, replicated)
+            if schedule.precedes_update:
+                schedule.record_age(e, step, freq)  # installed above, read by this step
+
+    def _install_now(
+        self, key: BlockKey, e: BlockEntry, step: int, block: dict, replicated: bool
+    ) -> None:
+        """Install ``e``'s refresh in flight at this boundary, waiting for it: on every rank at
+        once for a replicated block (Note [Distributed coherence] in distributed.py)."""
+        if replicated:
+            self._sync(key, e, step, block)
+        else:
+            self._wait(e, step)
+            self._install(key, e, step, block)
 
     def step_end(self, opt: KroneckerOptimizer) -> None:
         with self._lock:
@@ -473,21 +495,6 @@ class Runtime:
         self._step += 1
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._step_wait * 1e3)
-
-    def _coherent_boundary(
-        self, key: BlockKey, e: BlockEntry, block: dict, group: dict, step: int, due: bool
-    ) -> None:
-        """A replicated block under torch.distributed: installed on every rank at its deadline
-        (Note [Distributed coherence] in distributed.py)."""
-        delay = self._coherence.delay
-        if e.pending is not None and step - e.pending.requested >= delay:
-            self._sync(key, e, step, block)
-        if due:
-            if e.pending is not None:
-                self._supersede(e)
-            self._request(key, e, block, group, step)
-            if e.pending is not None and delay == 0:
-                self._sync(key, e, step, block)
 
     def _sync(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None) -> None:
         """The owner waits for its refresh and sends it (or its failure) to the block's replica
@@ -626,11 +633,6 @@ class Runtime:
             e.pending.futures[dim] = self._submit(e, dim, job, events[0].host, basis)
         e.pending.copies = remaining
 
-    def _supersede(self, e: BlockEntry) -> None:
-        """A newer request replaces the one in flight (cancelled if queued, else discarded)."""
-        self._drop(e)
-        self.registry.superseded += 1
-
     def _drop(self, e: BlockEntry) -> None:
         """Forget ``e``'s refresh in flight: its unfinished jobs count as cancelled, its spilled
         data is discarded. A job still waiting for its snapshot copy was never submitted: it
@@ -641,6 +643,7 @@ class Runtime:
             self._spiller.discard(e.pending.spilled)
             self._spiller.discard(e.pending.snapshots)
         e.pending = None
+        e.owed = False
 
     def _wait(self, e: BlockEntry, step: int) -> None:
         """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh."""
@@ -1128,12 +1131,14 @@ class Runtime:
                 "completed": int(pool.get("completed", 0)),
                 "cancelled": self._cancelled,
                 "failed": self._failed,
-                "superseded_refreshes": self.registry.superseded,
+                "coalesced_requests": self.schedule.coalesced,
                 "in_flight": self.registry.pending_count(),
             },
             "pool": pool,
             "staleness_histogram": hist,
             "max_staleness": max(hist) if hist else 0,
+            # the age of the basis every step read (Note [Staleness contract] in schedule.py)
+            "basis_age": self.schedule.report(list(self.registry.entries.values())),
             "installs": sum(hist.values()),
             "blocks": self.registry.snapshot(),
             # updates skipped for NaN/Inf gradients (Note [Non-finite gradients], optim/base.py)
@@ -1289,12 +1294,15 @@ def _pool_submit(
     factor: torch.Tensor,
     basis: torch.Tensor | None,
 ) -> Any:
-    """One job on the pool (it copies ``factor`` and ``basis`` at submission)."""
+    """One job on the pool (it copies ``factor`` and ``basis`` at submission); slower under
+    ``asteria.runtime.testing.slow_pool``."""
     if job.kind == "qr":
-        return pool.submit_qr_refresh(name, version, deadline, factor, basis, job.sort, job.dtype)
-    return pool.submit_inverse_root(
-        name, version, deadline, factor, job.root, job.epsilon, job.dtype
-    )
+        future = pool.submit_qr_refresh(name, version, deadline, factor, basis, job.sort, job.dtype)
+    else:
+        future = pool.submit_inverse_root(
+            name, version, deadline, factor, job.root, job.epsilon, job.dtype
+        )
+    return testing.delayed(future, load_extension().FutureTimeoutError)
 
 
 def _lane_submit(
@@ -1362,6 +1370,11 @@ def _interruptible_result(future: Any, timeout_s: float, timeout_error: type) ->
         except timeout_error:
             if time.perf_counter() >= deadline:
                 raise
+
+
+def _has_bases(block: dict) -> bool:
+    bases = block["bases"] if "bases" in block else block.get("roots", [])
+    return any(q is not None for q in bases)
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -167,6 +167,39 @@ def scenario_ddp(rank: int, world: int, out: dict) -> None:
             out[f"{name}/{mode}"] = case
 
 
+def scenario_contract(rank: int, world: int, out: dict) -> None:
+    """DDP (every block replicated) with the frequency below the budget (issue 16): the basis in
+    use stays within Note [Staleness contract]'s bound at every step, on every rank, and the
+    replicas agree."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    steps = 16
+    for name in OPTIMIZERS:
+        for label, config in (
+            ("s3", RuntimeConfig(staleness=3, workers=1)),
+            ("fixed2", RuntimeConfig(staleness=2, fixed_delay=2, workers=1)),
+        ):
+            net = DDP(model())
+            opt = OPTIMIZERS[name](list(net.parameters()), precondition_frequency=1)
+            rt = Runtime(net, opt, config)
+            within, ages = [], []
+            for t in range(steps):
+                _train(net, opt, rank, world, t + 1, start=t)
+                stats = rt.stats()
+                within.append(stats["basis_age"]["within_bound"])
+                ages.append(stats["basis_age"]["max"])
+            stats = rt.stats()
+            rt.close()
+            out[f"{name}/{label}"] = {
+                "within": within,
+                "max_age": ages[-1],
+                "bound": stats["basis_age"]["bound"],
+                "installs": stats["installs"],
+                "coalesced": stats["jobs"]["coalesced_requests"],
+                "replicas_agree": _replicas_agree([_local(p) for p in net.parameters()]),
+            }
+
+
 def scenario_fsdp(rank: int, world: int, out: dict, hsdp: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -462,6 +495,7 @@ def scenario_hang(rank: int, world: int, out: dict) -> None:
 
 
 SCENARIOS = {
+    "contract": scenario_contract,
     "ddp": scenario_ddp,
     "fsdp": scenario_fsdp,
     "hsdp": scenario_hsdp,

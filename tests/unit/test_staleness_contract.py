@@ -1,0 +1,181 @@
+"""The staleness contract (Note [Staleness contract] in asteria/runtime/schedule.py), issue 16.
+
+Invariant, checked after every step of every run: the basis each block's update read is at most
+``max(f, B) + B`` steps old (``f``: precondition_frequency, ``B``: fixed_delay or staleness),
+once the block has a basis; every block installs again and again; nothing in flight is ever
+cancelled by a newer request. Over optimizer x frequency 1..12 x staleness 0..8 x fixed_delay x
+an artificially slowed pool (``asteria.runtime.testing.slow_pool``) x the statistics lane on/off
+x module hooks on/off, drawn by hypothesis (derandomized: the same examples in every run).
+The configurations that starved before (0 installs in 30 steps) are named regression tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asteria
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.runtime.schedule import basis_age_bound
+from asteria.runtime.testing import slow_pool
+
+OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _run(name, frequency, config, steps, delay_s=0.0):
+    """Train ``steps`` steps; per step, the per-block ages and bounds that stats() reports."""
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, precondition_frequency=frequency)
+    x = torch.randn(32, 6)
+    seen = []
+    with slow_pool(delay_s), asteria.Runtime(model, opt, config) as rt:
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(rt.stats())
+    return seen
+
+
+def _check_contract(seen, frequency, budget):
+    """The bound at every step; steady installs; nothing superseded."""
+    bound = basis_age_bound(frequency, budget)
+    steps = len(seen)
+    for step, stats in enumerate(seen, start=1):
+        assert stats["basis_age"]["within_bound"], (step, stats["basis_age"])
+        for name, block in stats["blocks"].items():
+            if block["basis_age_bound"] is None:
+                continue  # no basis yet (Shampoo before its first roots, unfactored blocks)
+            assert block["basis_age_bound"] == bound
+            assert 0 <= block["basis_age"] <= bound, (step, name, block)
+    last = seen[-1]
+    assert last["basis_age"]["max"] <= bound
+    assert last["jobs"]["cancelled"] == 0  # a newer request never cancels the one in flight
+    measured = [b for b in last["blocks"].values() if b["basis_age_bound"] is not None]
+    assert measured, "no block had a basis"
+    for block in measured:
+        # an age <= bound at every step needs an install at least every bound + 1 steps
+        assert block["installs"] >= (steps - bound - 2) // (bound + 1), block
+    if steps > 2 * bound + 2:
+        assert last["installs"] > 0
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    frequency=st.integers(1, 12),
+    staleness=st.integers(0, 8),
+    fixed=st.one_of(st.none(), st.floats(0.0, 1.0)),
+    delay_s=st.sampled_from([0.0, 0.0, 0.004, 0.02]),
+    lane=st.booleans(),
+    hooks=st.booleans(),
+    refresh_lead=st.booleans(),
+)
+def test_the_basis_in_use_is_never_older_than_the_bound(
+    name, frequency, staleness, fixed, delay_s, lane, hooks, refresh_lead
+):
+    fixed_delay = None if fixed is None else round(fixed * staleness)
+    config = asteria.RuntimeConfig(
+        staleness=staleness,
+        fixed_delay=fixed_delay,
+        workers=1,
+        statistics_lane=lane,
+        hooks=hooks,
+        refresh_lead=refresh_lead,
+        barrier_timeout_s=60.0,
+    )
+    budget = staleness if fixed_delay is None else fixed_delay
+    steps = min(2 * basis_age_bound(frequency, budget) + 6, 40)
+    _check_contract(_run(name, frequency, config, steps, delay_s), frequency, budget)
+
+
+# -- the configurations that starved (issue 16): 0 installs in 30 steps ---------------------------
+
+
+@pytest.mark.parametrize(
+    "name, frequency, staleness, fixed_delay",
+    [
+        ("soap", 2, 3, 3),  # each due request superseded the one in flight
+        ("shampoo", 1, 2, 2),  # the roots never arrived: silently grafting forever
+        ("kl_shampoo", 3, 4, 4),
+    ],
+)
+def test_fixed_delay_above_the_frequency_installs_steadily(name, frequency, staleness, fixed_delay):
+    config = asteria.RuntimeConfig(staleness=staleness, fixed_delay=fixed_delay, workers=1)
+    seen = _run(name, frequency, config, 30)
+    _check_contract(seen, frequency, fixed_delay)
+    last = seen[-1]
+    # installs exactly every max(f, d) = d steps: the due requests in between are coalesced
+    first = 1 if name != "shampoo" else frequency  # Shampoo's first request: the step before f
+    assert last["installs"] >= (30 - first - fixed_delay) // fixed_delay
+    assert last["jobs"]["coalesced_requests"] > 0
+    assert set(last["staleness_histogram"]) == {fixed_delay}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_pool_slower_than_the_frequency_still_installs(name):
+    """f = 1 with a pool that takes ~3 steps per job: the requests coalesce, and each install
+    happens when its refresh is ready or at its deadline (S = 4)."""
+    config = asteria.RuntimeConfig(staleness=4, workers=1, barrier_timeout_s=60.0)
+    seen = _run(name, 1, config, 30, delay_s=0.03)
+    _check_contract(seen, 1, 4)
+    assert seen[-1]["jobs"]["coalesced_requests"] > 0
+
+
+def test_fixed_delay_runs_stay_reproducible_with_coalescing():
+    """The schedule under fixed_delay depends on steps only, never on the pool's speed."""
+    config = asteria.RuntimeConfig(staleness=3, fixed_delay=3, workers=1)
+
+    def params(delay_s):
+        model = _model()
+        opt = SOAP(model.parameters(), lr=1e-2, precondition_frequency=2)
+        x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1))
+        with slow_pool(delay_s), asteria.Runtime(model, opt, config):
+            for _ in range(20):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(params(0.0), params(0.02)):
+        assert torch.equal(a, b)
+
+
+def test_slow_pool_refuses_a_negative_delay():
+    with pytest.raises(ValueError, match="seconds must be >= 0"):
+        with slow_pool(-1.0):
+            pass
+
+
+@pytest.mark.distributed
+def test_replicated_blocks_keep_the_bound_on_two_ranks(tmp_path):
+    """DDP on 2 gloo ranks, every block replicated, the frequency (1) below the budget: the
+    requests coalesce on every rank alike, installs happen at their deadline, the bound holds at
+    every step and the replicas agree (these ran on their first basis forever before)."""
+    from tests.distributed._launch import launch
+
+    codes, results, logs, _ = launch("contract", tmp_path, timeout_s=120.0)
+    assert codes == [0, 0], logs
+    for r in results:
+        for name in OPTIMIZERS:
+            for label, budget in (("s3", 3), ("fixed2", 2)):
+                case = r[f"{name}/{label}"]
+                assert all(case["within"]), (name, label, case)
+                assert case["bound"] == basis_age_bound(1, budget)
+                assert case["max_age"] <= case["bound"]
+                assert case["installs"] >= 16 // (budget + 1) - 1, (name, label, case)
+                assert case["coalesced"] > 0
+                assert case["replicas_agree"], (name, label)
