@@ -133,6 +133,9 @@ class KroneckerOptimizer(Optimizer):
         #: it from the model's ``named_parameters``); unnamed ones are ``param<index>``.
         self.param_names: dict[int, str] = {}
         self._nonfinite_warned = False
+        #: A runtime's refreshes in flight from a loaded checkpoint, kept for the runtime that
+        #: attaches next (Note [Runtime state in the optimizer's checkpoint]).
+        self._resumed_refreshes: dict[str, Any] | None = None
         super().__init__(params, defaults)
 
     # -- who computes refreshes ------------------------------------------------------------------
@@ -142,12 +145,17 @@ class KroneckerOptimizer(Optimizer):
         return self._refresher
 
     def attach_refresher(self, refresher: Refresher) -> None:
-        """Hand refreshes to ``refresher`` (Asteria's runtime); one at a time."""
+        """Hand refreshes to ``refresher`` (Asteria's runtime); one at a time. Refreshes in
+        flight that a ``load_state_dict`` brought along are handed to it (Note [Runtime state
+        in the optimizer's checkpoint])."""
         if not isinstance(self._refresher, NativeRefresher):
             raise ValueError(
                 f"{type(self).__name__} is already orchestrated by {self._refresher!r}; "
                 "close() that runtime before attaching another"
             )
+        resumed, self._resumed_refreshes = self._resumed_refreshes, None
+        if resumed is not None:
+            refresher.load_state_dict(resumed)  # raises before anything is attached
         self._refresher = refresher
 
     def detach_refresher(self) -> None:
@@ -239,12 +247,17 @@ class KroneckerOptimizer(Optimizer):
         self._refresher.sync(self)
         state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
         saved = super().state_dict()
-        return {
+        out = {
             "state": {
                 k: state_format.flat_state(v, self.bases_field) for k, v in saved["state"].items()
             },
             "param_groups": [state_format.portable_group(g) for g in saved["param_groups"]],
         }
+        # Note [Runtime state in the optimizer's checkpoint]
+        in_flight = _refresher_state(self._refresher)
+        if in_flight is not None:
+            out[RUNTIME_STATE_KEY] = in_flight
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim``'s ``zero_grad``; zeroing in place first lets deferred statistics
@@ -283,6 +296,13 @@ class KroneckerOptimizer(Optimizer):
                     value = self._unflatten_state(key, value, param, group)
                 self.state[param] = _to_device(value, param.device)
         self._layouts.clear()
+        in_flight = state_dict.get(RUNTIME_STATE_KEY)
+        self._resumed_refreshes = None
+        if in_flight is not None:
+            if isinstance(self._refresher, NativeRefresher):
+                self._resumed_refreshes = in_flight  # for the runtime attached next
+            else:
+                self._refresher.load_state_dict(in_flight)
 
     def _unflatten_state(
         self, key: Any, flat: dict[str, Any], param: torch.Tensor, group: dict[str, Any]
@@ -344,6 +364,9 @@ class KroneckerOptimizer(Optimizer):
             if self.skip_nonfinite_grads
             else [True] * len(todo)
         )
+        if self._resumed_refreshes is not None and isinstance(self._refresher, NativeRefresher):
+            # a native step computes its own refreshes: the saved ones have no one to install
+            self._resumed_refreshes = None
         self._refresher.step_begin(self)
         # Updates of one group run together (``_update_params``: SOAP fuses its elementwise
         # math across blocks); a parameter updated through a working copy runs alone, so that
@@ -509,6 +532,33 @@ class KroneckerOptimizer(Optimizer):
             return False
         t = state["step"] + (1 if next_step else 0)
         return t > 0 and t % group["precondition_frequency"] == 0
+
+
+#: The key of a runtime's refreshes in flight in ``KroneckerOptimizer.state_dict()``.
+RUNTIME_STATE_KEY = "asteria_runtime"
+
+# Note [Runtime state in the optimizer's checkpoint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Frameworks (the HF Trainer, Lightning, torchtitan) save ``model.state_dict()`` and
+# ``optimizer.state_dict()`` and know nothing of a runtime. So, with a runtime attached and
+# refreshes in flight, ``optimizer.state_dict()`` carries the runtime's part under
+# ``"asteria_runtime"`` (``Runtime.state_dict()``: each refresh finished first, with its request
+# step and results; Note [Checkpoints with work in flight] in asteria/runtime/runtime.py).
+# ``load_state_dict`` hands it to the runtime attached at the time, or keeps it for the runtime
+# attached next (``attach_refresher``), which installs each refresh at the step it would have
+# been installed at: the plain torch pattern (save both, load both in a fresh process, attach a
+# runtime) resumes a ``fixed_delay`` run bit for bit (tests/unit/test_checkpoint.py). A native
+# step before any runtime attaches drops it (native mode computes its own refreshes). Nothing
+# is added when no refresh is in flight, and ``torch.distributed.checkpoint``'s state-dict API
+# keeps only ``state`` and ``param_groups`` (use asteria.checkpoint there).
+
+
+def _refresher_state(refresher: Any) -> dict[str, Any] | None:
+    """The refresher's refreshes in flight, or None when it has none (or is native)."""
+    if isinstance(refresher, NativeRefresher):
+        return None
+    state = refresher.state_dict()
+    return state if state.get("pending") else None
 
 
 def _param_list(name: str, params: Any) -> list:

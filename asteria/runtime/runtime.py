@@ -457,6 +457,8 @@ class Runtime:
                 paced=lambda: self._paced(key, step),
             ):
                 self._install_now(key, e, step, block, replicated)
+            elif e.pending is not None and schedule.fixed and not replicated:
+                self._maybe_spill(e)  # a finished refresh waiting for its install step
             if due and e.pending is not None:
                 if not e.owed:
                     schedule.coalesced += 1

@@ -23,19 +23,26 @@ SCRIPT = textwrap.dedent(
     from asteria.optim import SOAP, KLShampoo, Shampoo
     from asteria.runtime import Runtime, RuntimeConfig
 
-    name, steps, save_at, ckpt, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:]
+    name, steps, save_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    ckpt, out = sys.argv[4:6]
+    # "plain": what a framework does: save model and optimizer, load both, then attach
+    plain = sys.argv[6:] == ["plain"]
     cls = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}[name]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 4))
     opt = cls(model.parameters(), precondition_frequency=5)
-    rt = Runtime(model, opt, RuntimeConfig(staleness=3, fixed_delay=2, workers=1))
+    config = RuntimeConfig(staleness=3, fixed_delay=2, workers=1)
+    rt = None if plain else Runtime(model, opt, config)
     start = 0
     if save_at < 0:  # resume
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=plain)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        rt.load_state_dict(state["runtime"])
+        if not plain:
+            rt.load_state_dict(state["runtime"])
         start = state["step"]
+    if rt is None:
+        rt = Runtime(model, opt, config)
     for step in range(start, steps):
         gen = torch.Generator().manual_seed(1000 + step)
         x = torch.randn(32, 12, generator=gen)
@@ -43,10 +50,12 @@ SCRIPT = textwrap.dedent(
         model(x).sin().square().mean().backward()
         opt.step()
         if step + 1 == save_at:
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "runtime": rt.state_dict(), "step": step + 1}
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}
+            if not plain:
+                state["runtime"] = rt.state_dict()
             torch.save(state, ckpt)
-            print("in flight at save:", len(state["runtime"]["pending"]))
+            in_flight = state["optimizer"].get("asteria_runtime", {}).get("pending", [])
+            print("in flight at save:", len(in_flight))
     rt.close()
     torch.save([p.detach() for p in model.parameters()], out)
     """
@@ -69,17 +78,23 @@ def _run(tmp_path, *args) -> str:
     return proc.stdout
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["with_runtime_state", "plain_torch"])
 @pytest.mark.parametrize("name", ["soap", "kl_shampoo", "shampoo"])
-def test_resume_with_refreshes_in_flight_is_bitwise(name, tmp_path):
+def test_resume_with_refreshes_in_flight_is_bitwise(name, plain, tmp_path):
+    """Also the plain torch pattern (issue 16, item 8): only ``model.state_dict()`` and
+    ``optimizer.state_dict()`` saved (loaded with ``weights_only=True``), the runtime attached
+    after loading: the optimizer's state carries the refreshes in flight (Note [Runtime state in
+    the optimizer's checkpoint] in asteria/optim/base.py)."""
     ckpt = tmp_path / "ckpt.pt"
+    mode = ["plain"] if plain else []
     _run(tmp_path, name, 100, 0, ckpt, tmp_path / "straight.pt")
     # the 51st step is the optimizers' step 50 (their first only initialises): it requests
     # refreshes that install at step 52, so they are in flight at the save. Shampoo requests
     # them one step ahead (Note [Refresh lead]): at its step 49, in flight after the 50th.
     save_at = 50 if name == "shampoo" else 51
-    printed = _run(tmp_path, name, 100, save_at, ckpt, tmp_path / "first.pt")
+    printed = _run(tmp_path, name, 100, save_at, ckpt, tmp_path / "first.pt", *mode)
     assert "in flight at save: 0" not in printed and "in flight at save:" in printed
-    _run(tmp_path, name, 100, -1, ckpt, tmp_path / "resumed.pt")
+    _run(tmp_path, name, 100, -1, ckpt, tmp_path / "resumed.pt", *mode)
     straight = torch.load(tmp_path / "straight.pt")
     resumed = torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
@@ -92,6 +107,7 @@ def test_resume_without_the_runtime_state_diverges(tmp_path):
     _run(tmp_path, "soap", 60, 51, ckpt, tmp_path / "first.pt")
     state = torch.load(ckpt, weights_only=False)
     state["runtime"]["pending"] = []
+    del state["optimizer"]["asteria_runtime"]
     torch.save(state, ckpt)
     _run(tmp_path, "soap", 60, -1, ckpt, tmp_path / "resumed.pt")
     straight = torch.load(tmp_path / "straight.pt")
