@@ -12,7 +12,8 @@ Per-step record (one JSON line of ``metrics.jsonl``): ``optimizer`` (the run's l
 without the runtime), ``tokens_per_s``, ``elapsed_s`` (wall clock since the run started,
 validation included), ``memory`` (optimizer-state bytes by tier), ``refresh`` (second-order:
 whether a refresh was due), ``installs`` and ``staleness`` (asteria mode: refreshes installed at
-this step and the largest staleness among them, in steps), ``energy_j`` (cumulative, per
+this step and the largest staleness among them, in steps; ``basis_age``: the age of the oldest
+basis this step's updates read, bounded by Note [Staleness contract]), ``energy_j`` (cumulative, per
 source, where measured), ``val_loss`` at validation steps.
 """
 
@@ -168,6 +169,10 @@ def runtime_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "max_staleness": stats["max_staleness"],
         "installs": stats["installs"],
         "jobs": dict(stats["jobs"]),
+        "basis_age": {
+            **stats["basis_age"],
+            "histogram": {str(k): v for k, v in stats["basis_age"]["histogram"].items()},
+        },
     }
 
 
@@ -486,6 +491,9 @@ def train(
                 last_hist = hist
                 rec["installs"] = sum(new.values())
                 rec["staleness"] = max(new) if new else None
+                # the oldest basis this step's updates read (Note [Staleness contract])
+                ages = [e.age for e in runtime.registry.entries.values() if e.bound is not None]
+                rec["basis_age"] = max(ages) if ages else None
             sched.step()
             if not math.isfinite(loss_value):
                 result.status = "diverged"

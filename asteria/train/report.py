@@ -267,13 +267,28 @@ def write_report(
     if staleness:
         lines += ["", "## Asteria runtime", ""]
         lines += [
-            "| run | installs | max staleness | staleness histogram | jobs |",
-            "|---|---:|---:|---|---|",
+            "Staleness: steps from a refresh's request to its install (at most the budget). "
+            "Basis age: steps from the factors a basis was computed from to the step that read "
+            "it, at most max(f, B) + B (docs/runtime.md#the-staleness-contract).",
+            "",
+            "| run | installs | max staleness | staleness histogram | max basis age (bound) "
+            "| basis age histogram | jobs |",
+            "|---|---:|---:|---|---:|---|---|",
         ]
         for n, r in staleness:
             hist = ", ".join(f"{k}: {v}" for k, v in r["staleness_histogram"].items()) or "-"
             jobs = ", ".join(f"{k} {v}" for k, v in r["jobs"].items())
-            lines.append(f"| {n} | {r['installs']} | {r['max_staleness']} | {hist} | {jobs} |")
+            age = r.get("basis_age")
+            if age is None:  # a summary written before basis ages were measured
+                age_cell, age_hist = "-", "-"
+            else:
+                flag = "" if age["within_bound"] else " **over**"
+                age_cell = f"{age['max']} ({age['bound']}){flag}"
+                age_hist = ", ".join(f"{k}: {v}" for k, v in age["histogram"].items()) or "-"
+            lines.append(
+                f"| {n} | {r['installs']} | {r['max_staleness']} | {hist} | {age_cell} "
+                f"| {age_hist} | {jobs} |"
+            )
     lines += [
         "",
         "## Plots",

@@ -47,6 +47,9 @@ def test_cli_compare_writes_every_output(tmp_path: Path, capsys: pytest.CaptureF
         assert r["memory"]["device"] > 0 and r["elapsed_s"] > 0
         assert (r["barrier_wait_ms"] is None) == (r["optimizer"] != "soap:asteria")
         assert ("staleness" in r) == ("installs" in r) == (r["optimizer"] == "soap:asteria")
+        assert ("basis_age" in r) == (r["optimizer"] == "soap:asteria")
+        if "basis_age" in r:  # the first step makes the bases (0), later steps read them
+            assert r["basis_age"] == (None if r["step"] == 1 else r["step"] - 1)
     soap = [r for r in records if r["optimizer"] == "soap:native"]
     assert soap[0]["refresh"] is True  # the first step initialises every factor
     assert "refresh" not in records[0]  # AdamW has no refresh steps to report
@@ -64,7 +67,9 @@ def test_cli_compare_writes_every_output(tmp_path: Path, capsys: pytest.CaptureF
         assert run["final_val_loss"] == records[4 * i + 3]["val_loss"]
         assert run["status"] == "finished" and not run["diverged"]
         assert run["lr"] == OPTIMIZERS[name.split(":")[0]].lr_for("tiny")
-    assert set(summary["runs"]["soap:asteria"]["runtime"]) >= {"staleness_histogram", "jobs"}
+    runtime_summary = summary["runs"]["soap:asteria"]["runtime"]
+    assert set(runtime_summary) >= {"staleness_histogram", "jobs", "basis_age"}
+    assert runtime_summary["basis_age"]["within_bound"] and runtime_summary["basis_age"]["max"] == 3
     # Staleness 0 would be bit-identical to native; the default budget (5) need not be, but
     # nothing is due between step 1 and step 4 here, so the losses agree.
     native = [r["loss"] for r in records if r["optimizer"] == "soap:native"]
