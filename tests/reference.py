@@ -1,6 +1,9 @@
 """Plain, slow, obviously-correct reference implementations of SOAP, KL-Shampoo and Shampoo.
 
-Written only from ``/work/shared/ALGORITHMS.md`` and the written notes on the authors' code; it
+Written from reading the authors' code (SOAP: nikhilvyas/SOAP ``soap.py``; KL-Shampoo:
+yorkerlin/KL-Methods ``optim/kl_opt.py``; Shampoo: facebookresearch/optimizers
+``distributed_shampoo/``), where ``/work/shared/ALGORITHMS.md`` is silent or wrong (an earlier
+version of it left out KL-Shampoo's damping of the update); re-derived, not transcribed. It
 does not import or copy anything from the ``asteria`` package, so that tests can compare the
 production optimizers against an independent implementation.
 
@@ -344,35 +347,43 @@ class _KLParamState:
 
 
 class RefKLShampoo:
-    """KL-Shampoo (Lin et al., arXiv 2509.03378), as ALGORITHMS.md and the authors' code define it.
+    """KL-Shampoo (Lin et al., arXiv 2509.03378), as the authors' ``KLOpt`` computes it.
+
+    Re-derived from reading yorkerlin/KL-Methods ``optim/kl_opt.py`` (``using_klsoap=False``,
+    default ``using_damping=False``, ``using_clamping=True``, ``normalize_grads=False``), not
+    transcribed: the same quantities, each computed the plain way.
 
     For a parameter of order ``k >= 2`` every dim ``i`` has a factor ``S_i`` (``d_i x d_i``), a
     basis ``Q_i`` and an eigenvalue state ``s_i = lambda_i^{-1/2}``; ``d_other_i = numel / d_i``.
-    The 2-D formulas of ALGORITHMS.md generalize by letting "the other factor" be all ``j != i``.
 
     First gradient (no update, ``M = 0`` stays untouched, ``t`` stays 0):
     ``S_i = (1-beta) G_(i) G_(i)^T / d_other_i``; ``Q_i`` = eigh of ``S_i`` (``+1e-30 I``, in
     ``refresh_dtype``, descending, as SOAP); ``lambda_i = init_factor`` so
     ``s_i = init_factor^{-1/2}``.
 
-    Every later gradient (``t += 1``), every use of ``Q_j``/``s_j`` in 2-4 reads the OLD values:
+    Every later gradient (``t += 1``), with the bases and estimates from before the step:
 
     1. ``M = lerp(M, G, 1-b1)``.
-    2. ``U = (M x_j Q_j^T for all j) * (s_0 o s_1 o ...)``; ``Delta = U x_j Q_j for all j``.
-    3. For every ``i``: ``H = G x_j (Q_j diag(s_j))^T for all j != i``;
+    2. ``E = s_0 o s_1 o ...`` (outer product), damped: ``E = E / (1 + eps E)``;
+       ``Delta = ((M x_j Q_j^T for all j) * E) x_j Q_j for all j``.
+    3. Factor ``i``: ``H = G x_j (Q_j diag(s_j))^T for all j != i``;
        ``S_i = beta S_i + (1-beta)/d_other_i H_(i) H_(i)^T``.
-    4. For every ``i``: ``P = G x_j Q_j^T for all j``; ``diag_i = mean over dims != i of
+    4. Estimate ``i``: ``P = G x_j Q_j^T for all j``; ``diag_i = mean over dims != i of
        (P * prod_{j != i} s_j)^2``; ``D_i = nan/inf->0(1/s_i^2)``; ``D_i = lerp(D_i, diag_i,
        1-beta)``; ``s_i = nan/inf->0(1/sqrt(D_i))`` clamped to ``<= max(10, min(d_i,
        max_clamp_value))``.
+       Which ``s_j`` steps 3 and 4 read: order 2 (and, beyond the authors, order >= 4) all
+       from before the step. Order 3, the authors' sequence: ``S_2`` (old ``s_0, s_1``),
+       ``S_1`` (old ``s_0, s_2``), ``s_2`` (old ``s_0, s_1``), ``s_1`` (old ``s_0``, new
+       ``s_2``), ``S_0`` (new ``s_1``, old ``s_2``), ``s_0`` (new ``s_1``, old ``s_2``).
     5. If ``t % precondition_frequency == 0``: ``Q_i = QR(S_i Q_i).Q`` in ``refresh_dtype`` (no
        sort), with the ``S_i`` of step 3.
     6. ``W -= lr * Delta``; ``W -= lr * wd * W``.
 
-    1-D (and 0-D) parameters: KL-Shampoo defines no factor for them; this reference runs plain
-    AdamW on them (``torch.optim.AdamW`` semantics: same ``lr``, ``betas``, ``eps``,
-    ``weight_decay``, bias correction, decay applied before the update, steps counted from the
-    first gradient, no skipped first step).
+    1-D (and 0-D) parameters: the authors' ``KLOpt`` cannot take them (their scripts give them to
+    a separate AdamW); this reference runs plain AdamW on them (``torch.optim.AdamW`` semantics:
+    same ``lr``, ``betas``, ``eps``, ``weight_decay``, bias correction, decay applied before the
+    update, steps counted from the first gradient, no skipped first step).
     """
 
     def __init__(
@@ -417,59 +428,72 @@ class RefKLShampoo:
     def _clamp_max(self, d: int) -> float:
         return max(10.0, min(float(d), float(self.max_clamp_value)))
 
+    def _factor_update(self, st: _KLParamState, G: Tensor, i: int, s: Sequence[Tensor]) -> None:
+        """Step 3 for factor ``i``, whitening the other dims with ``Q_j`` and ``s[j]``."""
+        H = G
+        for j in range(G.dim()):
+            if j != i:
+                H = mode_product(H, (st.Q[j] * s[j][None, :]).T, j)
+        d_other = G.numel() // G.shape[i]
+        st.S[i] = self.shampoo_beta * st.S[i] + (1.0 - self.shampoo_beta) / d_other * gram(H, i)
+
+    def _estimate(self, st: _KLParamState, P: Tensor, i: int, s: Sequence[Tensor]) -> Tensor:
+        """Step 4 for dim ``i``: the new ``s_i`` from ``P`` scaled by ``s[j]``, ``j != i``."""
+        k = P.dim()
+        scale = _outer([s[j] if j != i else torch.ones_like(s[j]) for j in range(k)])
+        diag_i = (P * scale).square().mean(dim=[j for j in range(k) if j != i])
+        D_i = _nan_inf_to_zero(1.0 / st.s[i].square())
+        D_i = torch.lerp(D_i, diag_i, 1.0 - self.shampoo_beta)
+        s_i = _nan_inf_to_zero(1.0 / D_i.sqrt())
+        return s_i.clamp(max=self._clamp_max(P.shape[i]))
+
     def _step_param(self, p: Tensor, G: Tensor, st: _KLParamState) -> None:
         b1 = self.betas[0]
         beta = self.shampoo_beta
         k = G.dim()
         dims = list(G.shape)
         numel = G.numel()
-        d_other = [numel // d for d in dims]
 
         if st.Q is None:  # first gradient: initialise only
             st.M = torch.zeros_like(G)
-            st.S = [(1.0 - beta) * gram(G, i) / d_other[i] for i in range(k)]
+            st.S = [(1.0 - beta) * gram(G, i) / (numel // dims[i]) for i in range(k)]
             st.Q = [eigenbasis_descending(S_i, self.refresh_dtype) for S_i in st.S]
             s0 = self.init_factor**-0.5
             st.s = [torch.full((d,), s0, dtype=G.dtype, device=G.device) for d in dims]
             return
 
         st.t += 1
-        Q_old = list(st.Q)
-        s_old = list(st.s)
+        old = list(st.s)
 
         # 1. first moment (original space)
         st.M = torch.lerp(st.M, G, 1.0 - b1)
 
-        # 2. preconditioned direction with the old basis and eigenvalues
-        U = project(st.M, Q_old) * _outer(s_old)
-        delta = project_back(U, Q_old)
+        # 2. damped preconditioned direction, old basis and estimates
+        E = _outer(old)
+        E = E / (1.0 + self.eps * E)
+        delta = project_back(project(st.M, st.Q) * E, st.Q)
 
-        # 3. factor updates: each S_i sees G whitened by the other factors (old Q_j, old s_j)
-        for i in range(k):
-            H = G
-            for j in range(k):
-                if j != i:
-                    H = mode_product(H, (Q_old[j] * s_old[j][None, :]).T, j)
-            st.S[i] = beta * st.S[i] + (1.0 - beta) / d_other[i] * gram(H, i)
-
-        # 4. eigenvalue EMA in the old basis, all from the old s
-        P = project(G, Q_old)
-        new_s = []
-        for i in range(k):
-            scale = _outer([s_old[j] if j != i else torch.ones_like(s_old[j]) for j in range(k)])
-            other_dims = [j for j in range(k) if j != i]
-            diag_i = (P * scale).square().mean(dim=other_dims)
-            D_i = _nan_inf_to_zero(1.0 / s_old[i].square())
-            D_i = torch.lerp(D_i, diag_i, 1.0 - beta)
-            s_i = _nan_inf_to_zero(1.0 / D_i.sqrt())
-            new_s.append(s_i.clamp(max=self._clamp_max(dims[i])))
-        st.s = new_s
+        # 3-4. factors and estimates
+        P = project(G, st.Q)
+        if k == 3:
+            new = list(old)
+            self._factor_update(st, G, 2, old)
+            self._factor_update(st, G, 1, old)
+            new[2] = self._estimate(st, P, 2, old)
+            new[1] = self._estimate(st, P, 1, [old[0], old[1], new[2]])
+            self._factor_update(st, G, 0, [old[0], new[1], old[2]])
+            new[0] = self._estimate(st, P, 0, [old[0], new[1], old[2]])
+        else:
+            for i in range(k):
+                self._factor_update(st, G, i, old)
+            new = [self._estimate(st, P, i, old) for i in range(k)]
+        st.s = new
 
         # 5. refresh: one power iteration + QR, no sorting
         if st.t % self.precondition_frequency == 0:
             rd = self.refresh_dtype
             st.Q = [
-                _qr_q(S_i.to(rd) @ Q_i.to(rd), rd).to(Q_i.dtype) for S_i, Q_i in zip(st.S, Q_old)
+                _qr_q(S_i.to(rd) @ Q_i.to(rd), rd).to(Q_i.dtype) for S_i, Q_i in zip(st.S, st.Q)
             ]
 
         # 6. update, then decoupled weight decay

@@ -1,18 +1,31 @@
 """KL-Shampoo (Lin et al., arXiv 2509.03378): Shampoo's factors estimated under a two-sided KL.
 
-Owns: KL-Shampoo's math for one block, as the authors define it (../shared/ALGORITHMS.md): factors
-coupled through the other factors' inverses, per-factor eigenvalue estimates re-estimated every step
-in the current (possibly stale) basis, the ``-1/2`` exponent per factor, no Adam and no grafting,
-bases refreshed by one power iteration + QR every ``precondition_frequency`` steps.
+Owns: KL-Shampoo's math for one block, as the authors' code defines it (yorkerlin/KL-Methods,
+``optim/kl_opt.py``, ``KLOpt`` with ``using_klsoap=False``; docs/fidelity.md): factors coupled
+through the other factors' bases and eigenvalue estimates, per-factor eigenvalue estimates
+re-estimated every step in the current (possibly stale) basis, the ``-1/2`` exponent per factor,
+the update's damping ``s / (1 + eps * s)`` (``s`` the outer product of the factors'
+``lambda^{-1/2}``, ``eps`` the group's eps: the authors' ``klshampoo_update``), no Adam and no
+grafting, bases refreshed by one power iteration + QR every ``precondition_frequency`` steps.
 
-Where Asteria differs from the authors' code (kl_opt.py):
-  * state and arithmetic are fp32 (the authors default to bf16 everywhere except QR/eigh);
-  * tensors of any order >= 2 are handled by the same rule (the authors support 2-D and 3-D);
-    every factor and eigenvalue update of a step uses the bases and eigenvalues from before that
-    step (the authors' 3-D path updates some eigenvalues before the later factors read them);
+The authors' code has a 2-D and a 3-D path; both are followed to the operation order:
+  * 2-D: every factor and eigenvalue update of a step reads the bases and eigenvalues from
+    before that step;
+  * 3-D: the authors update the eigenvalues of dims 2 and 1 before the factor and eigenvalue of
+    dim 0 read them (``_statistics_3d``: which estimate each statistic reads, old or new).
+
+Where Asteria goes beyond the authors' code (their code has no such path):
+  * tensors of order >= 4 (the authors assert order 2 or 3): every factor and eigenvalue update
+    reads the bases and eigenvalues from before the step, the 2-D rule;
   * 1-D parameters run AdamW with the group's lr, betas, eps and weight decay (the authors hand
-    them to a separate AdamW);
-  * large dims are split into blocks of at most ``max_preconditioner_dim``.
+    them to a separate AdamW; their ``KLOpt`` cannot take them);
+  * large dims are split into blocks of at most ``max_preconditioner_dim``, each block its own
+    KL-Shampoo (the authors precondition every dim whole); a block's clamp uses the block's dim;
+  * state and arithmetic are fp32, or the parameter's dtype when wider (the authors default to
+    bf16 everywhere except QR/eigh, which run in fp32; ``refresh_dtype`` chooses here).
+Not implemented: the authors' non-default options ``using_damping=True`` (a damping of the
+curvature estimates), ``using_clamping=False``, ``normalize_grads=True`` and KL-SOAP.
+
 How it differs from heavyball's ``KLShampoo``: heavyball takes the eigenvalues from
 ``diag(Q^T S Q)`` at each step instead of a separate EMA, seeds the factors with
 ``init_factor * I``, debiases ``shampoo_beta`` and balances the factors' scales; none of that is
@@ -57,7 +70,8 @@ class KLShampoo(KroneckerOptimizer):
         lr: learning rate.
         betas: ``(beta1, beta2)``: beta1 for the gradient EMA, beta2 the default ``shampoo_beta``.
         shampoo_beta: EMA coefficient of factors and eigenvalues; ``None`` means ``betas[1]``.
-        eps: AdamW's epsilon for 1-D parameters.
+        eps: the damping of the update, ``s / (1 + eps * s)`` (the authors' ``klshampoo_update``
+            passes the group's eps), and AdamW's epsilon for 1-D parameters.
         weight_decay: decoupled weight decay.
         precondition_frequency: refresh the eigenbases every this many steps.
         max_preconditioner_dim: largest factor dim; larger dims are split into blocks.
@@ -193,7 +207,7 @@ class KLShampoo(KroneckerOptimizer):
                 self._refresher.block_begin(self, key, b)  # the last step's statistics are in
                 bases = list(self._refresher.bases(self, key, b))
                 work.append(_KLBlock(key, b, g, w, bases, spec.numel, u))
-        self._run_split(_update_blocks, work, _update_flops, beta1, lr)
+        self._run_split(_update_blocks, work, _update_flops, beta1, lr, group["eps"])
         beta = shampoo_beta(group)
         for k in work:
             step = k.update.state["step"]
@@ -233,7 +247,7 @@ class KLShampoo(KroneckerOptimizer):
             key = (pid, bi)
             self._refresher.block_begin(self, key, b)  # the last step's statistics are in
             bases = self._refresher.bases(self, key, b)  # b["bases"], or device copies
-            _update_block(b, g, w, bases, beta1, group["lr"])
+            _update_block(b, g, w, bases, beta1, group["lr"], group["eps"])
             # The statistics read this step's bases: a list of them travels with the update, so
             # a refresh installed at the boundary below cannot change what they read.
             self._refresher.accumulate(
@@ -260,9 +274,14 @@ class KLShampoo(KroneckerOptimizer):
         beta: float,
         max_clamp_value: float,
     ) -> None:
-        """Factor and eigenvalue EMAs of one step, all from the bases/eigenvalues before it."""
+        """Factor and eigenvalue EMAs of one step (the authors' ``update_2d_preconditioner`` /
+        ``update_3d_preconditioner``): for an order-k block but 3, all from the bases and
+        eigenvalues before the step; for order 3 in the authors' order (``_statistics_3d``)."""
         s = b["eigen_sqrt_inv"]
         k = g.dim()
+        if k == 3:
+            _statistics_3d(b, bases, g, numel, beta, max_clamp_value)
+            return
         # rotated[i]: G in every basis but dim i's; projected: G in every basis.
         rotated: list[torch.Tensor | None] = [None] * k
         if k == 2:  # Q_a^T G serves both S_b's statistics and the projection: one product less
@@ -287,10 +306,7 @@ class KLShampoo(KroneckerOptimizer):
             dims = [j for j in range(k) if j != i]
             diags.append(torch.mean(mode_scale(projected, others) ** 2, dim=dims))
         for i in range(k):
-            eig = (1.0 / s[i] ** 2).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            eig.lerp_(diags[i], 1 - beta)
-            new_s = (1.0 / torch.sqrt(eig)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            s[i] = new_s.clamp_(max=max(10, min(g.shape[i], max_clamp_value)))
+            s[i] = _new_sqrt_inv(s[i], diags[i], beta, _clamp_max(g.shape[i], max_clamp_value))
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
@@ -333,14 +349,84 @@ def _update_block(
     bases: list[torch.Tensor],
     beta1: float,
     lr: float,
+    eps: float,
 ) -> None:
-    """Steps 1, 2 and 6 (the update part) of ALGORITHMS.md for one block."""
+    """The update part of a step for one block (the authors' ``klshampoo_update``):
+    ``M <- lerp(M, G, 1 - beta1)``; ``s = s_0 o s_1 o ...`` damped to ``s / (1 + eps * s)``;
+    ``W -= lr * (Q^T M Q * s) in the original basis``."""
     b["exp_avg"].lerp_(g, 1 - beta1)
-    scaled = mode_scale(mode_products(b["exp_avg"], bases, True), b["eigen_sqrt_inv"])
-    w.add_(mode_products(scaled, bases, False), alpha=-lr)
+    projected = mode_products(b["exp_avg"], bases, True)
+    s = _outer(b["eigen_sqrt_inv"])
+    if eps > 0.0:
+        s.div_(1.0 + s * eps)
+    w.add_(mode_products(projected * s, bases, False), alpha=-lr)
 
 
-def _update_blocks(blocks: list[_KLBlock], beta1: float, lr: float) -> None:
+def _update_blocks(blocks: list[_KLBlock], beta1: float, lr: float, eps: float) -> None:
     """``_update_block`` for each block, in order."""
     for k in blocks:
-        _update_block(k.block, k.grad, k.weight, k.bases, beta1, lr)
+        _update_block(k.block, k.grad, k.weight, k.bases, beta1, lr, eps)
+
+
+def _outer(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """``v_0 o v_1 o ...``, a new tensor of shape ``(len(v_0), len(v_1), ...)``."""
+    k = len(vectors)
+    out = vectors[0].view([-1] + [1] * (k - 1))
+    for j in range(1, k):
+        shape = [1] * k
+        shape[j] = -1
+        out = out * vectors[j].view(shape)
+    return out if k > 1 else out.clone()
+
+
+def _clamp_max(d: int, max_clamp_value: float) -> float:
+    """The authors' clamp of ``lambda^{-1/2}`` for a factor of dim ``d``."""
+    return max(10, min(d, max_clamp_value))
+
+
+def _new_sqrt_inv(s_i: torch.Tensor, diag: torch.Tensor, beta: float, clamp: float) -> torch.Tensor:
+    """One step of a factor's eigenvalue EMA, on ``s_i = lambda_i^{-1/2}`` (the authors'
+    ``update_eigen_value``): ``lambda = lerp(1/s_i^2, diag, 1 - beta)``, back to
+    ``lambda^{-1/2}`` with NaN/Inf -> 0 on both ways, clamped to ``<= clamp``."""
+    eig = (1.0 / s_i**2).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    eig.lerp_(diag, 1 - beta)
+    new_s = (1.0 / torch.sqrt(eig)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return new_s.clamp_(max=clamp)
+
+
+def _statistics_3d(
+    b: dict[str, Any],
+    bases: list[torch.Tensor],
+    g: torch.Tensor,
+    numel: int,
+    beta: float,
+    max_clamp_value: float,
+) -> None:
+    """The statistics of an order-3 block in the authors' order (``update_3d_preconditioner``).
+
+    With ``s_j`` the estimates before the step and ``s_j'`` after: ``S_2`` reads ``s_0, s_1``;
+    ``S_1`` reads ``s_0, s_2``; then ``s_2'`` from ``s_0, s_1``; ``s_1'`` from ``s_0, s_2'``;
+    ``S_0`` reads ``s_1', s_2``; ``s_0'`` from ``s_1', s_2``. Every one reads the bases from
+    before the step (a refresh comes after them).
+    """
+    s = b["eigen_sqrt_inv"]
+    old = list(s)
+    factors = b["factors"]
+
+    def factor(i: int, scales: list[torch.Tensor | None]) -> None:
+        x = mode_products(g, [None if j == i else bases[j] for j in range(3)], True)
+        h = mode_scale(x, scales)
+        factors[i].mul_(beta).add_(gram(h, i), alpha=(1 - beta) / (numel // g.shape[i]))
+
+    def estimate(i: int, scales: list[torch.Tensor | None]) -> None:
+        dims = [j for j in range(3) if j != i]
+        diag = torch.mean(mode_scale(projected, scales) ** 2, dim=dims)
+        s[i] = _new_sqrt_inv(s[i], diag, beta, _clamp_max(g.shape[i], max_clamp_value))
+
+    projected = mode_products(g, bases, True)
+    factor(2, [old[0], old[1], None])
+    factor(1, [old[0], None, old[2]])
+    estimate(2, [old[0], old[1], None])
+    estimate(1, [old[0], None, s[2]])
+    factor(0, [None, s[1], old[2]])
+    estimate(0, [None, s[1], old[2]])

@@ -50,6 +50,13 @@ CASES = {
         [(6, 5), (3, 4, 2)],
         dict(lr=1e-3, init_factor=1e-4, max_clamp_value=20),
     ),
+    # eps large enough that the update's damping s / (1 + eps s) changes every coordinate
+    "kl_shampoo-damping": (
+        KLShampoo,
+        RefKLShampoo,
+        [(6, 5), (4, 3, 2), (3, 4, 5)],
+        dict(lr=3e-3, eps=1e-1, weight_decay=0.1, precondition_frequency=2),
+    ),
     "shampoo": (
         Shampoo,
         RefShampoo,
@@ -113,3 +120,34 @@ def test_soap_float64_params_with_authors_float32_refresh():
     ours = problem.run(lambda ps: SOAP(ps, refresh_dtype=torch.float32))
     ref = _run_reference(problem, lambda ps: RefSOAP(ps, refresh_dtype=torch.float32))
     assert max_rel_diff(ours, ref) <= 1e-5
+
+
+# KL-Shampoo against RefKLShampoo (a re-derivation of the authors' KLOpt) in float64, to the
+# spread a 1e-15 nudge of one initial weight gives Asteria itself: every path of the authors'
+# code (2-D and 3-D blocks, the first step, factor and eigenvalue updates, QR refreshes,
+# clamping, the update's damping, weight decay).
+KL_FLOOR_CASES = {
+    "2d-3d": ([(6, 6), (5, 6), (4, 3, 2), (3, 4, 5)], dict(lr=3e-3, precondition_frequency=2)),
+    "clamp": (
+        [(6, 5), (3, 4, 2)],
+        dict(lr=3e-3, init_factor=1e-4, max_clamp_value=20, precondition_frequency=3),
+    ),
+    "damping-wd": (
+        [(6, 5), (4, 3, 2)],
+        dict(lr=3e-3, eps=1e-1, weight_decay=0.1, precondition_frequency=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KL_FLOOR_CASES))
+def test_kl_shampoo_matches_the_authors_within_the_nudge_floor(case):
+    shapes, options = KL_FLOOR_CASES[case]
+    kw = dict(options, refresh_dtype=torch.float64)
+    problem = StochasticQuartic(shapes, 60, torch.float64)
+    ours = problem.run(lambda ps: KLShampoo(ps, **kw))
+    ref = _run_reference(problem, lambda ps: RefKLShampoo(ps, **kw))
+    nudged = StochasticQuartic(shapes, 60, torch.float64)
+    nudged.init[0].view(-1)[0] += 1e-15
+    floor = max_rel_diff(ours, nudged.run(lambda ps: KLShampoo(ps, **kw)))
+    assert max_rel_diff(ours, ref) <= max(4 * floor, 1e-15), (max_rel_diff(ours, ref), floor)
+    assert max_rel_diff(ours, problem.init) > 1e-2, "the run must move"

@@ -326,7 +326,7 @@ def test_ref_shampoo_root_math():
 def test_ref_kl_shampoo_hand_formula_with_identity_bases():
     """2x3 parameter, gradients with a fixed diagonal pattern: every basis is a signed identity
     (descending eigenvalues in coordinate order, never refreshed), so every step is elementwise."""
-    lr, b1, beta, wd, init = 0.5, 0.5, 0.8, 0.1, 1e-3
+    lr, b1, beta, wd, init, eps = 0.5, 0.5, 0.8, 0.1, 1e-3, 1e-2
     clamp = {0: 10.0, 1: 10.0}  # max(10, min(d, 4000)) for d = 2 and d = 3
     W0 = [[0.3, -0.2, 0.1], [0.05, 0.4, -0.6]]
     G1 = [[3.0, 0.0, 0.0], [0.0, 2.0, 0.0]]  # S_a ~ diag(9, 4), S_b ~ diag(9, 4, 0)
@@ -342,7 +342,11 @@ def test_ref_kl_shampoo_hand_formula_with_identity_bases():
     S_a_expected = None
     for step, G in enumerate((G2, G3), start=1):
         M = [[b1 * M[r][c] + (1 - b1) * G[r][c] for c in range(n)] for r in range(m)]
-        delta = [[M[r][c] * s_a[r] * s_b[c] for c in range(n)] for r in range(m)]
+        # the update's damping (the authors' klshampoo_update): e / (1 + eps e), e = s_a s_b
+        damped = [
+            [s_a[r] * s_b[c] / (1 + eps * s_a[r] * s_b[c]) for c in range(n)] for r in range(m)
+        ]
+        delta = [[M[r][c] * damped[r][c] for c in range(n)] for r in range(m)]
         if step == 1:  # S_a after the first update: uses G2 whitened by the old s_b
             S_a0 = [
                 [(1 - beta) * sum(G1[r][c] * G1[q][c] for c in range(n)) / n for q in range(m)]
@@ -371,6 +375,7 @@ def test_ref_kl_shampoo_hand_formula_with_identity_bases():
         lr=lr,
         betas=(b1, 0.99),
         shampoo_beta=beta,
+        eps=eps,
         weight_decay=wd,
         precondition_frequency=10**6,
         init_factor=init,
@@ -398,9 +403,10 @@ def _kron(mats):
 
 @pytest.mark.parametrize("shape", [(6, 5), (4, 3, 2)])
 def test_ref_kl_shampoo_matches_kronecker_formulas(shape):
-    """The mode-product code vs ALGORITHMS.md's formulas written with explicit Kronecker products
+    """The mode-product code vs the authors' formulas written with explicit Kronecker products
     on row-major vectorizations (for order k, "the other factor" is the Kronecker product of all
-    the others), with real (non-identity) bases and several refreshes."""
+    the others; order 3 in the authors' sequence), with real (non-identity) bases, several
+    refreshes and the update's damping."""
     lr, b1, beta, wd, init, freq = 1e-2, 0.9, 0.95, 0.01, 0.1, 5
     k, numel = len(shape), math.prod(shape)
     gen = torch.Generator().manual_seed(7)
@@ -413,6 +419,7 @@ def test_ref_kl_shampoo_matches_kronecker_formulas(shape):
         lr=lr,
         betas=(b1, 0.5),
         shampoo_beta=beta,
+        eps=1e-2,
         weight_decay=wd,
         precondition_frequency=freq,
         init_factor=init,
@@ -430,17 +437,33 @@ def test_ref_kl_shampoo_matches_kronecker_formulas(shape):
     Q = [torch.linalg.eigh(S_i)[1].flip(1) for S_i in S]
     s = [torch.full((d,), init**-0.5, dtype=torch.float64) for d in shape]
     M = torch.zeros(numel, dtype=torch.float64)
+    eps = 1e-2  # large enough for the update's damping e / (1 + eps e) to matter
+
+    def coupling(g, i, scales):  # G_(i) (kron of Q_j diag(s_j^2) Q_j^T, j != i) G_(i)^T / d_i'
+        others = [Q[j] @ torch.diag(scales[j] ** 2) @ Q[j].T for j in range(k) if j != i]
+        return unfold(g, i) @ _kron(others) @ unfold(g, i).T / d_other[i]
+
+    def estimate(g, i, scales):
+        lam = beta / s[i] ** 2 + (1 - beta) * torch.diag(Q[i].T @ coupling(g, i, scales) @ Q[i])
+        return (lam**-0.5).clamp(max=max(10.0, min(shape[i], 4000)))
+
     for t, g in enumerate(grads[1:], start=1):
         M = M + (1 - b1) * (g.reshape(-1) - M)
         Q_all = _kron(Q)
-        delta = Q_all @ (_kron(s) * (Q_all.T @ M))
-        new_S, new_s = [], []
-        for i in range(k):
-            others = [Q[j] @ torch.diag(s[j] ** 2) @ Q[j].T for j in range(k) if j != i]
-            C = unfold(g, i) @ _kron(others) @ unfold(g, i).T / d_other[i]
-            new_S.append(beta * S[i] + (1 - beta) * C)
-            lam = beta / s[i] ** 2 + (1 - beta) * torch.diag(Q[i].T @ C @ Q[i])
-            new_s.append((lam**-0.5).clamp(max=max(10.0, min(shape[i], 4000))))
+        e = _kron(s)
+        delta = Q_all @ (e / (1 + eps * e) * (Q_all.T @ M))
+        if k == 3:  # the authors' order: s_2, then s_1 with the new s_2, then dim 0 with both
+            new_S = [None, None, None]
+            new_s = list(s)
+            new_S[2] = beta * S[2] + (1 - beta) * coupling(g, 2, s)
+            new_S[1] = beta * S[1] + (1 - beta) * coupling(g, 1, s)
+            new_s[2] = estimate(g, 2, s)
+            new_s[1] = estimate(g, 1, [s[0], s[1], new_s[2]])
+            new_S[0] = beta * S[0] + (1 - beta) * coupling(g, 0, [s[0], new_s[1], s[2]])
+            new_s[0] = estimate(g, 0, [s[0], new_s[1], s[2]])
+        else:
+            new_S = [beta * S[i] + (1 - beta) * coupling(g, i, s) for i in range(k)]
+            new_s = [estimate(g, i, s) for i in range(k)]
         S, s = new_S, new_s
         if t % freq == 0:
             Q = [torch.linalg.qr(S_i @ Q_i)[0] for S_i, Q_i in zip(S, Q)]
