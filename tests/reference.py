@@ -39,6 +39,7 @@ __all__ = [
     "RefSOAP",
     "RefShampoo",
     "authors_merge_dims",
+    "meta_merge_dims",
     "mode_product",
     "project",
     "project_back",
@@ -521,56 +522,68 @@ def _outer(vectors: Sequence[Tensor]) -> Tensor:
 
 class _ShampooBlock:
     def __init__(self, index: tuple[slice, ...], shape: list[int], dtype, device):
-        self.index = index  # where the block sits in the parameter
+        self.index = index  # where the block sits in the parameter's (merged) view
         self.factors = [torch.zeros(d, d, dtype=dtype, device=device) for d in shape]
         self.roots: list[Tensor | None] = [None] * len(shape)  # none until first computed
-        self.failures = 0  # consecutive root computations that failed even in fp64
+        self.failures = 0  # consecutive refreshes of this block that failed even in fp64
 
 
 class _ShampooParamState:
     def __init__(self):
         self.t = 0  # counts every gradient (Shampoo skips no step)
+        self.view: tuple[int, ...] = ()
         self.M: Tensor | None = None
         self.graft_v: Tensor | None = None
         self.buf: Tensor | None = None
         self.blocks: list[_ShampooBlock] = []
 
 
-class RefShampoo:
-    """Shampoo with grafting, momentum and decoupled weight decay, as in Meta's Distributed Shampoo.
+def meta_merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+    """The view Meta's Distributed Shampoo preconditions (``merge_small_dims`` with
+    ``target_parameter_dimensionality=1``): drop every size-1 dim (none left: ``(1,)``); walk the
+    dims from the last to the first, multiplying each into the group of the dims after it while the
+    product stays ``<= max_dim``, else starting a new group."""
+    groups: list[int] = []
+    for d in reversed([d for d in shape if d != 1] or [1]):
+        if groups and groups[0] * d <= max_dim:
+            groups[0] *= d
+        else:
+            groups.insert(0, d)
+    return tuple(groups)
 
-    Per parameter of order ``k >= 2``: every dim is split into chunks of at most
-    ``max_preconditioner_dim`` (``torch.split``), and the cartesian product of the chunks are the
-    blocks. Each block has one factor per dim and an inverse root per factor. Step ``t`` (``t = 1``
-    on the first gradient):
+
+class RefShampoo:
+    """Shampoo with grafting, momentum and weight decay, as Meta's Distributed Shampoo computes it.
+
+    Re-derived from reading facebookresearch/optimizers ``distributed_shampoo`` (the
+    ``DistributedShampoo`` step, ``RootInvShampooPreconditionerList``, ``AdagradPreconditionerList``
+    and the distributor's merge-and-block), not transcribed.
+
+    Per parameter: the view ``meta_merge_dims(shape, max_preconditioner_dim)`` (with
+    ``merge_dims=False``: size-1 dims dropped only), every dim of the view split into chunks of at
+    most ``max_preconditioner_dim`` (``torch.split``), and the cartesian product of the chunks are
+    the blocks; each has one factor per dim (a 1-D view too: a full matrix) and an inverse root per
+    factor. Step ``t`` (``t = 1`` on the first gradient):
 
     * ``L_i = b2 L_i + (1-b2) G_(i) G_(i)^T`` per block (``b2 == 1``: ``L_i += G_(i) G_(i)^T``).
-    * ``M = b1 M + (1-b1) G``; ``M_hat = M / (1 - b1^t)``.
-    * Grafting state (per parameter): ``adam``: ``v = g2 v + (1-g2) G^2``,
-      ``graft = M_hat / (sqrt(v) / sqrt(1-g2^t) + eps)``; ``rmsprop``: the same ``v`` without its
-      bias correction; ``adagrad``: ``v += G^2``, ``graft = M_hat / (sqrt(v) + eps)``; ``sgd``:
-      ``graft = M_hat``; ``none``: no grafting.
-    * If ``t % precondition_frequency == 0`` (after the factor update):
-      ``R_i = Q diag((max(lam, 0) + epsilon)^(-1/(2k))) Q^T`` from ``eigh(L_i)`` in
-      ``refresh_dtype`` (fp64 retry; if that fails too the previous root is kept, and after
-      ``max_consecutive_root_failures`` consecutive failures an error is raised).
-    * ``t < start_preconditioning_step``: ``direction = graft`` (``M_hat`` for ``none``). Otherwise
-      per block: ``graft_block`` while the block has no roots yet, else ``P = M_hat_block x_i R_i``,
-      rescaled with grafting to
-      ``||graft_block|| / ||P||`` (Frobenius; left alone when ``||P|| == 0``).
-    * Momentum (``> 0``): ``buf = momentum * buf + direction`` (``buf`` starts at 0),
-      ``direction = buf``.
-    * As ``torch.optim.AdamW`` orders it: ``W *= 1 - lr * wd``, then ``W -= lr * direction``.
+    * At ``t == start`` and at every ``t > start`` with ``t % precondition_frequency == 0``:
+      ``R_i = Q diag((max(lam, 0) + epsilon)^(-1/(2k))) Q^T`` from ``eigh(L_i / c)``, ``c = 1 -
+      b2^t`` when ``use_bias_correction`` and ``b2 < 1`` (else 1), in ``refresh_dtype`` (fp64
+      retry; if that fails too the block keeps its previous roots, and
+      ``max_consecutive_failures`` failures in a row raise). (Meta shifts the eigenvalues by the
+      smallest one when it is negative instead of clamping them; the clamp is Asteria's.)
+    * ``M = b1 M + (1-b1) G``; ``M_hat = M / (1 - b1^t)`` (just ``M`` without bias correction).
+    * Grafting state: ``adam``: ``v = g2 v + (1-g2) G^2``,
+      ``graft = M_hat / (sqrt(v) / sqrt(1-g2^t) + grafting_epsilon)``; ``rmsprop``: the same ``v``
+      without its bias correction; ``adagrad``: ``v += G^2``, ``graft = M_hat / (sqrt(v) +
+      grafting_epsilon)``; ``sgd`` and ``none``: ``graft = M_hat``.
+    * ``t < start``: ``P = graft``. Otherwise per block: ``graft_block`` while the block has no
+      roots (Asteria's rule; Meta starts from identity roots), else ``P = M_hat_block x_i R_i``,
+      with grafting rescaled by ``||graft_block|| / (||P|| + 1e-16)`` (Frobenius).
+    * Weight decay and momentum (``> 0``): ``P += wd W``; ``buf = momentum * buf + P`` (``buf``
+      starts at 0); ``W -= lr buf``. Without momentum: ``W *= 1 - lr wd``, then ``W -= lr P``.
 
-    1-D (and 0-D) parameters use the grafting direction alone and are never preconditioned.
-
-    Note: roots are computed whenever ``t % precondition_frequency == 0``, whether or not
-    preconditioning has started; with the default ``start_preconditioning_step =
-    precondition_frequency`` the first roots are computed in the very step they are first used.
-    If ``start_preconditioning_step`` comes before the first multiple of
-    ``precondition_frequency``, the steps in between take the grafting direction (Meta's
-    Distributed Shampoo rejects such a start; identity roots, the alternative, would rescale
-    ``M_hat`` to the grafting norm, a direction no configuration of Meta's ever takes).
+    ``start = precondition_frequency`` for ``start_preconditioning_step = -1`` (or ``None``).
     """
 
     GRAFTINGS = ("adam", "rmsprop", "adagrad", "sgd", "none")
@@ -580,52 +593,56 @@ class RefShampoo:
         params: Sequence[Tensor],
         lr: float = 1e-2,
         betas: tuple[float, float] = (0.9, 1.0),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        precondition_frequency: int = 1,
-        max_preconditioner_dim: int = 1024,
         epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | None = -1,
+        use_bias_correction: bool = True,
         grafting: str = "adam",
         grafting_beta2: float = 0.999,
+        grafting_epsilon: float = 1e-10,
         momentum: float = 0.0,
-        start_preconditioning_step: int | None = None,
+        merge_dims: bool = True,
         refresh_dtype: torch.dtype = torch.float32,
-        max_consecutive_root_failures: int = 5,
+        max_consecutive_failures: int = 3,
     ):
         if grafting not in self.GRAFTINGS:
             raise ValueError(f"grafting must be one of {self.GRAFTINGS}, got {grafting!r}")
         self.params = list(params)
         self.lr = lr
         self.betas = betas
-        self.eps = eps
-        self.weight_decay = weight_decay
-        self.precondition_frequency = precondition_frequency
-        self.max_preconditioner_dim = max_preconditioner_dim
         self.epsilon = epsilon
+        self.weight_decay = weight_decay
+        self.max_preconditioner_dim = max_preconditioner_dim
+        self.precondition_frequency = precondition_frequency
+        start = start_preconditioning_step
+        self.start = precondition_frequency if start is None or start == -1 else start
+        self.use_bias_correction = use_bias_correction
         self.grafting = grafting
         self.grafting_beta2 = grafting_beta2
+        self.grafting_epsilon = grafting_epsilon
         self.momentum = momentum
-        self.start_preconditioning_step = (
-            precondition_frequency
-            if start_preconditioning_step is None
-            else start_preconditioning_step
-        )
+        self.merge_dims = merge_dims
         self.refresh_dtype = refresh_dtype
-        self.max_consecutive_root_failures = max_consecutive_root_failures
+        self.max_consecutive_failures = max_consecutive_failures
         self.state = [self._new_state(p) for p in self.params]
 
     def _new_state(self, p: Tensor) -> _ShampooParamState:
         st = _ShampooParamState()
-        if p.dim() >= 2:
-            per_dim_chunks = []
-            for d in p.shape:
-                sizes = [len(c) for c in torch.split(torch.arange(d), self.max_preconditioner_dim)]
-                starts = [sum(sizes[:n]) for n in range(len(sizes))]
-                per_dim_chunks.append([(a, s) for a, s in zip(starts, sizes)])
-            for combo in itertools.product(*per_dim_chunks):
-                index = tuple(slice(a, a + s) for a, s in combo)
-                shape = [s for _, s in combo]
-                st.blocks.append(_ShampooBlock(index, shape, p.dtype, p.device))
+        if self.merge_dims:
+            st.view = meta_merge_dims(p.shape, self.max_preconditioner_dim)
+        else:
+            st.view = tuple(d for d in p.shape if d != 1) or (1,)
+        per_dim_chunks = []
+        for d in st.view:
+            sizes = [len(c) for c in torch.split(torch.arange(d), self.max_preconditioner_dim)]
+            starts = [sum(sizes[:n]) for n in range(len(sizes))]
+            per_dim_chunks.append(list(zip(starts, sizes)))
+        for combo in itertools.product(*per_dim_chunks):
+            index = tuple(slice(a, a + s) for a, s in combo)
+            shape = [s for _, s in combo]
+            st.blocks.append(_ShampooBlock(index, shape, p.dtype, p.device))
         return st
 
     @torch.no_grad()
@@ -635,29 +652,36 @@ class RefShampoo:
             if g is not None:
                 self._step_param(p, g.to(p.dtype), st)
 
-    def _root(self, block: _ShampooBlock, i: int, order: int) -> None:
-        """Recompute ``R_i = L_i^{-1/(2k)}`` (with ``epsilon``) via eigh in ``refresh_dtype``."""
-        L = block.factors[i]
+    def _roots(self, block: _ShampooBlock, bias_correction: float) -> None:
+        """``R_i = (L_i / c)^{-1/(2k)}`` (with ``epsilon``) via eigh in ``refresh_dtype``; the
+        block keeps all its previous roots when one fails even in fp64."""
         rd = self.refresh_dtype
+        order = len(block.factors)
+        new = []
         try:
-            try:
-                lam, q = torch.linalg.eigh(L.to(rd))
-            except RuntimeError:
-                lam, q = torch.linalg.eigh(L.to(torch.float64))
+            for L in block.factors:
+                A = L / bias_correction
+                try:
+                    lam, q = torch.linalg.eigh(A.to(rd))
+                except RuntimeError:
+                    lam, q = torch.linalg.eigh(A.to(torch.float64))
+                powered = (lam.clamp(min=0.0) + self.epsilon) ** (-1.0 / (2 * order))
+                new.append((q @ torch.diag(powered) @ q.T).to(L.dtype))
         except RuntimeError:
             block.failures += 1
-            if block.failures >= self.max_consecutive_root_failures:
+            if block.failures >= self.max_consecutive_failures:
                 raise
-            return  # keep the previous root
+            return  # keep the previous roots
         block.failures = 0
-        powered = (lam.clamp(min=0.0) + self.epsilon) ** (-1.0 / (2 * order))
-        block.roots[i] = (q @ torch.diag(powered) @ q.T).to(L.dtype)
+        block.roots = new
 
-    def _step_param(self, p: Tensor, G: Tensor, st: _ShampooParamState) -> None:
+    def _step_param(self, p: Tensor, g: Tensor, st: _ShampooParamState) -> None:
         b1, b2 = self.betas
         g2 = self.grafting_beta2
         st.t += 1
         t = st.t
+        G = g.reshape(st.view)
+        W = p.view(st.view)
 
         # factors (every step, every block)
         for block in st.blocks:
@@ -668,35 +692,37 @@ class RefShampoo:
                 else:
                     block.factors[i] = b2 * L + (1.0 - b2) * gram(Gb, i)
 
+        # inverse roots: at the start, and at every multiple of the frequency after it
+        f = self.precondition_frequency
+        if t == self.start or (t > self.start and t % f == 0):
+            c = 1.0 - b2**t if self.use_bias_correction and b2 < 1.0 else 1.0
+            for block in st.blocks:
+                self._roots(block, c)
+
         # first moment
         if st.M is None:
             st.M = torch.zeros_like(G)
         st.M = b1 * st.M + (1.0 - b1) * G
-        M_hat = st.M / (1.0 - b1**t)
+        M_hat = st.M / (1.0 - b1**t) if self.use_bias_correction else st.M
 
         # grafting direction
         if st.graft_v is None:
             st.graft_v = torch.zeros_like(G)
+        eps = self.grafting_epsilon
         if self.grafting == "adam":
             st.graft_v = g2 * st.graft_v + (1.0 - g2) * G.square()
-            graft = M_hat / (st.graft_v.sqrt() / math.sqrt(1.0 - g2**t) + self.eps)
+            graft = M_hat / (st.graft_v.sqrt() / math.sqrt(1.0 - g2**t) + eps)
         elif self.grafting == "rmsprop":
             st.graft_v = g2 * st.graft_v + (1.0 - g2) * G.square()
-            graft = M_hat / (st.graft_v.sqrt() + self.eps)
+            graft = M_hat / (st.graft_v.sqrt() + eps)
         elif self.grafting == "adagrad":
             st.graft_v = st.graft_v + G.square()
-            graft = M_hat / (st.graft_v.sqrt() + self.eps)
+            graft = M_hat / (st.graft_v.sqrt() + eps)
         else:  # "sgd", and "none" (whose graft is only used as the un-preconditioned direction)
             graft = M_hat
 
-        # inverse roots
-        if t % self.precondition_frequency == 0:
-            for block in st.blocks:
-                for i in range(len(block.factors)):
-                    self._root(block, i, len(block.factors))
-
         # direction
-        if t < self.start_preconditioning_step or not st.blocks:
+        if t < self.start:
             direction = graft
         else:
             direction = torch.empty_like(G)
@@ -706,21 +732,20 @@ class RefShampoo:
                     continue
                 P = M_hat[block.index]
                 for i, R in enumerate(block.roots):
-                    if R is not None:  # a factor whose first root failed
-                        P = mode_product(P, R, i)
+                    P = mode_product(P, R, i)
                 if self.grafting != "none":
-                    p_norm = torch.linalg.vector_norm(P)
-                    if p_norm != 0:
-                        P = P * (torch.linalg.vector_norm(graft[block.index]) / p_norm)
+                    scale = torch.linalg.vector_norm(graft[block.index]) / (
+                        torch.linalg.vector_norm(P) + 1e-16
+                    )
+                    P = P * scale
                 direction[block.index] = P
 
-        # momentum
+        # weight decay, momentum, the step
         if self.momentum > 0.0:
             if st.buf is None:
                 st.buf = torch.zeros_like(G)
-            st.buf = self.momentum * st.buf + direction
-            direction = st.buf
-
-        # decoupled weight decay first, then the step (torch.optim.AdamW's order)
-        p.mul_(1.0 - self.lr * self.weight_decay)
-        p.sub_(self.lr * direction)
+            st.buf = self.momentum * st.buf + (direction + self.weight_decay * W)
+            W.sub_(self.lr * st.buf)
+        else:
+            W.mul_(1.0 - self.lr * self.weight_decay)
+            W.sub_(self.lr * direction)

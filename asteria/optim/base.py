@@ -125,6 +125,10 @@ class KroneckerOptimizer(Optimizer):
         params = _param_list(type(self).__name__, params)
         self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}
         self._refresher: Refresher = NativeRefresher()
+        #: A block whose refresh fails this many times in a row raises ``RefreshFailedError`` at
+        #: the end of the step (Note [Refresh failures] in refresher.py); ``RuntimeConfig`` has
+        #: the runtime's own.
+        self.max_consecutive_failures = 3
         #: Skip (and count) parameters whose gradient has NaN/Inf (Note [Non-finite gradients]).
         self.skip_nonfinite_grads = True
         #: How many (parameter, step) updates were skipped for a non-finite gradient.
@@ -229,7 +233,8 @@ class KroneckerOptimizer(Optimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         check_range("lr", group["lr"], 0.0)
-        check_range("eps", group["eps"], 0.0)
+        if "eps" in group:  # Shampoo has Meta's grafting_epsilon instead
+            check_range("eps", group["eps"], 0.0)
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("precondition_frequency", group["precondition_frequency"], 1, integer=True)
         check_range("max_preconditioner_dim", group["max_preconditioner_dim"], 1, integer=True)

@@ -1,23 +1,56 @@
-"""Shampoo (Gupta et al., 2018) with grafting, as in Meta's Distributed Shampoo.
+"""Shampoo (Gupta et al., 2018) with grafting, as Meta's Distributed Shampoo computes it.
 
-Owns: Shampoo's math for one block (../shared/ALGORITHMS.md): Kronecker factors
-``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` (plain sums when ``b2 == 1``), inverse roots
-``L_i^{-1/(2k)}`` for an order-k block, recomputed every ``precondition_frequency`` steps, the
-first-moment EMA of the gradient as the preconditioned quantity, per-block grafting of the step
-size, momentum and decoupled weight decay. Before ``start_preconditioning_step`` the grafting
-method alone drives the update; with Adam grafting and no momentum that is exactly
-``torch.optim.AdamW`` (same operations, same order).
+Owns: Shampoo's math for one block, with Meta's option names, meanings and defaults
+(facebookresearch/optimizers ``distributed_shampoo``, ``DistributedShampoo`` with
+``RootInvShampooPreconditionerConfig``; docs/fidelity.md):
 
-Choices stated: size-1 dims are squeezed before blocking (a 1x1 factor would change the root
-order); 1-D parameters are never preconditioned (grafting direction only); the eigenvalues are
-clamped at zero before ``epsilon`` is added (negative ones are round-off of a PSD factor); a block
-whose roots have not been computed yet takes the grafting direction, as every block does before
-``start_preconditioning_step``. Meta's code never meets that case (it requires the start to be at
-least ``precondition_frequency``, so the first roots exist before they are used); here it happens
-when the start precedes the first refresh, and under an ``asteria.Runtime``, whose first roots
-arrive up to ``S`` steps after they are requested. Identity roots instead (the block's ``M_hat``
-rescaled to the grafting norm) put the whole step of an embedding on its few frequent rows: one
-such step on the ``tiny`` LM took the loss from 3.3 to 5.1.
+  * the parameter's view: size-1 dims squeezed and small dims merged from the last dim down
+    while their product stays ``<= max_preconditioner_dim`` (Meta's ``merge_small_dims`` with
+    ``target_parameter_dimensionality=1``; ``merge_dims=False`` only squeezes), then every dim
+    split into blocks of at most ``max_preconditioner_dim`` (Meta's ``multi_dim_split``);
+    1-D views (biases, norm weights, merged small tensors) get a full-matrix factor with
+    exponent ``1/2``, 0-d parameters a ``1 x 1`` one;
+  * Kronecker factors ``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` (plain sums when ``b2 == 1``),
+    bias-corrected by ``1 - b2^t`` when ``use_bias_correction`` (the factors are kept
+    bias-corrected: ``_update_factors``);
+  * inverse roots ``L_i^{-1/(2k)}`` (eigenvalues plus ``epsilon``) at ``start_preconditioning_step``
+    and at every multiple of ``precondition_frequency`` after it (Meta's
+    ``perform_amortized_computation``);
+  * the first moment ``M = lerp(M, G, 1 - b1)``, divided by ``1 - b1^t`` when
+    ``use_bias_correction``, is the preconditioned quantity; per-block grafting
+    (``P * ||graft|| / (||P|| + 1e-16)``); before ``start_preconditioning_step`` the grafting
+    method alone (with ``grafting="none"``: ``M``, Meta's identity roots);
+  * decoupled weight decay added to the direction before momentum (``P + wd W``), momentum
+    (Meta's ``ClassicMomentumConfig`` without dampening or Nesterov), then ``W -= lr P``.
+    Without momentum that is ``W (1 - lr wd) - lr P``; before the start with Adam grafting it is
+    exactly ``torch.optim.AdamW`` (same operations, same order).
+
+Where Asteria differs from Meta (docs/fidelity.md has the table):
+  * the default grafting is Adam's (``AdamPreconditionerConfig``'s defaults: ``grafting_beta2``
+    0.999, ``grafting_epsilon`` 1e-10), where ``DistributedShampoo`` defaults to none. Meta's
+    README says to graft from the method being replaced, and without grafting the step size is
+    set by ``epsilon^{-1/(2k)}`` on a rank-deficient factor's round-off (frequency 1 roots a
+    rank-1 factor at step 1): the test suite's small fp32 problems went to NaN within 3 steps at
+    lr 3e-3. ``grafting="none"`` is Meta's default exactly;
+  * eigenvalues of a factor below zero (round-off of a PSD matrix) are clamped at zero before
+    ``epsilon`` is added, where Meta shifts every eigenvalue by the smallest when it is below
+    zero; the two agree wherever the factor's computed spectrum is non-negative;
+  * a block whose roots were never computed (a runtime's first roots arriving up to ``S``
+    steps late, or a first root that failed) takes the grafting direction; Meta starts from
+    identity roots (the block's ``M`` rescaled to the grafting norm, which puts the whole step
+    of an embedding on its few frequent rows: one such step on the ``tiny`` LM took the loss
+    from 3.3 to 5.1);
+  * a ``start_preconditioning_step`` below ``precondition_frequency`` is allowed (Meta refuses
+    it): the first roots are computed at the start, the next at the next multiple;
+  * a failed root keeps the block's previous roots (all of the block's factors, where Meta
+    keeps the failed factor's only); ``max_consecutive_failures`` failures in a row raise
+    ``RefreshFailedError`` at the end of the step (Note [Refresh failures] in refresher.py);
+  * step counts are per parameter (a parameter without a gradient, or with a non-finite one,
+    does not count the step), where Meta counts the group's steps;
+  * grafting ``"rmsprop"`` takes the one ``grafting_beta2`` default, 0.999 (Meta's
+    ``RMSpropPreconditionerConfig`` defaults to 0.99); ``refresh_dtype`` is the precision of
+    the roots (Meta's ``factor_matrix_dtype``); factors and roots are in the state dtype (fp32,
+    or the parameter's when wider).
 
 Must not: know about runtimes, pools or memory tiers.
 """
@@ -40,29 +73,39 @@ from asteria.optim.base import (
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
 
-__all__ = ["Shampoo", "GRAFTINGS"]
+__all__ = ["Shampoo", "GRAFTINGS", "merge_small_dims_reversed"]
 
 GRAFTINGS = ("adam", "rmsprop", "adagrad", "sgd", "none")
 
+#: Meta adds this to the Shampoo direction's norm before the grafting ratio.
+GRAFTING_NORM_EPSILON = 1e-16
+
 
 class Shampoo(KroneckerOptimizer):
-    """Shampoo with Meta's Distributed Shampoo defaults.
+    """Shampoo with Meta's Distributed Shampoo option names and defaults.
 
     Args:
         params: parameters or parameter groups.
         lr: learning rate.
         betas: ``(beta1, beta2)``: beta1 for the gradient's first moment, beta2 for the factors
             (``1.0`` means plain sums, Meta's default).
-        eps: epsilon of the grafting method's denominator.
-        weight_decay: decoupled weight decay.
-        precondition_frequency: recompute the inverse roots every this many steps.
-        max_preconditioner_dim: largest factor dim; larger dims are split into blocks.
         epsilon: added to the factors' eigenvalues before the root.
-        grafting: ``"adam"``, ``"rmsprop"``, ``"adagrad"``, ``"sgd"`` or ``"none"``.
+        weight_decay: decoupled weight decay (added to the direction before momentum).
+        max_preconditioner_dim: largest factor dim; larger dims are split into blocks, and
+            small dims are merged up to it (``merge_dims``).
+        precondition_frequency: recompute the inverse roots every this many steps.
+        start_preconditioning_step: first step that uses the Shampoo direction (its roots are
+            computed in that step); ``-1`` (or ``None``) means ``precondition_frequency``.
+        use_bias_correction: divide the first moment by ``1 - b1^t`` and the factors by
+            ``1 - b2^t`` (the latter only for ``b2 < 1``).
+        grafting: ``"adam"``, ``"rmsprop"``, ``"adagrad"``, ``"sgd"`` or ``"none"`` (Meta's
+            ``grafting_config``: ``AdamPreconditionerConfig`` and so on, or ``None``). The one
+            default that is not Meta's (``None``): see the module docstring.
         grafting_beta2: second-moment EMA coefficient of Adam / RMSprop grafting.
-        momentum: heavy-ball momentum on the grafted direction.
-        start_preconditioning_step: first step that uses the Shampoo direction; ``None`` means
-            ``precondition_frequency`` (Meta's default).
+        grafting_epsilon: epsilon of the grafting method's denominator.
+        momentum: momentum on the direction (Meta's ``ClassicMomentumConfig(momentum)``).
+        merge_dims: merge small dims as Meta does (``False``: only squeeze size-1 dims, Meta's
+            ``target_parameter_dimensionality=math.inf``).
         refresh_dtype: precision of the root computation.
     """
 
@@ -76,29 +119,33 @@ class Shampoo(KroneckerOptimizer):
         params: ParamsT,
         lr: float = 1e-2,
         betas: tuple[float, float] = (0.9, 1.0),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        precondition_frequency: int = 1,
-        max_preconditioner_dim: int = 1024,
         epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | None = -1,
+        use_bias_correction: bool = True,
         grafting: str = "adam",
         grafting_beta2: float = 0.999,
+        grafting_epsilon: float = 1e-10,
         momentum: float = 0.0,
-        start_preconditioning_step: int | None = None,
+        merge_dims: bool = True,
         refresh_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = dict(
             lr=lr,
             betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency,
-            max_preconditioner_dim=max_preconditioner_dim,
             epsilon=epsilon,
+            weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            use_bias_correction=use_bias_correction,
             grafting=grafting,
             grafting_beta2=grafting_beta2,
+            grafting_epsilon=grafting_epsilon,
             momentum=momentum,
-            start_preconditioning_step=start_preconditioning_step,
+            merge_dims=merge_dims,
             refresh_dtype=refresh_dtype,
         )
         super().__init__(params, defaults)
@@ -110,18 +157,40 @@ class Shampoo(KroneckerOptimizer):
         if group["grafting"] not in GRAFTINGS:
             raise ValueError(f"grafting must be one of {GRAFTINGS}, got {group['grafting']!r}")
         check_range("grafting_beta2", group["grafting_beta2"], 0.0, 1.0, high_inclusive=False)
+        check_range("grafting_epsilon", group["grafting_epsilon"], 0.0)
         check_range("momentum", group["momentum"], 0.0, 1.0, high_inclusive=False)
         start = group["start_preconditioning_step"]
-        if start is not None:
-            check_range("start_preconditioning_step", start, 1, integer=True)
+        if start is not None and not (isinstance(start, int) and start == -1):
+            check_range("start_preconditioning_step (or -1)", start, 1, integer=True)
+        for flag in ("use_bias_correction", "merge_dims"):
+            if not isinstance(group[flag], bool):
+                raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
+
+    def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
+        return super()._layout_key(p, group) + (group["merge_dims"],)
 
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
-        return make_layout(p.shape, group["max_preconditioner_dim"], squeeze=True, factor_1d=False)
+        max_dim = group["max_preconditioner_dim"]
+        shape = tuple(int(d) for d in p.shape)
+        if group["merge_dims"]:
+            view = merge_small_dims_reversed(shape, max_dim)
+        else:
+            view = tuple(d for d in shape if d != 1) or (1,)
+        return make_layout(view, max_dim, squeeze=False, factor_1d=True)
 
     @staticmethod
     def _start(group: dict[str, Any]) -> int:
         start = group["start_preconditioning_step"]
-        return group["precondition_frequency"] if start is None else start
+        return group["precondition_frequency"] if start is None or start == -1 else start
+
+    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
+        """Meta's ``perform_amortized_computation``: at the start, and at every multiple of the
+        frequency after it."""
+        if "blocks" not in state:
+            return False
+        t = state["step"] + (1 if next_step else 0)
+        start = self._start(group)
+        return t > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))
 
     # -- the algorithm ------------------------------------------------------------------------
 
@@ -168,7 +237,7 @@ class Shampoo(KroneckerOptimizer):
         t = state["step"]
         exp_avg = state["exp_avg"]
         exp_avg.lerp_(grad, 1 - beta1)
-        bias_correction1 = 1 - beta1**t
+        bias_correction1 = 1 - beta1**t if group["use_bias_correction"] else 1.0
         denom = self._grafting_denominator(state, grad, group, t)
 
         blocks = state.get("blocks")
@@ -176,12 +245,13 @@ class Shampoo(KroneckerOptimizer):
             # a runtime may request the refresh of step t + lead now (Note [Refresh lead])
             due = self._refresh_due(state, group, next_step=self._refresher.lead > 0)
             for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout))):
-                self._refresher.accumulate(self, (pid, bi), self._update_factors, b, g, group)
+                self._refresher.accumulate(self, (pid, bi), self._update_factors, b, g, group, t)
                 self._refresher.block_boundary(self, (pid, bi), b, group, t, due)
         preconditioning = blocks is not None and t >= self._start(group)
 
         if not preconditioning and group["momentum"] == 0:
-            # The grafting method alone, in torch.optim.AdamW's exact operation order.
+            # The grafting method alone, in torch.optim.AdamW's exact operation order (Meta's
+            # W - lr (P + wd W) in exact arithmetic).
             p.mul_(1 - lr * wd)
             if denom is None:
                 p.add_(exp_avg, alpha=-lr / bias_correction1)
@@ -207,15 +277,18 @@ class Shampoo(KroneckerOptimizer):
                     continue
                 pre = mode_products(m_b, roots, transpose=False)
                 if grafting != "none":
-                    norm = torch.linalg.vector_norm(pre)
-                    pre = pre * torch.where(norm > 0, torch.linalg.vector_norm(g_b) / norm, 1.0)
+                    norm = torch.linalg.vector_norm(pre) + GRAFTING_NORM_EPSILON
+                    pre = pre * (torch.linalg.vector_norm(g_b) / norm)
                 out.copy_(pre)
         else:
             direction = graft
         if group["momentum"] > 0:
+            if wd > 0:
+                direction = direction + wd * p  # Meta: the decay goes through the momentum
             buf = state["momentum_buffer"]
             buf.mul_(group["momentum"]).add_(direction)
-            direction = buf
+            p.add_(buf, alpha=-lr)
+            return
         p.mul_(1 - lr * wd)
         p.add_(direction, alpha=-lr)
 
@@ -225,28 +298,40 @@ class Shampoo(KroneckerOptimizer):
         if grafting in ("sgd", "none"):
             return None
         v = state["exp_avg_sq"]
+        eps = group["grafting_epsilon"]
         if grafting == "adagrad":
             v.addcmul_(grad, grad, value=1.0)
-            return v.sqrt().add_(group["eps"])
+            return v.sqrt().add_(eps)
         b2 = group["grafting_beta2"]
         v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         if grafting == "rmsprop":
-            return v.sqrt().add_(group["eps"])
-        return (v.sqrt() / (1 - b2**t) ** 0.5).add_(group["eps"])
+            return v.sqrt().add_(eps)
+        return (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)
 
     @staticmethod
-    def _update_factors(block: dict[str, Any], g: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update_factors(
+        block: dict[str, Any], g: torch.Tensor, group: dict[str, Any], t: int
+    ) -> None:
+        """Step ``t``'s factor update. With ``b2 < 1`` and ``use_bias_correction`` the factors
+        are kept divided by ``c_t = 1 - b2^t`` (what Meta divides them by before each root):
+        ``L_t / c_t = (b2 c_{t-1}) / c_t * L_{t-1} / c_{t-1} + (1 - b2) / c_t * G G^T``."""
         beta2 = group["betas"][1]
+        if beta2 == 1.0:
+            scale, weight = 1.0, 1.0
+        elif group["use_bias_correction"]:
+            c_prev, c = 1 - beta2 ** (t - 1), 1 - beta2**t
+            scale, weight = beta2 * c_prev / c, (1 - beta2) / c
+        else:
+            scale, weight = beta2, 1 - beta2
         for i, f in enumerate(block["factors"]):
-            if beta2 == 1.0:
-                f.add_(gram(g, i))
-            else:
-                f.mul_(beta2).add_(gram(g, i), alpha=1 - beta2)
+            if scale != 1.0:
+                f.mul_(scale)
+            f.add_(gram(g, i), alpha=weight)
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
-        """``L_i^{-1/(2k)}`` for every factor of an order-k block."""
+        """``L_i^{-1/(2k)}`` for every factor of an order-k block (``1/2`` for 1-D blocks)."""
         root = 2 * len(block["factors"])
         return [
             RefreshJob("root", f, root=root, epsilon=group["epsilon"], dtype=group["refresh_dtype"])
@@ -257,3 +342,18 @@ class Shampoo(KroneckerOptimizer):
         block["roots"] = [
             r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
         ]
+
+
+def merge_small_dims_reversed(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
+    """Meta's ``merge_small_dims`` (``target_parameter_dimensionality=1``): size-1 dims dropped
+    (all of them: ``(1,)``), then from the last dim to the first, each dim merged into the one
+    after it while their product stays ``<= max_dim``. ``(2, 5)`` at 10 -> ``(10,)``;
+    ``(32, 3, 64, 64)`` at 8192 -> ``(96, 4096)``."""
+    dims = [d for d in reversed(shape) if d != 1] or [1]
+    merged = [dims[0]]
+    for d in dims[1:]:
+        if merged[-1] * d <= max_dim:
+            merged[-1] *= d
+        else:
+            merged.append(d)
+    return tuple(reversed(merged))

@@ -93,7 +93,7 @@ def test_shampoo_before_preconditioning_is_adamw_exactly(dtype, weight_decay):
             ps,
             lr=lr,
             betas=(betas[0], 1.0),
-            eps=eps,
+            grafting_epsilon=eps,
             weight_decay=weight_decay,
             grafting="adam",
             grafting_beta2=betas[1],

@@ -57,11 +57,19 @@ CASES = {
         [(6, 5), (4, 3, 2), (3, 4, 5)],
         dict(lr=3e-3, eps=1e-1, weight_decay=0.1, precondition_frequency=2),
     ),
+    # Shampoo: first roots once every factor has had as many gradients as its dim (Note
+    # [Well-posed comparisons] in test_against_meta.py); small dims are merged (Meta's rule)
     "shampoo": (
         Shampoo,
         RefShampoo,
-        [(6, 6), (5, 6), (4, 3, 2), (7,)],
-        dict(lr=1e-2, precondition_frequency=5),
+        [(2, 5), (5, 6), (4, 3, 2), (7,)],
+        dict(lr=1e-2, grafting="adam", precondition_frequency=5, start_preconditioning_step=30),
+    ),
+    "shampoo-no-merge": (
+        Shampoo,
+        RefShampoo,
+        [(6, 5), (3, 4, 2), (1, 7)],
+        dict(lr=1e-2, grafting="adam", merge_dims=False, precondition_frequency=7),
     ),
     "shampoo-ema-momentum": (
         Shampoo,
@@ -70,30 +78,51 @@ CASES = {
         dict(
             lr=1e-2,
             betas=(0.9, 0.99),
+            grafting="adam",
             momentum=0.5,
             weight_decay=0.01,
+            merge_dims=False,
             precondition_frequency=7,
-            start_preconditioning_step=14,
+            start_preconditioning_step=9,
         ),
     ),
     "shampoo-blocked-rmsprop": (
         Shampoo,
         RefShampoo,
         [(9, 7)],
-        # frequency 5: the 1-row blocks' 4x4 factors are full rank by
-        # their first root (rank-deficient + epsilon=1e-12 is ill-posed)
-        dict(lr=1e-2, grafting="rmsprop", max_preconditioner_dim=4, precondition_frequency=5),
+        dict(
+            lr=1e-2,
+            grafting="rmsprop",
+            max_preconditioner_dim=4,
+            precondition_frequency=5,
+            start_preconditioning_step=5,
+        ),
     ),
-    # The start precedes the first roots (step 10): steps 3-9 take the grafting direction.
+    # a start below the frequency (Meta refuses it): roots at 3, then 10, 20, ...
     "shampoo-early-start": (
         Shampoo,
         RefShampoo,
-        [(6, 5), (3, 4, 2)],
-        dict(lr=1e-2, precondition_frequency=10, start_preconditioning_step=3),
+        [(3, 2), (2, 1, 2)],
+        dict(lr=1e-2, grafting="adam", precondition_frequency=10, start_preconditioning_step=6),
     ),
-    "shampoo-adagrad": (Shampoo, RefShampoo, [(6, 6)], dict(lr=1e-2, grafting="adagrad")),
-    "shampoo-sgd": (Shampoo, RefShampoo, [(6, 6)], dict(lr=1e-3, grafting="sgd")),
-    "shampoo-none": (Shampoo, RefShampoo, [(6, 6)], dict(lr=1e-2, grafting="none", epsilon=1e-6)),
+    "shampoo-adagrad": (
+        Shampoo,
+        RefShampoo,
+        [(6, 6)],
+        dict(lr=1e-2, grafting="adagrad", merge_dims=False, precondition_frequency=6),
+    ),
+    "shampoo-sgd": (
+        Shampoo,
+        RefShampoo,
+        [(6, 6)],
+        dict(lr=1e-3, grafting="sgd", merge_dims=False, precondition_frequency=6),
+    ),
+    "shampoo-none": (
+        Shampoo,
+        RefShampoo,
+        [(6, 6)],
+        dict(lr=1e-2, grafting="none", epsilon=1e-6, merge_dims=False, precondition_frequency=6),
+    ),
 }
 
 

@@ -42,9 +42,6 @@ COMMON = [
     ("betas", (1.0, 0.99)),
     ("betas", (0.9, math.nan)),
     ("betas", (0.9, 1.5)),
-    ("eps", -1e-8),
-    ("eps", math.inf),
-    ("eps", "tiny"),
     ("weight_decay", -0.1),
     ("weight_decay", math.inf),
     ("weight_decay", None),
@@ -96,11 +93,19 @@ SPECIFIC = [
     (Shampoo, "momentum", -0.1),
     (Shampoo, "momentum", "0.9"),
     (Shampoo, "start_preconditioning_step", 0),
-    (Shampoo, "start_preconditioning_step", -1),
+    (Shampoo, "start_preconditioning_step", -2),  # -1 is Meta's "precondition_frequency"
     (Shampoo, "start_preconditioning_step", 1.5),
 ]
 
-OPTIMIZER_CASES = [(cls, name, value) for cls in ALL for name, value in COMMON] + SPECIFIC
+# eps (SOAP, KL-Shampoo) is Shampoo's grafting_epsilon (Meta's name)
+EPSILONS = [
+    (cls, name, value)
+    for cls, name in ((SOAP, "eps"), (KLShampoo, "eps"), (Shampoo, "grafting_epsilon"))
+    for value in (-1e-8, math.inf, "tiny")
+]
+
+OPTIMIZER_CASES = [(cls, name, value) for cls in ALL for name, value in COMMON] + EPSILONS
+OPTIMIZER_CASES += SPECIFIC
 
 
 def _id(case) -> str:

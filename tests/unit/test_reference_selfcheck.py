@@ -260,7 +260,7 @@ def test_ref_shampoo_without_preconditioning_is_adamw():
         p_ref,
         lr=lr,
         betas=(b1, 1.0),
-        eps=eps,
+        grafting_epsilon=eps,
         weight_decay=wd,
         max_preconditioner_dim=4,  # blocks, which must not matter before preconditioning
         grafting="adam",
@@ -282,6 +282,15 @@ def test_ref_shampoo_without_preconditioning_is_adamw():
     print(f"Shampoo (no preconditioning) vs AdamW: max rel param diff {worst:.3e}")
     assert worst <= 1e-12
     assert rel_diff(p_ref[0], problem.params()[0]) > 1e-3
+
+
+def test_ref_shampoo_merges_dims_as_meta():
+    """The examples of Meta's ``merge_small_dims`` docstring (target dimensionality 1)."""
+    assert ref.meta_merge_dims((1, 2, 5, 1), 10) == (10,)
+    assert ref.meta_merge_dims((1, 2, 5, 1), 1) == (2, 5)
+    assert ref.meta_merge_dims((32, 3, 64, 64), 8192) == (96, 4096)
+    assert ref.meta_merge_dims((1, 1), 4) == (1,)
+    assert ref.meta_merge_dims((2, 2, 3, 3), 6) == (2, 6, 3)  # SOAP's rule: (4, 3, 3)
 
 
 def test_ref_shampoo_blocks_are_independent():
@@ -311,7 +320,13 @@ def test_ref_shampoo_root_math():
     G = torch.randn(5, 5, generator=gen, dtype=torch.float64)
     W = torch.zeros(5, 5, dtype=torch.float64)
     opt = ref.RefShampoo(
-        [W], lr=1.0, betas=(0.0, 1.0), grafting="none", epsilon=0.0, refresh_dtype=torch.float64
+        [W],
+        lr=1.0,
+        betas=(0.0, 1.0),
+        grafting="none",
+        epsilon=0.0,
+        merge_dims=False,
+        refresh_dtype=torch.float64,
     )
     opt.step([G])
     U, _, Vh = torch.linalg.svd(G)
