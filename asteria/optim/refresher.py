@@ -132,7 +132,24 @@ class Refresher(Protocol):
 
 
 class NativeRefresher:
-    """The synchronous algorithm: a due refresh is computed and installed in the step itself."""
+    """The synchronous algorithm: a due refresh is computed and installed in the step itself.
+
+    Note [Refresh failures]: a refresh that fails (``MatrixFunctionError``: the matrix function
+    failed in its dtype and again in float64, or gave a non-finite result) installs nothing: the
+    block keeps its previous bases or roots, all of them, and the failure is counted
+    (``failures``: consecutive failures per block; ``failed``: all of them). A success resets the
+    block's count. When a block reaches ``opt.max_consecutive_failures`` failures in a row, the
+    step still runs to its end, every block updated with what it has, and ``step_end`` raises
+    ``RefreshFailedError`` (``asteria.runtime``'s): no step is left half-applied. The runtime
+    keeps, counts and raises after ``RuntimeConfig.max_consecutive_failures`` the same way.
+    """
+
+    def __init__(self) -> None:
+        #: Consecutive failed refreshes per block (blocks absent have none).
+        self.failures: dict[BlockKey, int] = {}
+        #: Failed refreshes since this refresher was attached.
+        self.failed = 0
+        self._error: BaseException | None = None
 
     def step_begin(self, opt: KroneckerOptimizer) -> None:
         pass
@@ -159,9 +176,35 @@ class NativeRefresher:
         raise RuntimeError("NativeRefresher runs the whole update in the step's thread")
 
     def block_boundary(self, opt, key, block, group, step, due) -> None:
-        if due:
-            jobs = opt.refresh_jobs(block, group)
-            opt.install_refresh(block, [None if j is None else j.run() for j in jobs])
+        if not due:
+            return
+        jobs = opt.refresh_jobs(block, group)
+        try:
+            results = [None if j is None else j.run() for j in jobs]
+        except mf.MatrixFunctionError as err:
+            self._count_failure(opt, key, step, err)
+            return  # Note [Refresh failures]: the previous bases or roots stay
+        self.failures.pop(key, None)
+        opt.install_refresh(block, results)
+
+    def _count_failure(self, opt, key: BlockKey, step: int, err: BaseException) -> None:
+        self.failed += 1
+        n = self.failures.get(key, 0) + 1
+        self.failures[key] = n
+        limit = getattr(opt, "max_consecutive_failures", 3)
+        if n >= limit and self._error is None:
+            from asteria.runtime.registry import RefreshFailedError  # (asteria.runtime imports us)
+
+            name = getattr(opt, "param_names", {}).get(key[0], f"param{key[0]}")
+            error = RefreshFailedError(
+                f"{type(opt).__name__}: the refresh of block '{name}[{key[1]}]' failed {n} times "
+                f"in a row (step {step}); the step was applied with its previous version; "
+                f"last error: {err}"
+            )
+            error.__cause__ = err
+            self._error = error
 
     def step_end(self, opt: KroneckerOptimizer) -> None:
-        pass
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
