@@ -281,8 +281,7 @@ def measured(optimizer: str, directory: str, steps: int = 13) -> dict[str, objec
             return _state_bytes(opt), None, None
         for e in rt.registry.entries.values():
             if e.pending is not None and e.pending.spilled is not None:
-                rt._spiller.poll(e.pending.spilled, wait=True)
-                rt._spiller.poll(e.pending.snapshots, wait=True)
+                rt.spill.settle(e.pending)
         report = rt.memory_report()
         rt.close()
         return _state_bytes(opt), report, report["planned"]

@@ -22,7 +22,7 @@ through ``torch.distributed.checkpoint.state_dict`` with OLMo-core's defaults
 (``flatten_optimizer_state_dict=True``, ``cpu_offload=True``; Note [Flat optimizer state] in
 asteria/optim/base.py), and ``run()`` in the same ``work_dir`` resumes from the latest. In Asteria
 mode the runtime callback saves the runtime's refreshes in flight with the trainer state and puts
-them back after attaching (Note [Checkpoints with work in flight] in asteria/runtime/runtime.py).
+them back after attaching (Note [Checkpoints with work in flight] in asteria/runtime/state.py).
 Single-process and DDP only: under FSDP2 the optimizer state is per local shard, which torch's
 state-dict API cannot carry (Asteria refuses it; use ``asteria.checkpoint``).
 

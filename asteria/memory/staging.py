@@ -49,6 +49,10 @@ class StagingSlots:
         self._slots[key] = (buf, event)
         return event
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The slots' host buffers."""
+        return [buf for buf, _ in self._slots.values()]
+
     def nbytes(self) -> int:
         """Bytes held by the slots (pinned host memory on CUDA)."""
         return sum(buf.numel() * buf.element_size() for buf, _ in self._slots.values())

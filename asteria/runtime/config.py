@@ -48,17 +48,17 @@ class RuntimeConfig:
             every refresh exactly ``d`` steps after it was requested, for reproducible runs.
         pace_installs: spread the installs of refreshes that finished early over the steps
             left before their deadlines, so that no one step pays for all of them (Note [Paced
-            installs] in runtime.py). It matters where an install computes on the training
+            installs] in schedule.py). It matters where an install computes on the training
             thread: SOAP's rotation of its first moment, without the statistics lane (which
             takes such installs off the training thread). It trades the spike for staleness.
             ``False`` (default): install each refresh as soon as it is ready.
         split_updates: with the statistics lane, the lane runs about half of the blocks of
             each step's update (SOAP, KL-Shampoo), beside the training thread (Note [Split
-            updates] in runtime.py); bitwise the same parameters. No effect without the lane.
+            updates] in lane.py); bitwise the same parameters. No effect without the lane.
         refresh_lead: with a budget (``staleness``, or ``fixed_delay``) of at least 1, an
             optimizer whose update uses the refresh of its own step (Shampoo) requests it one
             step ahead, so that it can arrive in time for that step (Note [Refresh lead] in
-            runtime.py). ``False``: at the step itself, the result used from a later step.
+            schedule.py). ``False``: at the step itself, the result used from a later step.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;

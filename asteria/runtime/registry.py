@@ -4,19 +4,19 @@ Owns: one ``BlockEntry`` per preconditioner block (its name, the version in use,
 refresh was requested and installed, the refresh in flight, failure counts), the staleness
 histogram of every installed version, and the check of the bound.
 
-Note [Staleness bound]: a block's refresh requested at (optimizer) step ``t`` is version ``t``.
-It is installed at some step ``s`` with ``t <= s <= t + S``: at the first step boundary (or hook)
-at which it is ready, and at step ``t + S`` at the latest, where the step waits for it (the
-bounded barrier, ``Runtime._wait``). "Installed at step ``s``" means after the update of step
-``s``, exactly where native mode installs a refresh requested at ``s``; the version is used from
-step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode. Shampoo computes a due
+Note [Staleness bound]: a block's refresh requested at (optimizer) step ``t`` is version ``t``. It
+is installed at some step ``s`` with ``t <= s <= t + S``: at the first step boundary (or hook) at
+which it is ready, and at step ``t + S`` at the latest, where the step waits for it (the bounded
+barrier, ``Refreshes.wait`` in refreshes.py). "Installed at step ``s``" means after the update of
+step ``s``, exactly where native mode installs a refresh requested at ``s``; the version is used
+from step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode. Shampoo computes a due
 refresh before its update (its roots of step ``t`` precondition step ``t``), so there the same
-version is used from step ``s``, and an install between steps ``s`` and ``s + 1`` (a hook) counts
-as installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``). With a budget of at
-least 1, Shampoo requests the refresh due at step ``t`` at step ``t - 1`` (version ``t - 1``), so
-that it can be installed in time for step ``t`` (Note [Refresh lead] in runtime.py).
+version is used from step ``s``, and an install between steps ``s`` and ``s + 1`` (a hook) counts as
+installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``). With a budget of at least
+1, Shampoo requests the refresh due at step ``t`` at step ``t - 1`` (version ``t - 1``), so that it
+can be installed in time for step ``t`` (Note [Refresh lead] in schedule.py).
 
-Must not: submit work or wait (``runtime.py`` does both); this module is bookkeeping.
+Must not: submit work or wait (``refreshes.py`` does both); this module is bookkeeping.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Registry:
 
     def record_install(self, e: BlockEntry, requested: int, installed: int) -> None:
         staleness = installed - requested
-        if not 0 <= staleness <= self.staleness:  # an invariant of runtime.py, not user input
+        if not 0 <= staleness <= self.staleness:  # an invariant of refreshes.py, not user input
             raise AssertionError(
                 f"block {e.name}: version {requested} installed at step {installed} breaks the "
                 f"staleness bound {self.staleness}"

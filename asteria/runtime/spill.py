@@ -1,29 +1,37 @@
 """Refresh results (and their inputs) in the NVMe spill store, for the runtime.
 
-Owns: the protocol between the runtime and ``asteria.memory.SpillStore`` for the blocks the tier
-policy spills: a finished refresh's results are written under ``{block}/v{version}/r{dim}.{j}``
-and its inputs (the factor and basis snapshots taken at the request) under ``.../s{dim}.{j}``;
-host copies are dropped only once their write succeeded; spilled results are paged back ahead of
-use (``prefetch``, in access order) and read back, checksum-verified, at install.
+Owns: the spill tier of the runtime, for the blocks the tier policy spills (``SpillTier``): a
+finished refresh that waits for its install step (``fixed_delay`` of 2 or more) has its results
+written under ``{block}/v{version}/r{dim}.{j}`` and its inputs (the factor and basis snapshots
+taken at the request) under ``.../s{dim}.{j}``; host copies are dropped only once their write
+succeeded; spilled results are paged back ahead of use (``page_in``, in access order, at the
+step before their install) and read back, checksum-verified, at install (``results``); a slot
+that does not read back is recomputed on the pool (``SpillTier.results``). ``Spiller`` is the
+protocol with ``asteria.memory.SpillStore`` underneath.
 
 Failures: a write that fails (ENOSPC, EIO, a full store) keeps that refresh in host memory and
 warns once per runtime; nothing is lost. A read that fails or does not match its checksum raises
-``SpillLost``; the runtime then recomputes the refresh from its snapshot (the same inputs, so the
-same result) or, if the snapshot is lost too, from the block's current factors.
+``SpillLost``; the refresh is then recomputed from its snapshot (the same inputs, so the same
+result, installed at the same step) or, if the snapshot is lost too, from the block's current
+factors (a fresher refresh than the lost one).
 
-Must not: decide what to spill (``asteria.memory.tiers``) or install anything (``runtime.py``).
+Must not: decide what to spill (``asteria.memory.tiers``) or install anything (``refreshes.py``).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from asteria.memory.nvme import SpillChecksumError, SpillFuture, SpillIOError, SpillStore
+from asteria.memory.tiers import BlockSizes, Placement
 
-__all__ = ["SpillLost", "SpilledRefresh", "Spiller"]
+__all__ = ["SpillLost", "SpillTier", "SpilledRefresh", "Spiller", "open_spill"]
 
 
 class SpillLost(RuntimeError):
@@ -247,3 +255,174 @@ class Spiller:
 
     def close(self) -> None:
         self.store.close()
+
+
+def open_spill(
+    nvme_path: Any, fixed_delay: int | None, placement: Placement, sizes: list[BlockSizes]
+) -> SpillTier | None:
+    """The spill tier where the placement spills blocks and results wait for their install
+    across a step boundary (``fixed_delay >= 2``), else None; sized for every spilled block's
+    results and inputs (ValueError: the directory is too small or unusable)."""
+    if not placement.spilled or fixed_delay is None or fixed_delay < 2:
+        return None
+    path = os.fspath(nvme_path)
+    spilled = [b for b in sizes if b.name in placement.spilled]
+    # every slot is rounded up to 4 KiB: at most 4 tensors per dim, 4 dims per block
+    capacity = sum(b.results + b.snapshots for b in spilled) + len(spilled) * 64 * 4096
+    capacity += 1 << 20
+    free = shutil.disk_usage(path).free
+    if capacity > free:
+        raise ValueError(
+            f"nvme_path {path!r} has {free} bytes free, the spill file needs {capacity}; "
+            "free space there, pick another directory, or raise host_budget_bytes"
+        )
+    try:
+        spiller = Spiller(path, capacity)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"nvme_path {path!r}: cannot create the spill file: {err}") from err
+    return SpillTier(spiller, placement.spilled, fixed_delay)
+
+
+class SpillTier:
+    """The runtime's side of the spill store: what a pending refresh of a spilled block keeps
+    there, and how its results come back (see module docstring).
+
+    The refreshes in flight are the registry's ``PendingRefresh`` objects; their ``spilled``
+    and ``snapshots`` fields hold this tier's records.
+    """
+
+    def __init__(self, spiller: Spiller, spilled: Iterable[str], fixed_delay: int) -> None:
+        self.spiller = spiller
+        self._spilled = frozenset(spilled)
+        self._fixed_delay = fixed_delay
+
+    @property
+    def store(self) -> SpillStore:
+        """The spill store underneath (its file, its slots)."""
+        return self.spiller.store
+
+    def spills(self, name: str) -> bool:
+        """Whether the tier policy spills block ``name``."""
+        return name in self._spilled
+
+    def stats(self) -> dict[str, Any]:
+        return self.spiller.stats()
+
+    def close(self) -> None:
+        """Close the store and delete its file."""
+        self.spiller.close()
+
+    # -- a refresh's inputs, kept for an exact recompute --------------------------------------
+
+    def inputs_record(self, name: str, version: int, dims: int) -> SpilledRefresh | None:
+        """A record for the inputs of block ``name``'s refresh ``version``, if it spills."""
+        return SpilledRefresh(f"{name}/v{version}/s", dims) if self.spills(name) else None
+
+    def keep_inputs(self, pending: Any, dim: int, factor: Any, basis: Any) -> None:
+        """Write dim ``dim``'s inputs of ``pending`` (copies of live state) to the store."""
+        self.spiller.add(pending.snapshots, dim, (factor, basis), clone=True)
+        self.spiller.counts["snapshots"] += 1
+
+    # -- results waiting for their install --------------------------------------------------
+
+    def maybe_spill(self, name: str, pending: Any) -> bool:
+        """Write a finished refresh that waits for its install step to the store when the
+        policy spills its block; a failed job stays put (its install reports it). True when it
+        was spilled (its futures are dropped; their host memory goes with them)."""
+        if pending.spilled is not None or not self.spills(name) or not pending.done():
+            return False
+        try:
+            results = [None if f is None else f.result() for f in pending.futures]
+        except Exception:
+            return False
+        rec = SpilledRefresh(f"{name}/v{pending.requested}/r", len(results))
+        for dim, r in enumerate(results):
+            self.spiller.add(rec, dim, tuple(r) if isinstance(r, tuple) else r)
+        self.spiller.counts["spilled_refreshes"] += 1
+        pending.spilled = rec
+        pending.futures = [None] * len(results)
+        return True
+
+    def page_in(self, pending: Iterable[tuple[Any, int]]) -> None:
+        """Settle finished writes; start reading, in the given (access) order, the spilled
+        refreshes that the next step installs. ``pending``: each refresh in flight with the
+        current step of its block."""
+        due = []
+        for p, step in pending:
+            if p.snapshots is not None:
+                self.spiller.poll(p.snapshots)
+            if p.spilled is None:
+                continue
+            self.spiller.poll(p.spilled)
+            if p.requested + self._fixed_delay <= step + 1:
+                due.append(p.spilled)
+        self.spiller.prefetch(due)
+
+    def settle(self, pending: Any) -> None:
+        """Wait until every write of ``pending``'s records is settled (tests, benchmarks)."""
+        for rec in (pending.spilled, pending.snapshots):
+            if rec is not None:
+                self.spiller.poll(rec, wait=True)
+
+    def discard(self, pending: Any) -> None:
+        """Forget what ``pending`` keeps in the store."""
+        self.spiller.discard(pending.spilled)
+        self.spiller.discard(pending.snapshots)
+
+    # -- reading back ------------------------------------------------------------------------
+
+    def results(
+        self,
+        pending: Any,
+        name: str,
+        recompute: Callable[[Any, list[Any] | None], list[Any]],
+        consume: bool = True,
+    ) -> list[Any]:
+        """``pending``'s results: from its futures, or read back from the store; a lost slot
+        is recomputed (``recompute(pending, inputs)``: its inputs when they read back intact,
+        else None, for the block's current ones). ``consume`` (an install) discards what the
+        store keeps of it afterwards; a checkpoint reads without consuming."""
+        if pending.spilled is None:
+            results = [None if f is None else f.result() for f in pending.futures]
+            if consume:
+                self.spiller.discard(pending.snapshots)
+            return results
+        try:
+            return self.spiller.load(pending.spilled)
+        except SpillLost as err:
+            inputs = None
+            source = "the current factors (its inputs were lost too)"
+            if pending.snapshots is not None:
+                try:
+                    inputs = self.spiller.load(pending.snapshots)
+                    source = "its spilled inputs (same result)"
+                except SpillLost:
+                    inputs = None
+            kind = "recomputed_from_factors" if inputs is None else "recomputed_from_snapshot"
+            self.spiller.counts[kind] += 1
+            warnings.warn(
+                f"Asteria: the spilled refresh of block '{name}' (version {pending.requested}) "
+                f"could not be read back ({err}); recomputed from {source}",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+            return recompute(pending, inputs)
+        finally:
+            if consume:
+                self.discard(pending)
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def host_tensors(self, pending: Any) -> dict[str, list[torch.Tensor]]:
+        """By kind (``results``, ``snapshots``): what ``pending``'s records hold in host memory."""
+        return {
+            kind: [] if rec is None else rec.host_tensors()
+            for kind, rec in (("results", pending.spilled), ("snapshots", pending.snapshots))
+        }
+
+    def stored_bytes(self, pending: Any) -> dict[str, tuple[int, int]]:
+        """By kind: (bytes in the store, bytes paged back into host memory ahead of use)."""
+        return {
+            kind: (self.spiller.nvme_bytes(rec), self.spiller.paged_bytes(rec))
+            for kind, rec in (("results", pending.spilled), ("snapshots", pending.snapshots))
+        }

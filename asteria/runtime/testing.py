@@ -1,10 +1,19 @@
 """Test hooks of the runtime: public injection points for tests of its guarantees.
 
-Owns: ``slow_pool``, which makes every refresh job submitted while it is active take at least a
-given wall time (its future reports not done and its result blocks until then), as a pool that is
-slower than the training would. The arithmetic is unchanged: the job's result is the pool's.
+Owns: context managers that change what a runtime sees or how fast its pool is, never what it
+computes:
 
-Must not: be used outside tests and benchmarks of the runtime's schedule.
+* ``slow_pool``: every refresh job submitted while it is active takes at least a given wall
+  time (its future reports not done and its result blocks until then), as a pool that is slower
+  than the training would. The job's result is the pool's.
+* ``pretend_arch``: runtimes attached while it is active see the given architecture (e.g. a
+  discrete GPU on a CPU-only machine: the bases go to host memory behind a device window, run
+  on its CPU stand-in), and optionally a window of another number of slots.
+* ``staged_snapshots``: runtimes attached while it is active take their snapshots through the
+  staging slots of the device path (on CPU, the shadow stream's stand-in) instead of the CPU
+  paths.
+
+Must not: be used outside tests and benchmarks of the runtime.
 """
 
 from __future__ import annotations
@@ -14,9 +23,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["slow_pool"]
+__all__ = ["pretend_arch", "slow_pool", "staged_snapshots"]
 
-_global = {"seconds": 0.0}
+_global: dict[str, Any] = {"seconds": 0.0, "arch": None, "window_blocks": None, "staged": False}
+
+
+@contextlib.contextmanager
+def _setting(**values: Any) -> Iterator[None]:
+    before = {k: _global[k] for k in values}
+    _global.update(values)
+    try:
+        yield
+    finally:
+        _global.update(before)
 
 
 @contextlib.contextmanager
@@ -24,12 +43,41 @@ def slow_pool(seconds: float) -> Iterator[None]:
     """While active, every refresh job takes at least ``seconds`` (from its submission)."""
     if not seconds >= 0.0:
         raise ValueError(f"seconds must be >= 0, got {seconds!r}")
-    before = _global["seconds"]
-    _global["seconds"] = float(seconds)
-    try:
+    with _setting(seconds=float(seconds)):
         yield
-    finally:
-        _global["seconds"] = before
+
+
+@contextlib.contextmanager
+def pretend_arch(arch: Any, window_blocks: int | None = None) -> Iterator[None]:
+    """While active, runtimes attach as if their parameters were on ``arch`` (an
+    ``asteria.memory.tiers.Arch``), with a bases window of ``window_blocks`` slots if given."""
+    if window_blocks is not None and window_blocks < 1:
+        raise ValueError(f"window_blocks must be >= 1, got {window_blocks!r}")
+    with _setting(arch=arch, window_blocks=window_blocks):
+        yield
+
+
+@contextlib.contextmanager
+def staged_snapshots() -> Iterator[None]:
+    """While active, runtimes attach with the device path's staged snapshots."""
+    with _setting(staged=True):
+        yield
+
+
+def arch_of(device: Any, detect: Any) -> Any:
+    """The architecture a runtime attaching now sees for ``device`` (``detect(device)``)."""
+    arch = _global["arch"]
+    return detect(device) if arch is None else arch
+
+
+def window_blocks(default: int) -> int:
+    """The bases window's slots for a runtime attaching now."""
+    blocks = _global["window_blocks"]
+    return default if blocks is None else blocks
+
+
+def staged_snapshots_forced() -> bool:
+    return bool(_global["staged"])
 
 
 def delayed(future: Any, timeout_error: type) -> Any:

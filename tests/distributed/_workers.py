@@ -158,7 +158,7 @@ def scenario_ddp(rank: int, world: int, out: dict) -> None:
                 stats = rt.stats()
                 case["distributed"] = stats["distributed"]
                 case["histogram"] = stats["staleness_histogram"]
-                case["hooks"] = len(rt._signals)
+                case["hooks"] = stats["hooks"]
                 rt.close()
             if rank == 0:
                 if name not in refs:
@@ -228,7 +228,7 @@ def scenario_fsdp(rank: int, world: int, out: dict, hsdp: bool = False) -> None:
                 stats = rt.stats()
                 case["distributed"] = stats["distributed"]
                 case["histogram"] = stats["staleness_histogram"]
-                case["hooks"] = len(rt._signals)
+                case["hooks"] = stats["hooks"]
                 rt.close()
             # each rank compares its shards against the reference's pieces for its rank
             ref = reference(name, steps, shards=None if hsdp else world)
@@ -292,11 +292,11 @@ def _hog(rt: Runtime, seconds: float) -> list:
     big = big @ big.T
     jobs = []
     t0 = time.perf_counter()
-    jobs.append(rt._pool.submit_eigh("calibrate", 0, 0, big, torch.float64))
+    jobs.append(rt.pool.submit_eigh("calibrate", 0, 0, big, torch.float64))
     jobs[0].result()
     each = max(time.perf_counter() - t0, 1e-3)
     n = max(1, int(seconds / each)) * rt.config.resolved_workers
-    return jobs + [rt._pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64) for i in range(n)]
+    return jobs + [rt.pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64) for i in range(n)]
 
 
 def scenario_slow(rank: int, world: int, out: dict) -> None:

@@ -54,8 +54,7 @@ def test_staleness_zero_is_native_bitwise(name, runtimes):
 def test_snapshots_through_staging_slots_keep_native_results(runtimes):
     """The device path (shadow-stream copies into reused staging slots, deferred submission),
     run here with the CPU stand-in of the shadow stream."""
-    from asteria import _C
-    from asteria.memory import StagingSlots
+    from asteria.runtime.testing import staged_snapshots
 
     problem = StochasticQuartic(SHAPES, 60, torch.float32)
     native = problem.run(lambda ps: KLShampoo(ps, precondition_frequency=5))
@@ -64,17 +63,17 @@ def test_snapshots_through_staging_slots_keep_native_results(runtimes):
         opt = KLShampoo(params, precondition_frequency=5)
         # the staging path is for device parameters, where the statistics lane never runs
         config = RuntimeConfig(staleness=0, workers=1, statistics_lane=False)
-        rt = Runtime(None, opt, config)
-        rt._staging = StagingSlots(_C.ShadowStream())
-        runtimes.append(rt)
+        with staged_snapshots():
+            runtimes.append(Runtime(None, opt, config))
         return opt
 
     staged = problem.run(make)
     for a, b in zip(staged, native):
         assert torch.equal(a, b)
-    staging = runtimes[-1]._staging
+    staging = runtimes[-1].stats()["snapshots"]
+    assert staging["strategy"] == "staged"
     # one slot per (block, dim, factor|basis): (2 + 2 + 3) dims x 2, reused at every later refresh
-    assert staging.allocations == 14 and staging.reuses == 14 * 10
+    assert staging["allocations"] == 14 and staging["reuses"] == 14 * 10
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -120,7 +119,7 @@ def _hog(runtime: Runtime, seconds_each: int = 4) -> list:
     big = torch.randn(700, 700, dtype=torch.float64)
     big = big @ big.T
     return [
-        runtime._pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64)
+        runtime.pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64)
         for i in range(seconds_each * runtime.config.resolved_workers)
     ]
 
@@ -215,7 +214,7 @@ def test_hooks_are_signals_and_close_removes_them():
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     opt = SOAP(model.parameters(), precondition_frequency=2)
     with Runtime(model, opt, RuntimeConfig(staleness=4, workers=1)) as rt:
-        assert len(rt._signals) == 4  # forward pre + forward (arms the backward) on each Linear
+        assert rt.stats()["hooks"] == 4  # forward pre + forward (arms the backward) on each Linear
         for _ in range(12):
             opt.zero_grad()
             model(torch.randn(16, 6)).square().mean().backward()
@@ -227,7 +226,7 @@ def test_hooks_are_signals_and_close_removes_them():
     assert all(e.pending is None for e in rt.registry.entries.values())
     # with fixed_delay, installs happen at their step: a hook would only return
     with Runtime(model, opt, RuntimeConfig(staleness=4, fixed_delay=2, workers=1)) as rt:
-        assert len(rt._signals) == 0
+        assert rt.stats()["hooks"] == 0
         assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
@@ -512,15 +511,18 @@ def test_backward_runs_beside_the_lane_unless_it_accumulates_into_grad(monkeypat
             if zero_grad:
                 opt.zero_grad()
                 backward()  # new .grad tensors: does not wait
-                assert rt._lane.pending()
+                assert rt.stats()["statistics_lane"]["pending"]
                 release.set()
             else:
                 threading.Timer(0.3, release.set).start()
                 t0 = time.perf_counter()
                 backward()  # adds into the .grad the lane reads: waits for the lane
-                assert time.perf_counter() - t0 >= 0.25 and not rt._lane.pending()
+                assert (
+                    time.perf_counter() - t0 >= 0.25
+                    and not rt.stats()["statistics_lane"]["pending"]
+                )
             opt.step()
-            rt._lane.wait_all()  # this step's statistics pass the gate before it closes again
+            rt.sync()  # this step's statistics pass the gate before it closes again
 
 
 def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes, monkeypatch):
@@ -565,7 +567,7 @@ def test_refresh_step_does_not_wait_for_the_statistics_lane(runtimes, monkeypatc
         opt.zero_grad()
         problem.loss(params, t).backward()
         if t == 9:  # the backward ran beside the last step's statistics: let them finish
-            rt._lane.wait_all()
+            rt.sync()
         held.armed = t == 9  # step 10 refreshes: its statistics wait for the release below
         if t != 9:
             opt.step()

@@ -53,7 +53,7 @@ PRELUDE = textwrap.dedent(
 
     def hog(rt, n):
         # jobs of deadline 0: they run before any refresh (each ~0.1 s)
-        return [rt._pool.submit_eigh(f"hog{i}", 0, 0, BIG, torch.float64) for i in range(n)]
+        return [rt.pool.submit_eigh(f"hog{i}", 0, 0, BIG, torch.float64) for i in range(n)]
 
     def model_and_opt(freq=2):
         torch.manual_seed(0)

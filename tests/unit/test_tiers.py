@@ -136,13 +136,13 @@ def test_bad_nvme_paths_say_what_to_change(tmp_path, monkeypatch):
 
 
 def test_a_disk_too_small_for_the_spill_file_fails_at_start(tmp_path, monkeypatch):
-    import asteria.runtime.runtime as runtime
+    import asteria.runtime.spill as spill
 
     config = RuntimeConfig(staleness=4, fixed_delay=4, nvme_path=tmp_path,
                            placement={"results": "nvme"})  # fmt: skip
     opt = SOAP(mlp_24_32_32_4().parameters(), max_preconditioner_dim=16)
     almost_full = type("Usage", (), {"free": 1 << 20})()
-    monkeypatch.setattr(runtime.shutil, "disk_usage", lambda path: almost_full)
+    monkeypatch.setattr(spill.shutil, "disk_usage", lambda path: almost_full)
     with pytest.raises(ValueError, match="has 1048576 bytes free, the spill file needs"):
         Runtime(None, opt, config)
     monkeypatch.undo()
@@ -249,10 +249,9 @@ def _flip_once(kind: str, flipped: list):
             p = e.pending
             if p is None or p.spilled is None or p.spilled.paged:
                 continue
-            rt._spiller.poll(p.spilled, wait=True)
-            rt._spiller.poll(p.snapshots, wait=True)
+            rt.spill.settle(p)
             keys = p.spilled.keys()[:1] + (p.snapshots.keys() if kind == "snapshots" else [])
-            store = rt._spiller.store
+            store = rt.spill.store
             for key in keys:
                 offset, _ = store._store.extent(key)
                 with open(store.path, "r+b") as f:
@@ -338,11 +337,10 @@ def test_memory_report_matches_the_tensors_allocated(name, tmp_path):
             opt.step()
         for e in rt.registry.entries.values():
             if e.pending is not None and e.pending.spilled is not None:
-                rt._spiller.poll(e.pending.spilled, wait=True)
-                rt._spiller.poll(e.pending.snapshots, wait=True)
+                rt.spill.settle(e.pending)
         report = rt.memory_report()
         allocated = _state_bytes(opt)
-        store = rt._spiller.store
+        store = rt.spill.store
         slots = {k: store.nbytes(k) for k in store.keys()}
         planned = report["planned"]
     assert report["device"]["factors"] == allocated["factors"] == planned["device"]["factors"]

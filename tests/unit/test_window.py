@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import asteria.runtime.runtime as runtime_module
 from asteria.memory import is_host_tensor
 from asteria.memory.accounting import estimate_blocks
 from asteria.memory.tiers import Arch
 from asteria.memory.window import BasesWindow, HostCopies
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
+from asteria.runtime.testing import pretend_arch
 from tests.problems import mlp_24_32_32_4
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
@@ -107,9 +107,10 @@ def test_new_host_tensors_are_copied_again_and_old_ones_are_never_handed_out():
 
 
 @pytest.fixture
-def discrete_gpu(monkeypatch):
+def discrete_gpu():
     """Make the runtime see a discrete GPU: bases in host memory behind a window (stand-in)."""
-    monkeypatch.setattr(runtime_module, "detect_arch", lambda device: Arch(cuda=True))
+    with pretend_arch(Arch(cuda=True)):
+        yield
 
 
 def _train(name: str, config: RuntimeConfig, steps: int = STEPS):
@@ -140,13 +141,11 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_training_through_the_window_is_bitwise_equal_to_training_without_it(
-    name, config, monkeypatch
-):
+def test_training_through_the_window_is_bitwise_equal_to_training_without_it(name, config):
     reference, direct, _ = _train(name, CONFIGS[config])
     assert direct["placement"]["bases_access"] == "direct"
-    monkeypatch.setattr(runtime_module, "detect_arch", lambda device: Arch(cuda=True))
-    params, report, hosted = _train(name, CONFIGS[config])
+    with pretend_arch(Arch(cuda=True)):
+        params, report, hosted = _train(name, CONFIGS[config])
     assert report["placement"]["bases_access"] == "window"
     window = report["placement"]["window"]
     assert window["slots"] == 2 and window["prefetch_hits"] > STEPS  # the window did the work
@@ -156,11 +155,10 @@ def test_training_through_the_window_is_bitwise_equal_to_training_without_it(
 
 
 @pytest.mark.parametrize("name", ["soap", "shampoo"])
-def test_a_window_of_one_block_still_trains_bitwise(name, monkeypatch):
+def test_a_window_of_one_block_still_trains_bitwise(name):
     reference, _, _ = _train(name, CONFIGS["fixed_delay"])
-    monkeypatch.setattr(runtime_module, "detect_arch", lambda device: Arch(cuda=True))
-    monkeypatch.setattr(runtime_module, "WINDOW_BLOCKS", 1)
-    params, report, _ = _train(name, CONFIGS["fixed_delay"])
+    with pretend_arch(Arch(cuda=True), window_blocks=1):
+        params, report, _ = _train(name, CONFIGS["fixed_delay"])
     window = report["placement"]["window"]
     assert window["slots"] == 1 and window["prefetches"] == 0 and window["fills"] > STEPS
     assert report["device"]["bases"] == report["planned"]["device"]["bases"]
@@ -179,7 +177,8 @@ def test_memory_report_counts_the_window_on_the_device_and_the_bases_in_host(nam
             model(torch.randn(16, 24)).square().mean().backward()
             opt.step()
         report = rt.memory_report()
-        window = sum(b.nbytes for b in rt._window.buffers())
+        slots = report["placement"]["window"]
+        window = slots["slots"] * slots["slot_bytes"]  # the window's device buffers
         state = sum(
             q.nbytes
             for _, _, block, _ in opt.blocks()
@@ -221,7 +220,8 @@ def test_bases_that_outgrow_the_window_within_the_budget_grow_it_else_say_what_t
         steps(rt, 2)
         opt.add_param_group({"params": [extra]})
         steps(rt, 3)
-        assert rt._window.slot_bytes == BasesWindow.bytes_of(opt.state[extra]["blocks"][0]["bases"])
+        slot_bytes = rt.memory_report()["placement"]["window"]["slot_bytes"]
+        assert slot_bytes == BasesWindow.bytes_of(opt.state[extra]["blocks"][0]["bases"])
 
 
 def test_native_mode_hands_the_optimizer_its_own_bases():

@@ -1,0 +1,204 @@
+"""What the runtime decides once, when it attaches to an optimizer.
+
+Owns: every choice that depends only on the optimizer's parameters, the config and the machine,
+made here at attach time so that nothing later tests what a block or a pending refresh holds
+to find out: the placement of the state (the tier policy, ``asteria.memory.tiers.plan``, over
+the optimizer's state sizes, ``asteria.memory.accounting``), whether the statistics lane runs,
+the pool workers' priority, the snapshot strategy (snapshots.py) and the bases strategy
+(bases.py), and the parameters' names in messages.
+
+Must not: create threads, pools, hooks or files (the facade, runtime.py, does, from these
+choices), or decide anything per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from asteria._ext import load_extension
+from asteria.memory.accounting import detect_arch, estimate_blocks
+from asteria.memory.staging import StagingSlots
+from asteria.memory.tiers import Arch, BlockSizes, Placement, plan
+from asteria.memory.window import WINDOW_BLOCKS, BasesWindow, CudaCopies, HostCopies
+from asteria.optim.base import BlockKey, KroneckerOptimizer
+from asteria.runtime import testing
+from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases, WindowBases
+from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.lane import StatisticsLane
+from asteria.runtime.snapshots import LaneSnapshots, Snapshots, StagedSnapshots
+
+__all__ = [
+    "Attachment",
+    "choose",
+    "choose_bases",
+    "choose_snapshots",
+    "distributed_mode",
+    "namer",
+    "param_names",
+    "params_of",
+]
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """The attach-time choices (see module docstring)."""
+
+    arch: Arch
+    sizes: list[BlockSizes]
+    placement: Placement
+    nice: int  # added to the pool workers' nice value (Note [Worker priority])
+    lane: bool  # whether the statistics lane runs
+
+
+def params_of(optimizer: KroneckerOptimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def param_names(model: torch.nn.Module | None, optimizer: KroneckerOptimizer) -> dict[int, str]:
+    """The model's names of the optimizer's parameters, by flattened index."""
+    if model is None:
+        return {}
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return {i: by_id[id(p)] for i, p in enumerate(params_of(optimizer)) if id(p) in by_id}
+
+
+def namer(names: dict[int, str]) -> Callable[[BlockKey], str]:
+    """``name[i]`` for block ``i`` of a parameter, ``name`` for its parameter-level state (block
+    -1); ``param<index>`` for parameters the model does not name."""
+
+    def block_name(key: BlockKey) -> str:
+        param = names.get(key[0], f"param{key[0]}")
+        return param if key[1] < 0 else f"{param}[{key[1]}]"
+
+    return block_name
+
+
+def distributed_mode(distributed: bool | None, ranks_per_node: int | None) -> bool:
+    """Whether the runtime runs in distributed mode: ``distributed``, or (None) whether a
+    process group of more than one rank is initialized."""
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    elif not isinstance(distributed, bool):
+        raise ValueError(f"distributed must be True, False or None, got {distributed!r}")
+    if not distributed and ranks_per_node is not None:
+        raise ValueError("ranks_per_node applies to distributed mode only")
+    return distributed
+
+
+def choose(
+    optimizer: KroneckerOptimizer,
+    config: RuntimeConfig,
+    distributed: bool,
+    block_name: Callable[[BlockKey], str],
+) -> Attachment:
+    """Every attach-time choice (ValueError: what to change, for a placement that cannot be)."""
+    params = params_of(optimizer)
+    arch, sizes, placement = _placement(optimizer, config, params, block_name)
+    # Whether torch's intra-op threads leave a core free; under torchrun, the threads of every
+    # process on this machine (LOCAL_WORLD_SIZE) count.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if distributed else 1
+    spare_core = torch.get_num_threads() * local < (os.cpu_count() or 1)
+    nice = config.worker_nice
+    if nice is None:  # Note [Worker priority] in csrc/core/worker_pool.cpp
+        nice = 10 if spare_core else 0
+    # Factor statistics of CPU-resident parameters run on the statistics lane (Note [Statistics
+    # lane] in lane.py). FSDP2 writes sharded gradients outside autograd, where the gradient
+    # guards cannot see it: the lane is opt-in (statistics_lane=True) for DTensor parameters.
+    # By default only where the training leaves a core free: on a machine whose cores all run
+    # intra-op threads, the lane would take its time from the training itself. Never with the
+    # window (its CPU stand-in is a test of a discrete GPU, where no lane runs).
+    cpu_only = all(p.device.type == "cpu" for p in params)
+    sharded = any(hasattr(p, "to_local") for p in params)
+    lane_on = config.statistics_lane or (
+        config.statistics_lane is None and not sharded and spare_core
+    )
+    lane = cpu_only and bool(lane_on) and placement.bases_access != "window"
+    return Attachment(arch, sizes, placement, nice, lane)
+
+
+def _placement(
+    optimizer: KroneckerOptimizer,
+    config: RuntimeConfig,
+    params: list[torch.Tensor],
+    block_name: Callable[[BlockKey], str],
+) -> tuple[Arch, list[BlockSizes], Placement]:
+    """The tier policy's placement for this optimizer's state."""
+    device = params[0].device if params else torch.device("cpu")
+    arch = testing.arch_of(device, detect_arch)
+    try:
+        sizes = estimate_blocks(optimizer, lambda pid, bi: block_name((pid, bi)))
+    except ValueError:
+        if config.device_budget_bytes is not None or config.host_budget_bytes is not None:
+            raise
+        sizes = []  # an optimizer without a size model: no budgets to check
+    staging = sum(b.snapshots for b in sizes) if arch.cuda else 0
+    placement = plan(
+        sizes,
+        arch,
+        device_budget_bytes=config.device_budget_bytes,
+        host_budget_bytes=config.host_budget_bytes,
+        nvme=config.nvme_path is not None,
+        placement=config.placement,
+        staging_bytes=staging,
+        bases_window=optimizer.reads_bases_through_refresher,
+        window_blocks=testing.window_blocks(WINDOW_BLOCKS),
+    )
+    return arch, sizes, placement
+
+
+def choose_snapshots(
+    optimizer: KroneckerOptimizer, pool: object, lane: StatisticsLane | None
+) -> Snapshots:
+    """Device parameters: staged copies; CPU ones: on the lane where it runs, else direct."""
+    if any(p.is_cuda for p in params_of(optimizer)) or testing.staged_snapshots_forced():
+        return StagedSnapshots(StagingSlots(load_extension().ShadowStream()))
+    if lane is not None:
+        return LaneSnapshots(lane, pool)
+    return Snapshots()
+
+
+def choose_bases(
+    optimizer: KroneckerOptimizer,
+    config: RuntimeConfig,
+    placement: Placement,
+    lane: StatisticsLane | None,
+    install_flops: Callable[[BlockKey, dict | None], float],
+    block_name: Callable[[BlockKey], str],
+) -> BasesAccess:
+    """The bases strategy of the placement's ``bases_access``."""
+    access = placement.bases_access
+    if access == "mapped":
+        return MappedBases(optimizer)
+    if access != "window":
+        return DeviceBases(optimizer, lane, install_flops)
+    params = params_of(optimizer)
+    device = params[0].device if params else torch.device("cpu")
+    # CUDA parameters; else the CPU stand-in, used where a test makes the CPU look like a
+    # discrete GPU (asteria.runtime.testing.pretend_arch)
+    copies = CudaCopies(device) if device.type == "cuda" else HostCopies()
+    slots = testing.window_blocks(WINDOW_BLOCKS)
+    window = BasesWindow(copies, slots, placement.window_bytes // slots)
+
+    def fit(key: BlockKey, need: int, window: BasesWindow) -> None:
+        """Grow the window's slots when a block's bases outgrow them (a parameter added after
+        attaching, a state loaded in another dtype), within ``device_budget_bytes``."""
+        budget = config.device_budget_bytes
+        planned = placement.bytes["device"]
+        total = planned["factors"] + planned["moments"] + window.slots * need
+        if budget is not None and total > budget:
+            raise ValueError(
+                f"Asteria: the bases of block '{block_name(key)}' take {need} bytes, more than "
+                f"the {window.slot_bytes}-byte slots of the device window planned when the "
+                f"runtime was attached; a window of {window.slots} such slots puts {total} "
+                f"bytes of optimizer state on the device, over device_budget_bytes={budget}. "
+                f"Raise device_budget_bytes to at least {total}, attach the runtime after "
+                "every parameter is in the optimizer, or lower max_preconditioner_dim"
+            )
+        window.resize(need)
+
+    return WindowBases(optimizer, window, fit)

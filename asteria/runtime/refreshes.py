@@ -1,0 +1,427 @@
+"""The refreshes in flight: each block's refresh from its request to its install, drop or failure.
+
+Owns: the life of a refresh once the schedule has decided (schedule.py): the request (the
+optimizer's ``refresh_jobs``, snapshotted and submitted to the C++ refresh pool through the
+snapshot strategy chosen at attach time, snapshots.py), the bounded barrier (Note [Staleness
+bound] in registry.py), reading the results (from the futures, or through the spill tier,
+spill.py), installing them through the bases strategy (bases.py) and recording the install,
+counting a failure (a failed refresh keeps the previous basis; ``max_consecutive_failures`` in
+a row raise ``RefreshFailedError``), dropping what is not installed, and the job counters and
+the time a step waited (``Runtime.stats()``).
+
+Must not: decide when a refresh is requested or installed (schedule.py), know how a snapshot is
+taken or where a basis lives (the strategies do), issue collectives (distributed.py does, for
+replicated blocks), or take the runtime's lock (the facade holds it around every call).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
+from asteria.optim.matrix_functions import MatrixFunctionError
+from asteria.runtime.bases import BasesAccess
+from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.lane import StatisticsLaneError
+from asteria.runtime.registry import (
+    BlockEntry,
+    PendingRefresh,
+    RefreshFailedError,
+    Registry,
+    StalenessTimeoutError,
+)
+from asteria.runtime.schedule import Pacer
+from asteria.runtime.snapshots import Snapshots, pool_submit
+from asteria.runtime.spill import SpillTier
+
+if TYPE_CHECKING:
+    from asteria.runtime.distributed import Coherence
+
+__all__ = ["Refreshes", "Restored", "block_state"]
+
+
+def block_state(optimizer: KroneckerOptimizer, key: BlockKey) -> dict:
+    """The state of ``optimizer``'s block ``key``."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return optimizer.state[params[key[0]]]["blocks"][key[1]]
+
+
+class Refreshes:
+    """The refreshes in flight of one runtime (see module docstring).
+
+    ``submitted``, ``failed``, ``cancelled``: job counters; ``wait_s``: the seconds the current
+    step waited (the barrier, a sync, a recompute), reset by ``step_begin``. ``errors``: the
+    exceptions that mean "this refresh failed in float32 and float64" (the block keeps its
+    basis), as opposed to a crash; ``timeout_error``: the pool's ``FutureTimeoutError``.
+    """
+
+    def __init__(
+        self,
+        optimizer: KroneckerOptimizer,
+        config: RuntimeConfig,
+        registry: Registry,
+        pool: Any,
+        snapshots: Snapshots,
+        bases: BasesAccess,
+        pacer: Pacer,
+        block_name: Callable[[BlockKey], str],
+        spill: SpillTier | None = None,
+        coherence: Coherence | None = None,
+        errors: tuple[type[BaseException], ...] = (MatrixFunctionError,),
+        timeout_error: type[BaseException] = TimeoutError,
+    ) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.registry = registry
+        self.pool = pool
+        self.snapshots = snapshots
+        self.bases = bases
+        self.pacer = pacer
+        self.block_name = block_name
+        self.spill = spill
+        self.coherence = coherence
+        self.errors = errors
+        self.timeout_error = timeout_error
+        self.submitted = self.failed = self.cancelled = 0
+        self.wait_s = 0.0
+        self.pool_names: set[str] = set()  # names of every job submitted (the pool's slots)
+
+    # -- where a block is --------------------------------------------------------------------
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def current_step(self, key: BlockKey) -> int:
+        return int(self.optimizer.state[self.params()[key[0]]]["step"])
+
+    def block_state(self, key: BlockKey) -> dict:
+        return block_state(self.optimizer, key)
+
+    def entry(self, key: BlockKey) -> BlockEntry:
+        return self.registry.entry(key, self.block_name)
+
+    def replicated(self, key: BlockKey) -> bool:
+        """Whether ``key`` is installed on every rank of its replica group at its deadline."""
+        return self.coherence is not None and self.coherence.replicated(key)
+
+    # -- requests and submissions --------------------------------------------------------------
+
+    def request(self, key: BlockKey, e: BlockEntry, block: dict, group: dict, step: int) -> None:
+        """Request ``key``'s refresh at ``step`` (version ``step``, deadline ``step + S``)."""
+        self.bases.settle(key)  # the job's input basis is the one its result replaces
+        jobs = self.optimizer.refresh_jobs(block, group)
+        if all(job is None for job in jobs):
+            return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
+        pending = e.pending = PendingRefresh(
+            requested=step,
+            futures=[None] * len(jobs),
+            jobs=[None if j is None else _options_only(j) for j in jobs],
+            group=group,
+        )
+        coherence = self.coherence
+        if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
+            pending.owner = coherence.owner(key)
+            return  # the owner computes it; this rank receives it at the deadline
+        if self.spill is not None:
+            pending.snapshots = self.spill.inputs_record(e.name, step, len(jobs))
+        keep = pending.snapshots is not None
+        deadline = step + self.config.staleness
+        snapshots = self.snapshots
+        for dim, job in enumerate(jobs):
+            if job is None:
+                continue
+            ticket = snapshots.take(key, dim, f"{e.name}.dim{dim}", step, deadline, job, keep)
+            if snapshots.deferred:
+                pending.copies.append((dim, job, ticket))
+            else:
+                pending.futures[dim] = self._submit_snapshot(e, dim, job, ticket)
+
+    def _submit_snapshot(self, e: BlockEntry, dim: int, job: RefreshJob, ticket: Any) -> Any:
+        future, factor, basis = self.snapshots.finish(ticket)
+        return self.submit(e, dim, job, factor, basis, future=future)
+
+    def submit(
+        self,
+        e: BlockEntry,
+        dim: int,
+        job: RefreshJob,
+        factor: torch.Tensor | None,
+        basis: torch.Tensor | None,
+        pending: PendingRefresh | None = None,
+        future: Any = None,
+    ) -> Any:
+        """One job on the pool (it copies its inputs): version = request step, deadline t + S,
+        or the bookkeeping of one the snapshot strategy submitted (``future``). A spilled block's
+        inputs are written to the spill store too (an exact recompute)."""
+        pending = e.pending if pending is None else pending
+        if pending.snapshots is not None and pending is e.pending:
+            self.spill.keep_inputs(pending, dim, factor, basis)
+        self.submitted += 1
+        name = f"{e.name}.dim{dim}"
+        self.pool_names.add(name)
+        if future is not None:
+            return future
+        version = pending.requested
+        deadline = version + self.config.staleness
+        return pool_submit(self.pool, name, version, deadline, job, factor, basis)
+
+    def collect(self, e: BlockEntry, wait: bool) -> None:
+        """Submit the jobs whose snapshots have landed (all of them when ``wait``)."""
+        remaining = []
+        snapshots = self.snapshots
+        for dim, job, ticket in e.pending.copies:
+            if not wait and not snapshots.ready(ticket):
+                remaining.append((dim, job, ticket))
+                continue
+            e.pending.futures[dim] = self._submit_snapshot(e, dim, job, ticket)
+        e.pending.copies = remaining
+
+    def step_end(self) -> None:
+        """Submit what landed this step; spill and page in (the spill tier)."""
+        for e in self.registry.entries.values():
+            if e.pending is not None and e.pending.copies:
+                self.collect(e, wait=False)
+        if self.spill is not None:
+            entries = self.registry.entries
+            self.spill.page_in(
+                (entries[key].pending, self.current_step(key))
+                for key in sorted(entries)
+                if entries[key].pending is not None
+            )
+
+    def maybe_spill(self, e: BlockEntry) -> None:
+        """A finished refresh waiting for its install step goes to the spill store if the
+        policy spills its block; the pool's copy of its results is released then."""
+        pending = e.pending
+        if self.spill is None or not self.spill.maybe_spill(e.name, pending):
+            return
+        for dim, job in enumerate(pending.jobs):  # the pool's copy: host memory no more
+            if job is not None:
+                self.pool.release(f"{e.name}.dim{dim}", pending.requested)
+
+    # -- the barrier and the results ---------------------------------------------------------
+
+    def wait(self, e: BlockEntry, step: int) -> None:
+        """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh."""
+        t0 = time.perf_counter()
+        limit = self.config.barrier_timeout_s
+        if e.pending.copies:
+            self.collect(e, wait=True)
+        timeout_error = self.timeout_error
+        for f in e.pending.futures:
+            if f is None or f.done():
+                continue
+            remaining = limit - (time.perf_counter() - t0)
+            try:
+                interruptible_result(f, max(remaining, 0.0), timeout_error)
+            except timeout_error:
+                raise StalenessTimeoutError(
+                    f"Asteria: the refresh of block '{e.name}' requested at step "
+                    f"{e.pending.requested} was not ready at step {step} (staleness budget "
+                    f"{self.config.staleness}) after waiting {limit:g} s at the barrier "
+                    f"(barrier_timeout_s)"
+                ) from None
+            except Exception:  # failures are handled by install, which reads every result
+                pass
+        self.wait_s += time.perf_counter() - t0
+
+    def results(
+        self,
+        key: BlockKey,
+        e: BlockEntry,
+        pending: PendingRefresh,
+        block: dict | None,
+        consume: bool = True,
+    ) -> list[Any]:
+        """A refresh's results, from its futures or through the spill tier (which recomputes
+        a lost one). ``consume``: an install (the spill tier then forgets the refresh)."""
+        if self.spill is None:
+            return [None if f is None else f.result() for f in pending.futures]
+
+        def recompute(pending: PendingRefresh, inputs: list[Any] | None) -> list[Any]:
+            return self._recompute(key, e, pending, block, inputs)
+
+        return self.spill.results(pending, e.name, recompute, consume)
+
+    def _recompute(
+        self,
+        key: BlockKey,
+        e: BlockEntry,
+        pending: PendingRefresh,
+        block: dict | None,
+        inputs: list[Any] | None,
+    ) -> list[Any]:
+        """Run a lost refresh again on the pool and wait for it (the install step is kept):
+        from ``inputs`` (its snapshot, the same result), else from the block's current factors
+        and basis."""
+        if inputs is None:
+            block = self.block_state(key) if block is None else block
+            jobs = self.optimizer.refresh_jobs(block, pending.group)
+            inputs = [None if j is None else (j.factor, j.basis) for j in jobs]
+        futures = [
+            None
+            if job is None or inp is None
+            else self.submit(e, dim, job, inp[0], inp[1], pending=pending)
+            for dim, (job, inp) in enumerate(zip(pending.jobs, inputs))
+        ]
+        t0 = time.perf_counter()
+        results = [
+            None if f is None else f.result(timeout_s=self.config.barrier_timeout_s)
+            for f in futures
+        ]
+        self.wait_s += time.perf_counter() - t0
+        return results
+
+    # -- installs, failures, drops -------------------------------------------------------------
+
+    def install_now(
+        self, key: BlockKey, e: BlockEntry, step: int, block: dict, replicated: bool
+    ) -> None:
+        """Install ``e``'s refresh in flight at this boundary, waiting for it: on every rank at
+        once for a replicated block (Note [Distributed coherence] in distributed.py)."""
+        if replicated:
+            self.coherence.sync(key, e, step, block, self)
+        else:
+            self.wait(e, step)
+            self.install(key, e, step, block)
+
+    def install(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None = None) -> None:
+        """Install ``e``'s (finished) refresh as installed at ``step``, or count its failure."""
+        pending, e.pending = e.pending, None
+        try:
+            results = self.results(key, e, pending, block)
+        except self.errors as err:
+            self.count_failure(e, "", str(err), cause=err)
+            return  # keep the previous version
+        except Exception as err:
+            self.failed += 1
+            raise RefreshFailedError(
+                f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
+                f"in a worker: {err}"
+            ) from err
+        if block is None:
+            block = self.block_state(key)
+        self.install_results(key, e, pending, block, step, results)
+        self.pacer.charge(key, block, step)
+
+    def install_results(
+        self,
+        key: BlockKey,
+        e: BlockEntry,
+        pending: PendingRefresh,
+        block: dict,
+        step: int,
+        results: list[Any],
+    ) -> None:
+        """Install ``results`` (of ``pending``) into ``block``, as installed at ``step``."""
+        self.bases.install(key, block, results)
+        self.registry.record_install(e, pending.requested, step)
+
+    def count_failure(
+        self, e: BlockEntry, where: str, error: str, cause: BaseException | None = None
+    ) -> None:
+        """A refresh of ``e`` that failed (the previous version stays in use): counted, and a
+        ``RefreshFailedError`` once ``max_consecutive_failures`` are in a row. ``where`` follows
+        the block's name in the message (" (owner rank r)" under torch.distributed)."""
+        self.failed += 1
+        e.failures += 1
+        e.consecutive_failures += 1
+        if e.consecutive_failures >= self.config.max_consecutive_failures:
+            raise RefreshFailedError(
+                f"Asteria: the refresh of block '{e.name}'{where} failed "
+                f"{e.consecutive_failures} times in a row"
+                + (f"; last error: {error}" if error else "")
+            ) from cause
+
+    def drop(self, e: BlockEntry) -> None:
+        """Forget ``e``'s refresh in flight: its unfinished jobs count as cancelled, its spilled
+        data is discarded. A job still waiting for its snapshot was never submitted: it counts
+        as cancelled too."""
+        self.cancelled += sum(f is not None and not f.done() for f in e.pending.futures)
+        self.cancelled += len(e.pending.copies)
+        if self.spill is not None:
+            self.spill.discard(e.pending)
+        e.pending = None
+        e.owed = False
+
+    def install_in_flight(self) -> None:
+        """Install every refresh in flight (close); one not ready within the barrier timeout is
+        dropped with a warning. Collective for replicated blocks: every rank closes."""
+        for key, e in sorted(self.registry.entries.items()):
+            if e.pending is None:
+                continue
+            if self.replicated(key):
+                self.coherence.sync(key, e, self.current_step(key), None, self)
+                continue
+            try:
+                self.wait(e, self.current_step(key))
+            except StalenessTimeoutError as err:
+                warnings.warn(f"{err}; dropped at close()", RuntimeWarning, stacklevel=4)
+                e.pending = None
+                continue
+            except StatisticsLaneError:  # raised by a step already (close() waited for the lane)
+                self.drop(e)
+                continue
+            self.install(key, e, self.current_step(key))
+
+    def install_ready(self, entries: Any) -> None:
+        """A module signal (hooks.py): install the finished refreshes of ``entries`` (a
+        parameter's ``(key, entry)`` pairs) that the pacing allows now."""
+        for key, e in entries:
+            if e.pending is None:
+                continue
+            if e.pending.copies:
+                self.collect(e, wait=False)
+            step = self.current_step(key)
+            if e.pending.done() and self.pacer.allows(key, step + 1):
+                # between steps `step` and `step + 1`; Shampoo, which refreshes before its
+                # update, would have used it in step `step` already
+                late = int(self.optimizer.refresh_precedes_update)
+                self.install(key, e, step + late)
+
+    def drop_all(self) -> None:
+        """Forget everything still in flight (close, after ``install_in_flight`` or without)."""
+        for e in self.registry.entries.values():
+            if e.pending is not None:
+                self.drop(e)
+
+
+def _options_only(job: RefreshJob) -> RefreshJob:
+    """``job`` without its tensors: what a pending refresh keeps (a sync, a recompute, a
+    checkpoint need the options only)."""
+    return RefreshJob(job.kind, None, None, job.sort, job.root, job.epsilon, job.dtype)
+
+
+class Restored:
+    """A refresh result restored from a checkpoint: a future that has already resolved."""
+
+    def __init__(self, value: Any = None, error: str | None = None) -> None:
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        if self._error is not None:
+            raise MatrixFunctionError(self._error)
+        return self._value
+
+
+def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> Any:
+    """``future.result(timeout_s)`` in slices of 0.1 s: between slices the interpreter runs, so
+    Ctrl-C (SIGINT) raises KeyboardInterrupt promptly during a long barrier wait."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        try:
+            return future.result(timeout_s=min(0.1, max(deadline - time.perf_counter(), 0.0)))
+        except timeout_error:
+            if time.perf_counter() >= deadline:
+                raise
