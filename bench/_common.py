@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -37,6 +38,14 @@ def env_header(title: str, *packages: str) -> dict[str, Any]:
         print(f"   {key}: {value}")
     sys.stdout.flush()
     return env
+
+
+def device_tag(name: str) -> str:
+    """A results-file suffix from a device name: lower-cased, the vendor prefix dropped, runs of
+    other characters than ``[a-z0-9]`` as one ``_`` (``"NVIDIA H200"`` -> ``"h200"``)."""
+    tag = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    tag = re.sub(r"^nvidia_", "", tag)
+    return tag or "unknown"
 
 
 def synchronize(device: torch.device) -> None:

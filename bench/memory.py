@@ -45,18 +45,32 @@ comparison matches the baseline to the spill store's mode:
 With ``--mode auto`` both comparisons run where the filesystem takes O_DIRECT (the headline ratios
 are the 'direct' ones, the store's default there), else only 'buffered'.
 
+Measured mode, ``--measure-cuda`` (instead of parts 1 and 2): the device bytes the optimizers
+take on a real GPU, from ``torch.cuda.max_memory_allocated``, not estimates. An asteria.train
+preset (``--model``, ``--layers``) is built on the GPU and trained ``--measure-steps`` steps on a
+fixed batch (bf16 autocast) three ways per optimizer, each from a fresh peak: with no optimizer
+(the baseline: model, gradients and activations), native, and under the runtime (default
+``RuntimeConfig``: on a discrete GPU the bases live in pinned host memory behind the device
+window). ``optimizer_peak_bytes`` = peak - the baseline's peak; ``resident_bytes`` = what stays
+allocated after the last step (gradients freed) beyond the model. ``ratio`` = Asteria / native of
+the peak figure (goal <= 0.75 for SOAP), ``resident_ratio`` of the resident one. Without CUDA it
+prints why and emits ``{"benchmark": "memory", "mode": "measure_cuda", "skipped": ...}`` (exit 0).
+
 Last line: JSON with ``accounting`` (part 1), ``device_ratio`` per model and optimizer, the
 throughputs and ``spill_write_ratio`` / ``spill_read_ratio`` = spill throughput / plain
 throughput in the store's default mode (higher is better; the goal is >= 0.8),
 plus the same per mode under ``modes``.
 Usage: ``python bench/memory.py [--dir /mnt/nvme] [--total-mib 512] [--tensor-mib 16]
-[--io-threads 2] [--mode auto|direct|buffered] [--repeats 3]``.
+[--io-threads 2] [--mode auto|direct|buffered] [--repeats 3]``, or ``python bench/memory.py
+--measure-cuda [--model olmo-150m] [--layers 12] [--batch-size 8] [--seq-len 512]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
+import gc
 import os
 import sys
 import tempfile
@@ -76,6 +90,9 @@ from asteria.memory.accounting import estimate_blocks  # noqa: E402
 from asteria.memory.tiers import Arch, plan  # noqa: E402
 from asteria.optim import SOAP, KLShampoo  # noqa: E402
 from asteria.runtime import Runtime, RuntimeConfig  # noqa: E402
+from asteria.train.data import VOCAB_SIZE  # noqa: E402
+from asteria.train.models import build_model, get_preset  # noqa: E402
+from asteria.train.optimizers import build_optimizer  # noqa: E402
 from bench._common import emit_json, env_header, median, print_table, ratio  # noqa: E402
 
 MiB = 1 << 20
@@ -341,6 +358,147 @@ def accounting(directory: str, max_dim: int) -> dict[str, object]:
     return out
 
 
+# ---- measured mode: device bytes on a real GPU --------------------------------------------------
+
+
+def cuda_skip_reason() -> str | None:
+    """Why the measured mode cannot run here, or None when it can."""
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return None
+
+
+def _cuda_run(kind: str, name: str, args: argparse.Namespace) -> dict[str, object]:
+    """Train ``--measure-steps`` steps on the GPU with no optimizer (``kind="none"``), the native
+    optimizer ``name`` or it under the runtime; the peak and resident bytes beyond what was
+    allocated before the model was built."""
+    device = torch.device("cuda")
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    preset = get_preset(args.model)
+    if args.layers is not None:
+        preset = dataclasses.replace(preset, num_layers=args.layers)
+    model = build_model(preset, vocab_size=VOCAB_SIZE, max_seq_len=args.seq_len, seed=0).to(device)
+    model_bytes = torch.cuda.memory_allocated(device) - before
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB_SIZE, (args.batch_size, args.seq_len), generator=gen)
+    tokens = tokens.to(device)
+    opt = rt = report = None
+    if kind != "none":
+        opt = build_optimizer(name, model.parameters())
+    try:
+        if kind == "asteria":
+            rt = Runtime(model, opt, RuntimeConfig(staleness=args.staleness, workers=args.workers))
+        for _ in range(args.measure_steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+            del loss
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        resident = torch.cuda.memory_allocated(device) - before - model_bytes
+        if rt is not None:
+            report = rt.memory_report()
+    finally:
+        if rt is not None:
+            rt.close()
+        del opt, model, tokens
+    out: dict[str, object] = {"peak_bytes": peak, "resident_bytes": resident}
+    out["model_bytes"] = model_bytes
+    if report is not None:
+        out["memory_report"] = {t: report[t] for t in ("device", "host", "nvme")}
+        out["bases_access"] = report["placement"]["bases_access"]
+    return out
+
+
+def measured_summary(runs: dict[str, dict[str, dict[str, object]]]) -> dict[str, object]:
+    """From ``runs[optimizer][kind]`` (kind ``none``, ``native``, ``asteria``, each with
+    ``peak_bytes`` and ``resident_bytes``, or an ``error``): per optimizer the optimizer's peak
+    bytes beyond the no-optimizer baseline, native and Asteria, and ``ratio`` (peak) /
+    ``resident_ratio`` (None where a run failed)."""
+    out: dict[str, object] = {}
+
+    def minus(a: int | None, b: int | None) -> int | None:
+        return None if a is None or b is None else a - b
+
+    for name, per in runs.items():
+        base = per["none"].get("peak_bytes")
+        native = minus(per["native"].get("peak_bytes"), base)
+        asteria = minus(per["asteria"].get("peak_bytes"), base)
+        out[name] = {
+            "baseline_peak_bytes": base,
+            "native_optimizer_peak_bytes": native,
+            "asteria_optimizer_peak_bytes": asteria,
+            "ratio": ratio(asteria, native),
+            "native_resident_bytes": per["native"].get("resident_bytes"),
+            "asteria_resident_bytes": per["asteria"].get("resident_bytes"),
+            "resident_ratio": ratio(
+                per["asteria"].get("resident_bytes"), per["native"].get("resident_bytes")
+            ),
+        }
+    return out
+
+
+def measure_cuda_main(args: argparse.Namespace) -> None:
+    env = env_header("asteria bench/memory.py --measure-cuda (device bytes, measured)")
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "model", "layers", "batch_size", "seq_len", "measure_steps", "staleness", "workers",
+            "optimizers",
+        )
+    }  # fmt: skip
+    payload: dict[str, object] = {"benchmark": "memory", "mode": "measure_cuda", "env": env}
+    payload["config"] = config
+    reason = cuda_skip_reason()
+    if reason is not None:
+        print(f"   skipped: {reason}")
+        emit_json({**payload, "skipped": reason})
+        return
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    runs: dict[str, dict[str, dict[str, object]]] = {}
+    errors = {}
+    for name in names:
+        runs[name] = {}
+        for kind in ("none", "native", "asteria"):
+            print(f"-- {name} {kind}", flush=True)
+            try:
+                runs[name][kind] = _cuda_run(kind, name, args)
+            except Exception as err:  # e.g. out of memory: record it, measure the rest
+                errors[f"{name}/{kind}"] = f"{type(err).__name__}: {err}"
+                print(f"   failed: {errors[f'{name}/{kind}']}", flush=True)
+                runs[name][kind] = {"error": errors[f"{name}/{kind}"]}
+    summary = measured_summary(runs)
+
+    def mb(nbytes: int | None) -> float | None:
+        return None if nbytes is None else nbytes / 1e6
+
+    print_table(
+        ["optimizer", "baseline MB", "native opt MB", "asteria opt MB", "ratio",
+         "native resident MB", "asteria resident MB", "resident ratio"],
+        [[n, mb(s["baseline_peak_bytes"]), mb(s["native_optimizer_peak_bytes"]),
+          mb(s["asteria_optimizer_peak_bytes"]), s["ratio"], mb(s["native_resident_bytes"]),
+          mb(s["asteria_resident_bytes"]), s["resident_ratio"]] for n, s in summary.items()],
+    )  # fmt: skip
+    payload["device"] = torch.cuda.get_device_name()
+    payload["runs"] = runs
+    payload["measured"] = summary
+    payload["device_ratio_measured"] = {n: s["ratio"] for n, s in summary.items()}
+    if errors:
+        payload["errors"] = errors
+    emit_json(payload)
+    if errors:
+        raise SystemExit(1)
+
+
 # ---- part 2: spill throughput --------------------------------------------------------------------
 
 
@@ -357,7 +515,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", choices=["auto", "direct", "buffered"], default="auto")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-preconditioner-dim", type=int, default=2048)
+    cuda = parser.add_argument_group("measured mode (--measure-cuda)")
+    cuda.add_argument(
+        "--measure-cuda", action="store_true", help="device bytes from max_memory_allocated"
+    )
+    cuda.add_argument("--model", default="olmo-150m", help="asteria.train preset")
+    cuda.add_argument("--layers", type=int, default=None, help="override the preset's layers")
+    cuda.add_argument("--batch-size", type=int, default=8)
+    cuda.add_argument("--seq-len", type=int, default=512)
+    cuda.add_argument("--measure-steps", type=int, default=24)
+    cuda.add_argument("--staleness", type=int, default=5)
+    cuda.add_argument("--workers", type=int, default=None, help="pool workers (cores - 1)")
+    cuda.add_argument("--optimizers", default="soap,kl_shampoo")
     args = parser.parse_args(argv)
+    if args.measure_cuda:
+        if args.measure_steps < 1 or args.batch_size < 1 or args.seq_len < 2:
+            raise SystemExit("--measure-steps, --batch-size must be >= 1, --seq-len >= 2")
+        if args.layers is not None and args.layers < 1:
+            raise SystemExit("--layers must be >= 1")
+        unknown = sorted({n.strip() for n in args.optimizers.split(",")} - set(OPTIMIZERS))
+        if unknown:
+            raise SystemExit(f"unknown optimizers {unknown}; choose from {sorted(OPTIMIZERS)}")
+        measure_cuda_main(args)
+        return
     if args.total_mib < 1 or args.tensor_mib < 1 or args.repeats < 1 or args.io_threads < 1:
         raise SystemExit("--total-mib, --tensor-mib, --io-threads and --repeats must be >= 1")
     if args.tensor_mib > args.total_mib:

@@ -12,12 +12,24 @@ Per variant: median, p95 and max step time (fwd + bwd + optimizer step, excludin
 the final training loss (mean of the last 10 steps) and, for Asteria variants, the staleness
 histogram. The last line is JSON with ``ratios``: ``<variant>_vs_adamw_median`` for every variant.
 
-Usage: ``python bench/step_time.py [--steps 110] [--variants adamw,soap_native,soap_asteria]``.
+On CUDA, each variant also reports ``max_memory_allocated`` (the peak of that variant alone: the
+peak statistics are reset before it). ``--layers`` trains the preset with fewer (or more) layers.
+``--energy`` reads the energy counters (asteria.train.energy: NVML on a GPU, RAPL on the host)
+over the timed steps and reports ``energy_j_per_step`` per source (absent sources are named in
+``energy_unavailable``, never estimated), and ``ratios`` gains
+``<variant>_vs_adamw_energy_per_step`` (NVML where the training runs on a GPU, else RAPL).
+``--keep-going``: a variant that raises (say, out of memory) is listed under ``errors`` with its
+message, the others still run, the JSON is printed, and the exit status is 1.
+
+Usage: ``python bench/step_time.py [--steps 110] [--variants adamw,soap_native,soap_asteria]
+[--device cuda --model olmo-150m --layers 12 --batch-size 64 --seq-len 512 --energy]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -29,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asteria.runtime import Runtime, RuntimeConfig  # noqa: E402
 from asteria.train.data import VOCAB_SIZE, load_corpus, train_batches  # noqa: E402
+from asteria.train.energy import EnergyMeter  # noqa: E402
 from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import build_optimizer  # noqa: E402
 from bench._common import emit_json, env_header, print_table, synchronize  # noqa: E402
@@ -55,6 +68,12 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     name, mode = _split(variant)
     device = torch.device(args.device)
     preset = get_preset(args.model)
+    if args.layers is not None:
+        preset = dataclasses.replace(preset, num_layers=args.layers)
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     model = build_model(preset, vocab_size=VOCAB_SIZE, max_seq_len=args.seq_len, seed=args.seed)
     model.to(device)
     opt = build_optimizer(name, model.parameters())
@@ -69,10 +88,14 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     step_ms, opt_ms, losses = [], [], []
+    meter = EnergyMeter.probe(use_nvml=device.type == "cuda") if args.energy else None
+    joules = None
     try:
-        for _ in range(args.steps):
+        for step in range(args.steps):
             tokens = next(batches).to(device)
             synchronize(device)
+            if meter is not None and step == args.skip:
+                meter.start()
             t0 = time.perf_counter()
             if autocast is not None:
                 with autocast:
@@ -89,6 +112,8 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
             step_ms.append((t2 - t0) * 1e3)
             opt_ms.append((t2 - t1) * 1e3)
             losses.append(loss.item())
+        if meter is not None:
+            joules = meter.read()
         stats = runtime.stats() if runtime is not None else None
     finally:
         if runtime is not None:
@@ -107,10 +132,26 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     }
     if device.type == "cuda":
         out["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+    if meter is not None:
+        out["energy_j_per_step"] = {k: j / len(timed) for k, j in (joules or {}).items()}
+        out["energy_unavailable"] = dict(meter.unavailable)
     if stats is not None:
         out["barrier_wait_ms_total"] = sum(stats["barrier_wait_ms"])
         out["staleness_histogram"] = stats["staleness_histogram"]
         out["jobs"] = stats["jobs"]
+    return out
+
+
+def energy_ratios(results: dict, device: torch.device) -> dict[str, float]:
+    """``<variant>_vs_adamw_energy_per_step`` from the source that covers the training: NVML on a
+    GPU, RAPL on the host; none where that source was not measured for AdamW and the variant."""
+    source = "nvml" if device.type == "cuda" else "rapl"
+    base = results["adamw"].get("energy_j_per_step", {}).get(source)
+    out = {}
+    for v, r in results.items():
+        ours = r.get("energy_j_per_step", {}).get(source)
+        if ours is not None and base is not None and base > 0:
+            out[f"{v}_vs_adamw_energy_per_step"] = ours / base
     return out
 
 
@@ -129,7 +170,18 @@ def main(argv: list[str] | None = None) -> None:
         "--refresh-lead", choices=("on", "off"), default="on", help="RuntimeConfig.refresh_lead"
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="override the preset's number of layers"
+    )
+    parser.add_argument(
+        "--energy", action="store_true", help="joules per timed step (NVML on a GPU, RAPL)"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="a variant that fails is listed under 'errors' (exit 1) and the others still run",
+    )
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -137,14 +189,26 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
     if args.steps <= args.skip + 10:
         raise SystemExit("--steps must exceed --skip by more than 10")
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit("--layers must be >= 1")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device")
 
     torch.set_num_threads(args.threads)
     env = env_header("asteria bench/step_time.py")
     corpus = load_corpus(min_tokens=args.seq_len + 1)
-    results = {}
+    results, errors = {}, {}
     for v in variants:
         print(f"-- {v}", flush=True)
-        results[v] = run_variant(v, args, corpus)
+        try:
+            results[v] = run_variant(v, args, corpus)
+        except Exception as err:  # --keep-going: record it, run the other variants
+            if not args.keep_going:
+                raise
+            errors[v] = f"{type(err).__name__}: {err}"
+            print(f"   {v} failed: {errors[v]}", flush=True)
+            if torch.device(args.device).type == "cuda":
+                torch.cuda.empty_cache()
     rows = [
         [
             v,
@@ -157,36 +221,53 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for v, r in results.items()
     ]
-    print_table(
-        ["variant", "median ms", "p95 ms", "max ms", "spike", "opt median ms", "final loss"], rows
-    )
+    headers = ["variant", "median ms", "p95 ms", "max ms", "spike", "opt median ms", "final loss"]
+    if args.energy:
+        sources = sorted({k for r in results.values() for k in r["energy_j_per_step"]})
+        headers += [f"{k} J/step" for k in sources]
+        for row, r in zip(rows, results.values()):
+            row += [r["energy_j_per_step"].get(k) for k in sources]
+        for v, r in results.items():
+            for k, why in r["energy_unavailable"].items():
+                print(f"   {v}: {k} not measured: {why}")
+    print_table(headers, rows)
     ratios = {}
     if "adamw" in results:
         base = results["adamw"]["median_ms"]
         ratios = {f"{v}_vs_adamw_median": r["median_ms"] / base for v, r in results.items()}
+        if args.energy:
+            ratios.update(energy_ratios(results, torch.device(args.device)))
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "model",
+            "steps",
+            "skip",
+            "batch_size",
+            "seq_len",
+            "threads",
+            "workers",
+            "staleness",
+            "refresh_lead",
+            "device",
+        )
+    }
+    if args.layers is not None:
+        config["layers"] = args.layers
+    if args.energy:
+        config["energy"] = True
     emit_json(
         {
             "benchmark": "step_time",
             "env": env,
-            "config": {
-                k: getattr(args, k)
-                for k in (
-                    "model",
-                    "steps",
-                    "skip",
-                    "batch_size",
-                    "seq_len",
-                    "threads",
-                    "workers",
-                    "staleness",
-                    "refresh_lead",
-                    "device",
-                )
-            },
+            "config": config,
             "results": results,
             "ratios": ratios,
+            **({"errors": errors} if errors else {}),
         }
     )
+    if errors:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,329 @@
+#!/usr/bin/env bash
+# The CUDA path on a real GPU, in one run: build, report, tests, benchmarks, summary.
+#
+#   bench/gpu_check.sh                  on a CUDA machine (about 8 minutes on an H200 host)
+#   bench/gpu_check.sh --dry-run        print every phase's command, run nothing
+#   bench/gpu_check.sh --cpu-rehearsal  the same phases on CPU with tiny sizes (no build; results
+#                                       stay in the log directory, never in bench/results)
+#   bench/gpu_check.sh --only step_time,summary   run only the named phases (e.g. a rerun)
+#   bench/gpu_check.sh --skip-build     every phase but the build
+#
+# Phases: build (pip install --no-build-isolation --no-deps -e . with TORCH_CUDA_ARCH_LIST,
+# ASTERIA_FORCE_CUDA=1), info (python -m asteria.info, and the GPU's name), tests (tests/gpu and
+# the CUDA-relevant unit tests), step_time (AdamW, native and Asteria SOAP and KL-Shampoo, with
+# NVML energy per step), memory (bench/memory.py --measure-cuda: max_memory_allocated), capacity
+# (bench/capacity.py when present, else bench/gpu_refresh_time.py: device eigh/QR vs the CPU
+# pool per factor size), summary (bench/gpu_summary.py: the figures against the goals).
+#
+# Each phase runs under `timeout`: its own limit, cut so that the phases after it keep their
+# minimum within GPU_CHECK_BUDGET_S (default 480 s). A failing phase does not stop later ones;
+# the exit code is 1 if any phase failed (0 otherwise; a missed goal is not a failure).
+# Results: bench/results/<bench>_<gpu>.json (<gpu> from torch.cuda.get_device_name, lower-cased
+# and sanitized: "NVIDIA H200" -> h200). Logs and results are written under build/gpu_check/;
+# when $OUT is set, after every phase it receives, flat (the device tool brings back at most 8
+# files): the results' JSON, phases.txt, gpu_summary.txt and gpu_check_logs.tar.gz (all logs).
+# Knobs (environment): PYTHON, GPU_CHECK_BUDGET_S,
+# GPU_CHECK_MODEL (olmo-150m), GPU_CHECK_LAYERS (12), GPU_CHECK_BATCH (32), GPU_CHECK_SEQ (512),
+# GPU_CHECK_STEPS (60), GPU_CHECK_WORKERS (cores - 1), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+
+DRY_RUN=0
+REHEARSAL=0
+ONLY=""
+SKIP_BUILD=0
+while (($#)); do
+    case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --cpu-rehearsal) REHEARSAL=1 ;;
+    --skip-build) SKIP_BUILD=1 ;;
+    --only)
+        [[ $# -ge 2 ]] || { echo "gpu_check.sh: --only needs a list of phases" >&2; exit 2; }
+        ONLY=$2
+        shift
+        ;;
+    --only=*) ONLY=${1#--only=} ;;
+    -h | --help) usage; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+done
+
+PHASES=(build info tests step_time memory capacity summary)
+if [[ -n $ONLY ]]; then
+    IFS=, read -r -a wanted <<<"$ONLY"
+    for w in "${wanted[@]}"; do
+        if [[ " ${PHASES[*]} " != *" $w "* ]]; then
+            echo "gpu_check.sh: unknown phase '$w' (phases: ${PHASES[*]})" >&2
+            exit 2
+        fi
+    done
+fi
+
+# -- settings ---------------------------------------------------------------------------------
+CORES=$(nproc 2>/dev/null || echo 2)
+WORKERS=${GPU_CHECK_WORKERS:-$((CORES > 1 ? CORES - 1 : 1))}
+if ((REHEARSAL)); then
+    DEVICE=cpu MODEL=nano LAYERS=1 BATCH=4 SEQ=32 STEPS=16 SKIP=4 MEM_STEPS=2
+    SIZES=64,128,256 WORKERS=1 BUDGET_S=${GPU_CHECK_BUDGET_S:-900}
+else
+    DEVICE=cuda
+    MODEL=${GPU_CHECK_MODEL:-olmo-150m}
+    LAYERS=${GPU_CHECK_LAYERS:-12}
+    BATCH=${GPU_CHECK_BATCH:-32}
+    SEQ=${GPU_CHECK_SEQ:-512}
+    STEPS=${GPU_CHECK_STEPS:-60}
+    SKIP=10 MEM_STEPS=16 SIZES=256,512,1024,2048,4096
+    BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
+fi
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-$CORES}
+export PYTHONUNBUFFERED=1
+VARIANTS=adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria
+UNIT_TESTS=(tests/unit/test_extension.py tests/unit/test_host_memory.py tests/unit/test_window.py
+    tests/unit/test_tiers.py)
+
+# The python: $PYTHON, else the first of these whose torch has CUDA (any torch in a rehearsal).
+pick_python() {
+    local c
+    for c in .venv-cuda/bin/python .venv/bin/python python3 python; do
+        command -v "$c" >/dev/null 2>&1 || continue
+        if ((DRY_RUN)); then echo "$c"; return 0; fi
+        if ((REHEARSAL)); then
+            "$c" -c 'import torch' >/dev/null 2>&1 && { echo "$c"; return 0; }
+        else
+            "$c" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' >/dev/null 2>&1 &&
+                { echo "$c"; return 0; }
+        fi
+    done
+    echo python3
+}
+PY=${PYTHON:-$(pick_python)}
+
+LOG_DIR=$ROOT/build/gpu_check
+RESULTS_OUT=$LOG_DIR/results
+OUT=${OUT:-}
+TAG="<gpu>"
+GPU_NAME="<from torch.cuda.get_device_name>"
+if ((REHEARSAL)); then TAG=cpu_rehearsal GPU_NAME="cpu (rehearsal)"; fi
+
+declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [step_time]=100 [memory]=45 [capacity]=45
+    [summary]=15)
+declare -A BOX_S=([build]=240 [info]=30 [tests]=120 [step_time]=200 [memory]=90 [capacity]=90
+    [summary]=30)
+if ((REHEARSAL)); then BOX_S[tests]=300; fi # the 2-core CPU runs the unit tests for minutes
+declare -A STATUS=()
+FAILED=0
+START=$(date +%s)
+
+selected() {
+    local p=$1
+    if [[ $p == build ]] && ((REHEARSAL)); then return 1; fi # never rebuild the CPU extension
+    if [[ -n $ONLY ]]; then [[ ",$ONLY," == *",$p,"* ]]; return; fi
+    if [[ $p == build ]] && ((SKIP_BUILD)); then return 1; fi
+    return 0
+}
+
+# The limit of phase $1: its box, cut so that every selected phase after it keeps its minimum.
+phase_limit() {
+    local name=$1 later=0 seen=0 p
+    for p in "${PHASES[@]}"; do
+        if ((seen)) && selected "$p"; then later=$((later + MIN_S[$p])); fi
+        [[ $p == "$name" ]] && seen=1
+    done
+    local left=$((BUDGET_S - ($(date +%s) - START) - later))
+    local box=${BOX_S[$name]}
+    echo $((left < box ? left : box))
+}
+
+# The command as one line to paste: words of plain characters as they are, others shell-quoted.
+quote() {
+    local a out=()
+    for a in "$@"; do
+        if [[ $a =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then
+            out+=("$a")
+        else
+            out+=("$(printf '%q' "$a")")
+        fi
+    done
+    echo "${out[*]}"
+}
+
+# run_phase NAME [RESULT] -- CMD...: run CMD under timeout, log to $LOG_DIR/NAME.log; when RESULT
+# is given, the log's last line (the benchmark's JSON) is saved as RESULT_<gpu>.json.
+run_phase() {
+    local name=$1 result=""
+    shift
+    if [[ $1 != -- ]]; then result=$1; shift; fi
+    shift
+    if ! selected "$name"; then
+        STATUS[$name]="not selected"
+        return 0
+    fi
+    local limit
+    limit=$(phase_limit "$name")
+    echo "== phase $name (timeout ${limit}s): $(quote "$@")"
+    [[ -n $result ]] && echo "   result: bench/results/${result}_${TAG}.json"
+    if ((DRY_RUN)); then
+        STATUS[$name]="dry run"
+        return 0
+    fi
+    if ((limit < 10)); then
+        echo "   not run: ${limit}s left of the ${BUDGET_S}s budget"
+        STATUS[$name]="FAILED (no time left)"
+        FAILED=1
+        return 0
+    fi
+    local log=$LOG_DIR/$name.log t0 rc=0
+    t0=$(date +%s)
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
+    local took=$(($(date +%s) - t0))
+    if ((rc == 124 || rc == 137)); then
+        STATUS[$name]="FAILED (timed out after ${took}s)"
+        FAILED=1
+    elif ((rc != 0)); then
+        STATUS[$name]="FAILED (exit $rc, ${took}s)"
+        FAILED=1
+    else
+        STATUS[$name]="ok (${took}s)"
+    fi
+    # The JSON is kept also from a run that failed after printing it (a variant or run that
+    # raised is listed under "errors" there); a phase that exits 0 without it failed.
+    if [[ -n $result ]]; then
+        if save_result "$log" "$result"; then
+            if ((rc != 0)); then STATUS[$name]+=" (its JSON saved)"; fi
+        elif ((rc == 0)); then
+            STATUS[$name]="FAILED (no JSON on the last line, ${took}s)"
+            FAILED=1
+        fi
+    fi
+    export_out
+    return 0
+}
+
+# The phases' status, one line each (printed at the end, and exported).
+phase_table() {
+    local p
+    for p in "${PHASES[@]}" cuda; do
+        if [[ -n ${STATUS[$p]:-} ]]; then printf '   %-10s %s
+' "$p" "${STATUS[$p]}"; fi
+    done
+}
+
+# Copy what there is so far to $OUT (flat: the results' JSON, the phases, the summary table and
+# one archive of every log), so that a run cut short still leaves its finished phases there.
+export_out() {
+    [[ -n $OUT ]] || return 0
+    mkdir -p "$OUT"
+    phase_table >"$LOG_DIR/phases.txt"
+    cp "$LOG_DIR/phases.txt" "$OUT/phases.txt"
+    local f
+    for f in "$RESULTS_OUT"/*.json; do
+        if [[ -f $f ]]; then cp "$f" "$OUT/"; fi
+    done
+    if [[ -s $LOG_DIR/summary.log ]]; then
+        sed '$d' "$LOG_DIR/summary.log" >"$OUT/gpu_summary.txt"
+    fi
+    tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$LOG_DIR" . 2>/dev/null || true
+}
+
+# save_result LOG NAME: the last line of LOG, checked to be one JSON object, as NAME_<gpu>.json
+# in $RESULTS_OUT and (not in a rehearsal) bench/results.
+save_result() {
+    local log=$1 name=$2 line
+    line=$(tail -n 1 "$log")
+    "$PY" -c 'import json, sys; assert isinstance(json.loads(sys.argv[1]), dict)' "$line" \
+        2>/dev/null || return 1
+    printf '%s\n' "$line" >"$RESULTS_OUT/${name}_${TAG}.json"
+    if ((!REHEARSAL)); then printf '%s\n' "$line" >"bench/results/${name}_${TAG}.json"; fi
+    echo "   saved ${name}_${TAG}.json"
+}
+
+# -- run --------------------------------------------------------------------------------------
+MODE=""
+if ((DRY_RUN)); then MODE+=" (dry run)"; fi
+if ((REHEARSAL)); then MODE+=" (CPU rehearsal)"; fi
+echo "== asteria bench/gpu_check.sh$MODE"
+PY_NOTE=""
+if ((DRY_RUN)) && [[ -z ${PYTHON:-} ]]; then PY_NOTE=" (first found; a run checks for CUDA)"; fi
+echo "   python: $PY$PY_NOTE; logs: $LOG_DIR; budget: ${BUDGET_S}s; workers: $WORKERS"
+echo "   model: $MODEL, $LAYERS layers, batch $BATCH x $SEQ, $STEPS steps; device: $DEVICE"
+if ((!DRY_RUN)); then
+    rm -rf "$LOG_DIR" # this run's logs and results only
+    mkdir -p "$LOG_DIR" "$RESULTS_OUT" bench/results
+fi
+if [[ -n $OUT ]]; then echo "   copies to: \$OUT=$OUT"; fi
+
+run_phase build -- env ASTERIA_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" \
+    MAX_JOBS="$MAX_JOBS" "$PY" -m pip install --disable-pip-version-check --no-build-isolation \
+    --no-deps -e .
+
+run_phase info -- "$PY" -m asteria.info
+if ((!DRY_RUN && !REHEARSAL)); then
+    GPU_NAME=$("$PY" -c 'import torch
+if torch.cuda.is_available(): print(torch.cuda.get_device_name())' 2>/dev/null || true)
+    if [[ -z $GPU_NAME ]]; then
+        echo "   torch sees no CUDA device: the GPU phases will fail"
+        STATUS[cuda]="FAILED (torch sees no CUDA device)"
+        FAILED=1
+        TAG=nocuda
+    else
+        TAG=$("$PY" -c 'import sys
+from bench._common import device_tag
+print(device_tag(sys.argv[1]))' "$GPU_NAME")
+        echo "   GPU: $GPU_NAME -> results *_${TAG}.json"
+    fi
+fi
+
+run_phase tests -- "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu "${UNIT_TESTS[@]}"
+
+run_phase step_time step_time -- "$PY" bench/step_time.py --device "$DEVICE" --model "$MODEL" \
+    --layers "$LAYERS" --batch-size "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --skip "$SKIP" \
+    --workers "$WORKERS" --variants "$VARIANTS" --energy --keep-going
+
+run_phase memory memory -- "$PY" bench/memory.py --measure-cuda --model "$MODEL" \
+    --layers "$LAYERS" --batch-size "$((BATCH < 8 ? BATCH : 8))" --seq-len "$SEQ" \
+    --measure-steps "$MEM_STEPS" --workers "$WORKERS"
+
+if [[ -f bench/capacity.py ]]; then
+    CAPACITY=capacity
+    # shellcheck disable=SC2086  # GPU_CHECK_CAPACITY_ARGS is a list of words
+    run_phase capacity capacity -- "$PY" bench/capacity.py ${GPU_CHECK_CAPACITY_ARGS:-}
+else
+    CAPACITY=gpu_refresh_time
+    capacity_budget=$(($(phase_limit capacity) - 20)) # its own, inside the phase's timeout
+    capacity_budget=$((capacity_budget > 10 ? capacity_budget : 10))
+    run_phase capacity gpu_refresh_time -- "$PY" bench/gpu_refresh_time.py --device "$DEVICE" \
+        --sizes "$SIZES" --workers "$WORKERS" --budget-s "$capacity_budget"
+fi
+
+# A result this run did not make (a phase not selected, e.g. in a rerun with --only) is taken
+# from bench/results where an earlier run left it (not in a rehearsal).
+result_path() {
+    local f=${1}_${TAG}.json
+    if ((!REHEARSAL && !DRY_RUN)) && [[ ! -f $RESULTS_OUT/$f && -f bench/results/$f ]]; then
+        echo "bench/results/$f"
+    else
+        echo "$RESULTS_OUT/$f"
+    fi
+}
+run_phase summary gpu_summary -- "$PY" bench/gpu_summary.py \
+    --step-time "$(result_path step_time)" --memory "$(result_path memory)" \
+    --capacity "$(result_path "$CAPACITY")" --device-name "$GPU_NAME"
+
+# -- phases ------------------------------------------------------------------------------------
+echo
+echo "== phases ($(($(date +%s) - START))s of the ${BUDGET_S}s budget)"
+phase_table
+if ((DRY_RUN)); then exit 0; fi
+export_out
+echo "   logs and results: $LOG_DIR${OUT:+ (copied to $OUT)}"
+if [[ -s $LOG_DIR/summary.log ]]; then # the goals table again, last (without its JSON line)
+    echo
+    sed '$d' "$LOG_DIR/summary.log"
+fi
+if ((FAILED)); then echo "gpu_check.sh: some phases failed (see above)"; fi
+exit "$FAILED"

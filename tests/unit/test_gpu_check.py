@@ -1,0 +1,281 @@
+"""bench/gpu_check.sh and the CPU-runnable pieces of the GPU check (docs/gpu.md): the dry run lists
+every phase with its command and runs nothing; the measured memory mode skips cleanly without
+CUDA; the summary builder judges fixture results against the goals; the refresh-capacity bench
+and step_time's --layers/--energy run on CPU at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import gpu_summary
+from bench._common import device_tag
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
+PHASES = ["build", "info", "tests", "step_time", "memory", "capacity", "summary"]
+
+
+def _dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", SCRIPT, "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+def _phase_lines(stdout: str) -> dict[str, str]:
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("== phase "):
+            out[line.split()[2]] = line
+    return out
+
+
+def test_dry_run_lists_every_phase_and_runs_nothing(tmp_path):
+    proc = _dry_run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    phases = _phase_lines(proc.stdout)
+    assert list(phases) == PHASES
+    assert "TORCH_CUDA_ARCH_LIST=9.0" in phases["build"]
+    assert "--no-build-isolation --no-deps -e ." in phases["build"]
+    assert "ASTERIA_FORCE_CUDA=1" in phases["build"]
+    assert "-m asteria.info" in phases["info"]
+    assert "tests/gpu" in phases["tests"] and "tests/unit/test_window.py" in phases["tests"]
+    step = phases["step_time"]
+    assert "--device cuda" in step and "--energy" in step and "--model olmo-150m" in step
+    assert "adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria" in step
+    assert "bench/memory.py --measure-cuda" in phases["memory"]
+    if not os.path.exists(os.path.join(ROOT, "bench", "capacity.py")):
+        assert "bench/gpu_refresh_time.py --device cuda" in phases["capacity"]
+        assert "--sizes 256,512,1024,2048,4096" in phases["capacity"]
+    assert "bench/gpu_summary.py" in phases["summary"]
+    for name in ("step_time", "memory", "gpu_summary"):
+        assert f"bench/results/{name}_" in proc.stdout
+    for phase in PHASES:  # every phase is time-boxed
+        assert "(timeout " in phases[phase]
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_dry_run_rehearsal_and_only(tmp_path):
+    proc = _dry_run(tmp_path, "--cpu-rehearsal")
+    assert proc.returncode == 0, proc.stderr
+    phases = _phase_lines(proc.stdout)
+    assert "build" not in phases  # a rehearsal never rebuilds the CPU extension
+    assert "--device cpu" in phases["step_time"] and "--model nano" in phases["step_time"]
+    assert "cpu_rehearsal.json" in proc.stdout
+
+    proc = _dry_run(tmp_path, "--only", "memory,summary")
+    assert proc.returncode == 0, proc.stderr
+    assert list(_phase_lines(proc.stdout)) == ["memory", "summary"]
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["--only", "nosuchphase"], ["--only"]])
+def test_bad_arguments_exit_2(tmp_path, args):
+    assert _dry_run(tmp_path, *args).returncode == 2
+
+
+def test_device_tag():
+    assert device_tag("NVIDIA H200") == "h200"
+    assert device_tag("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    assert device_tag("NVIDIA GH200 480GB") == "gh200_480gb"
+    assert device_tag("  ") == "unknown"
+
+
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
+def test_measured_memory_mode_skips_cleanly_without_cuda(capsys):
+    from bench import memory
+
+    memory.main(["--measure-cuda"])
+    payload = _last_json(capsys.readouterr().out)
+    assert payload["benchmark"] == "memory" and payload["mode"] == "measure_cuda"
+    assert "no CUDA device" in payload["skipped"]
+    assert "measured" not in payload
+
+
+def test_measured_summary_ratios():
+    from bench.memory import measured_summary
+
+    runs = {
+        "soap": {
+            "none": {"peak_bytes": 1000, "resident_bytes": 0},
+            "native": {"peak_bytes": 1400, "resident_bytes": 380},
+            "asteria": {"peak_bytes": 1200, "resident_bytes": 190},
+        }
+    }
+    s = measured_summary(runs)["soap"]
+    assert s["native_optimizer_peak_bytes"] == 400 and s["asteria_optimizer_peak_bytes"] == 200
+    assert s["ratio"] == pytest.approx(0.5) and s["resident_ratio"] == pytest.approx(0.5)
+
+
+def test_measured_summary_with_a_failed_run():
+    from bench.memory import measured_summary
+
+    runs = {
+        "soap": {
+            "none": {"peak_bytes": 1000, "resident_bytes": 0},
+            "native": {"peak_bytes": 1400, "resident_bytes": 380},
+            "asteria": {"error": "OutOfMemoryError: CUDA out of memory"},
+        }
+    }
+    s = measured_summary(runs)["soap"]
+    assert s["native_optimizer_peak_bytes"] == 400 and s["asteria_optimizer_peak_bytes"] is None
+    assert s["ratio"] is None and s["resident_ratio"] is None
+    memory = {"benchmark": "memory", "mode": "measure_cuda", "measured": {"soap": s},
+              "errors": {"soap/asteria": "OutOfMemoryError: CUDA out of memory"}}  # fmt: skip
+    row = gpu_summary.memory_rows(memory, None)[0]
+    assert row["status"] == "n/a" and "OutOfMemoryError" in row["note"]
+
+
+def _write(path, payload) -> str:
+    path.write_text("a log line\n" + json.dumps(payload) + "\n")
+    return str(path)
+
+
+def _step_fixture(energy: bool = True) -> dict:
+    results = {
+        "adamw": {"spike_ratio": 1.05, "energy_j_per_step": {"nvml": 10.0}},
+        "soap_native": {"spike_ratio": 2.4},
+        "soap_asteria": {"spike_ratio": 1.10, "energy_j_per_step": {"nvml": 10.5}},
+        "kl_shampoo_native": {"spike_ratio": 2.1},
+        "kl_shampoo_asteria": {"spike_ratio": 1.30, "energy_j_per_step": {"nvml": 12.0}},
+    }
+    ratios = {
+        "adamw_vs_adamw_median": 1.0,
+        "soap_native_vs_adamw_median": 1.3,
+        "soap_asteria_vs_adamw_median": 1.08,
+        "kl_shampoo_native_vs_adamw_median": 1.4,
+        "kl_shampoo_asteria_vs_adamw_median": 1.2,
+    }
+    if energy:
+        ratios["soap_asteria_vs_adamw_energy_per_step"] = 1.05
+        ratios["kl_shampoo_asteria_vs_adamw_energy_per_step"] = 1.2
+    config = {"device": "cuda", **({"energy": True} if energy else {})}
+    return {"benchmark": "step_time", "config": config, "results": results, "ratios": ratios}
+
+
+def _by_figure(summary: dict) -> dict[str, dict]:
+    return {r["figure"]: r for r in summary["rows"]}
+
+
+def test_summary_on_fixture_results(tmp_path, capsys):
+    step = _write(tmp_path / "step.json", _step_fixture())
+    memory = _write(
+        tmp_path / "memory.json",
+        {"benchmark": "memory", "mode": "measure_cuda",
+         "measured": {"soap": {"ratio": 0.6}, "kl_shampoo": {"ratio": 0.8}}},
+    )  # fmt: skip
+    capacity = _write(
+        tmp_path / "capacity.json",
+        {"benchmark": "capacity",
+         "sizes": [{"n": 256, "eigh_capacity": 3.0, "qr_capacity": 5.0}], "not_measured": [4096]},
+    )  # fmt: skip
+    gpu_summary.main(["--step-time", step, "--memory", memory, "--capacity", capacity])
+    out = capsys.readouterr().out
+    summary = _last_json(out)
+    rows = _by_figure(summary)
+    assert rows["soap_asteria spike (max/median)"]["status"] == "met"
+    assert rows["kl_shampoo_asteria spike (max/median)"]["status"] == "MISSED"
+    assert rows["soap_native spike (max/median)"]["status"] == "info"
+    assert rows["soap_asteria median step / AdamW"]["status"] == "met"
+    assert rows["soap_asteria energy per step / AdamW"]["status"] == "met"
+    assert rows["kl_shampoo_asteria energy per step / AdamW"]["status"] == "MISSED"
+    assert rows["soap device optimizer memory / native"]["status"] == "met"
+    assert rows["kl_shampoo device optimizer memory / native"]["status"] == "info"
+    assert rows["n=256 eigh capacity (pool/s / device/s)"]["value"] == 3.0
+    assert rows["n=4096 capacity"]["status"] == "n/a"
+    assert (summary["met"], summary["missed"], summary["unmeasured"]) == (4, 2, 0)
+    assert "goals: 4 met, 2 missed, 0 not measured" in out
+
+
+def test_summary_says_why_a_figure_is_missing(tmp_path):
+    load = gpu_summary.load_result
+    step = load(_write(tmp_path / "step.json", _step_fixture(energy=False)))
+    skipped = {"benchmark": "memory", "mode": "measure_cuda", "skipped": "no CUDA"}
+    memory = load(_write(tmp_path / "memory.json", skipped))
+    (tmp_path / "bad.json").write_text("not json\n")
+    summary = gpu_summary.build_summary(step, memory, load(str(tmp_path / "bad.json")))
+    rows = _by_figure(summary)
+    energy = rows["soap_asteria energy per step / AdamW"]
+    assert energy["status"] == "n/a" and "without --energy" in energy["note"]
+    memory_row = rows["soap device optimizer memory / native"]
+    assert memory_row["status"] == "n/a" and "no CUDA" in memory_row["note"]
+    assert "not JSON" in rows["refresh capacity (pool / device)"]["note"]
+    assert summary["unmeasured"] == 3 and summary["met"] == 2
+
+    missing = gpu_summary.build_summary(load(str(tmp_path / "absent.json")), load(None), load(None))
+    assert missing["met"] == missing["missed"] == 0 and missing["unmeasured"] == 6
+    assert all(r["note"] for r in missing["rows"])
+
+
+def test_refresh_time_on_cpu(capsys):
+    from bench import gpu_refresh_time
+
+    gpu_refresh_time.main(
+        ["--device", "cpu", "--sizes", "8,16", "--workers", "1", "--repeats", "1"]
+    )
+    payload = _last_json(capsys.readouterr().out)
+    assert payload["benchmark"] == "capacity" and payload["not_measured"] == []
+    assert [r["n"] for r in payload["sizes"]] == [8, 16]
+    for row in payload["sizes"]:
+        for key in ("device_eigh_ms", "pool_eigh_ms", "pool_qr_per_s", "eigh_capacity"):
+            assert row[key] > 0
+
+    gpu_refresh_time.main(["--device", "cpu", "--sizes", "8,16", "--budget-s", "0"])
+    payload = _last_json(capsys.readouterr().out)
+    assert payload["sizes"] == [] and payload["not_measured"] == [8, 16]
+
+
+def test_step_time_layers_and_energy_on_cpu(capsys):
+    from bench import step_time
+
+    common = ["--model", "nano", "--steps", "12", "--skip", "1", "--batch-size", "2",
+              "--seq-len", "16", "--variants", "adamw"]  # fmt: skip
+    step_time.main(common)
+    plain = _last_json(capsys.readouterr().out)
+    assert "layers" not in plain["config"] and "energy" not in plain["config"]
+    assert "energy_j_per_step" not in plain["results"]["adamw"]
+
+    step_time.main([*common, "--layers", "1", "--energy"])
+    payload = _last_json(capsys.readouterr().out)
+    assert payload["config"]["layers"] == 1 and payload["config"]["energy"] is True
+    adamw = payload["results"]["adamw"]
+    assert set(adamw["energy_j_per_step"]) | set(adamw["energy_unavailable"]) >= {"rapl"}
+    assert all(j >= 0 for j in adamw["energy_j_per_step"].values())
+
+
+def test_step_time_keep_going_records_a_failed_variant(monkeypatch, capsys):
+    from bench import step_time
+
+    real = step_time.run_variant
+
+    def run_variant(variant, args, corpus):
+        if variant == "soap_native":
+            raise RuntimeError("planted failure")
+        return real(variant, args, corpus)
+
+    monkeypatch.setattr(step_time, "run_variant", run_variant)
+    argv = ["--model", "nano", "--steps", "12", "--skip", "1", "--batch-size", "2",
+            "--seq-len", "16", "--variants", "adamw,soap_native"]  # fmt: skip
+    with pytest.raises(RuntimeError, match="planted"):
+        step_time.main(argv)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        step_time.main([*argv, "--keep-going"])
+    assert exit_.value.code == 1
+    payload = _last_json(capsys.readouterr().out)
+    assert payload["errors"] == {"soap_native": "RuntimeError: planted failure"}
+    assert list(payload["results"]) == ["adamw"]
