@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -176,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--threads",
         type=int,
-        help="torch intra-op threads (default: torch's)",
+        help="torch intra-op threads (default on a CPU: all cores but one, which the refresh "
+        "workers get; elsewhere torch's)",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     sharding = r.add_mutually_exclusive_group()
@@ -318,13 +320,48 @@ def _device(text: str) -> torch.device:
     return device
 
 
+def training_threads(
+    requested: int | None, device: torch.device, distributed: bool
+) -> tuple[int | None, str | None]:
+    """The intra-op threads every run of this invocation trains with, and the report's note.
+
+    On a CPU-only machine the training stands for the GPU and the remaining cores for its
+    host, where Asteria's refresh workers and statistics lane run: by default the training
+    leaves them one core (issue 24: with every core training, the workers had none and the
+    refreshes showed up as spikes again). ``--threads`` overrides it; under torchrun and on
+    CUDA torch's default stays."""
+    cores = os.cpu_count() or 1
+    if requested is None and device.type == "cpu" and not distributed and cores > 1:
+        requested = cores - 1
+        why = "by default"
+    else:
+        why = "as asked (--threads)" if requested is not None else "torch's default"
+    if device.type != "cpu":
+        return requested, None
+    n = requested if requested is not None else torch.get_num_threads()
+    spare = cores - n
+    note = (
+        f"Training on {n} of {cores} CPU cores ({why}). On a CPU-only machine the training "
+        f"threads stand for the GPU and the other cores for its host, where Asteria's refresh "
+        f"workers run: "
+        + (
+            f"{spare} core{'s' if spare != 1 else ''} left for them."
+            if spare > 0
+            else "none is left for them, so the refreshes compete with the training."
+        )
+    )
+    return requested, note
+
+
 def _run(args, configs, rt_config, corpus, device, ctx) -> int:
     main_rank = ctx is None or ctx.is_main
     out: Path = args.out
     say = print if main_rank else (lambda *a, **k: None)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads, threads_note = training_threads(args.threads, device, ctx is not None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     env = environment("transformers") | {
+        "threads_note": threads_note,
         "data": corpus.name,
         "data_tokens": corpus.num_tokens,
         "vocab_size": corpus.vocab_size,

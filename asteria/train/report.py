@@ -219,6 +219,7 @@ def write_report(
             f"{', ' + str(env['distributed']) if env.get('distributed') else ''}."
         ),
         "",
+        *([env["threads_note"], ""] if env.get("threads_note") else []),
         (
             "| run | lr | final loss (mean of last 10) | final val loss | median step ms "
             "| p95 step ms | max step ms | median opt ms | barrier wait s | tokens/s "

@@ -571,3 +571,20 @@ def test_fsdp_second_order_checkpoints_per_shard_and_resumes_under_torchrun(
         "soap_native.pt",
         "soap_native.step6.dcp",
     ]  # the step-3 directory went once the step-6 file named its successor
+
+
+def test_the_training_leaves_the_refresh_workers_a_core_by_default(monkeypatch) -> None:
+    """issue 24, item 5: on a CPU the training takes all cores but one by default, and the
+    report's note says what the cores stand for; every core taken is said too."""
+    from asteria.train.cli import training_threads
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    threads, note = training_threads(None, cpu, distributed=False)
+    assert threads == 3 and "3 of 4 CPU cores (by default)" in note and "1 core left" in note
+    threads, note = training_threads(4, cpu, distributed=False)
+    assert threads == 4 and "none is left for them" in note
+    assert training_threads(None, cpu, distributed=True)[0] is None  # torchrun: torch's
+    assert training_threads(None, torch.device("meta"), distributed=False) == (None, None)
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert training_threads(None, cpu, distributed=False)[0] is None
