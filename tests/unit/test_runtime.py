@@ -568,10 +568,13 @@ def test_refresh_step_does_not_wait_for_the_statistics_lane(runtimes, monkeypatc
         problem.loss(params, t).backward()
         if t == 9:  # the backward ran beside the last step's statistics: let them finish
             rt.sync()
-        held.armed = t == 9  # step 10 refreshes: its statistics wait for the release below
         if t != 9:
             opt.step()
             continue
+        # step 10 refreshes: its statistics wait for the release below. Armed here and disarmed
+        # by the lane itself, whenever it gets to them: the lane thread may not have started
+        # them even at the next step (a loaded machine), and they must still be the held ones.
+        held.armed = True
         rt.config = RuntimeConfig(staleness=5, workers=1)  # let step 10 not install at once
         opt.step()
         release.set()  # the step returned with its statistics still held on the lane
