@@ -286,48 +286,55 @@ def scenario_hsdp4(rank: int, world: int, out: dict) -> None:
         out[name] = case
 
 
-def _hog(rt: Runtime, seconds: float) -> list:
-    """Occupy this rank's pool workers with long jobs ahead of any refresh."""
-    big = torch.randn(500, 500, dtype=torch.float64)
-    big = big @ big.T
-    jobs = []
-    t0 = time.perf_counter()
-    jobs.append(rt.pool.submit_eigh("calibrate", 0, 0, big, torch.float64))
-    jobs[0].result()
-    each = max(time.perf_counter() - t0, 1e-3)
-    n = max(1, int(seconds / each)) * rt.config.resolved_workers
-    return jobs + [rt.pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64) for i in range(n)]
+SLOW_S = 2.0  # how long rank 1's refreshes take in scenario "slow" (at least)
+SLOW_WINDOWS = (7, 19)  # the first step of each 9-step window that slows them
 
 
 def scenario_slow(rank: int, world: int, out: dict) -> None:
-    """S=5, rank 1's workers busy on purpose for a while: no rank uses a version older than 5."""
+    """S=5, rank 1's refreshes requested in two windows of steps take at least ``SLOW_S``
+    (``slow_pool``): no rank uses a version older than 5, and every rank waits at the deadline
+    of those refreshes for them. Each rank records when each step ended (``time.monotonic``,
+    one clock for the processes of a machine) and at which steps it installed; rank 1 when each
+    window began, so that the test can tell that rank 0 waited for rank 1's results."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from asteria.runtime.testing import slow_pool
 
     dims = (24, 20, 16)
     torch.manual_seed(0)
     net = DDP(model(dims=dims))
     opt = SOAP(list(net.parameters()), precondition_frequency=6, max_preconditioner_dim=12)
     rt = Runtime(net, opt, RuntimeConfig(staleness=5, workers=1))
-    held = []
     oldest_pending = 0
+    slowed_from, step_end, install_steps, installs = [], [], [], 0
     for t in range(30):
-        if rank == 1 and t in (7, 19):
-            held += _hog(rt, 1.5)
-        opt.zero_grad()
-        x, y = my_rows(t, rank, world, dims)
-        loss(net, x, y).backward()
-        opt.step()  # the parameters' step count is now t (step 0 initialises)
-        for block in rt.stats()["blocks"].values():
+        slowed = rank == 1 and any(w <= t < w + 9 for w in SLOW_WINDOWS)
+        if rank == 1 and t in SLOW_WINDOWS:
+            slowed_from.append(time.monotonic())
+        with slow_pool(SLOW_S if slowed else 0.0):
+            opt.zero_grad()
+            x, y = my_rows(t, rank, world, dims)
+            loss(net, x, y).backward()
+            opt.step()  # the parameters' step count is now t (step 0 initialises)
+            if slowed:
+                rt.sync(opt)  # a submission queued on the statistics lane is made slow too
+        step_end.append(time.monotonic())
+        stats = rt.stats()
+        if stats["installs"] > installs:
+            install_steps.append(t)
+        installs = stats["installs"]
+        for block in stats["blocks"].values():
             if block["pending"] >= 0:
                 oldest_pending = max(oldest_pending, t - block["pending"])
     stats = rt.stats()
     out["histogram"] = stats["staleness_histogram"]
     out["max_staleness"] = stats["max_staleness"]
-    out["barrier_wait_ms"] = max(stats["barrier_wait_ms"])
     out["installs"] = stats["installs"]
     out["oldest_pending"] = oldest_pending
     out["distributed"] = stats["distributed"]
     out["replicas_agree"] = _replicas_agree([_local(p) for p in net.parameters()])
+    out.update(slowed_from=slowed_from, step_end=step_end, install_steps=install_steps)
+    out.update(slow_s=SLOW_S, slow_windows=list(SLOW_WINDOWS))
     rt.close()
 
 

@@ -107,8 +107,16 @@ def test_slow_workers_on_one_rank_never_break_the_staleness_budget(tmp_path: Pat
         assert r["installs"] > 0 and r["replicas_agree"]
         assert r["max_staleness"] <= 5 and set(r["histogram"]) == {"5"}
         assert r["oldest_pending"] < 5
-    # rank 0 waited for the blocks whose owner (rank 1) was slowed down
-    assert results[0]["barrier_wait_ms"] > 100.0
+    # rank 0 waited for the blocks whose owner (rank 1) was slowed down: every install is at its
+    # deadline (5 steps after the request), so the first at or after window + 5 is that of a
+    # refresh rank 1 requested inside the window, which cannot be done before window + SLOW_S;
+    # rank 0's step there ended only after that, however fast or slow the machine
+    zero, one = results
+    assert one["distributed"]["owned_blocks"] > 0
+    assert len(one["slowed_from"]) == len(one["slow_windows"])
+    for window, began in zip(one["slow_windows"], one["slowed_from"]):
+        deadline = min(t for t in zero["install_steps"] if t >= window + 5)
+        assert zero["step_end"][deadline] >= began + one["slow_s"], (window, deadline)
 
 
 def test_a_killed_rank_makes_the_others_fail_with_the_timeout_error(tmp_path: Path) -> None:
@@ -118,7 +126,8 @@ def test_a_killed_rank_makes_the_others_fail_with_the_timeout_error(tmp_path: Pa
     message = results[0]["error"]
     assert message is not None, logs
     assert "block '" in message and "owner rank" in message and "at step 7" in message
-    assert results[0]["elapsed_s"] < 4.0 + 5.0  # barrier_timeout_s plus a margin
+    # the runtime's barrier_timeout_s (4 s), not gloo's 60 s: the bound only tells them apart
+    assert results[0]["elapsed_s"] < 30.0
 
 
 def test_a_hung_rank_makes_the_others_fail_after_the_barrier_timeout(tmp_path: Path) -> None:
@@ -128,7 +137,8 @@ def test_a_hung_rank_makes_the_others_fail_after_the_barrier_timeout(tmp_path: P
     assert message is not None, logs
     assert "block '" in message and "(owner rank " in message and "at step 7" in message
     assert "barrier_timeout_s=4" in message
-    assert 3.5 <= results[0]["elapsed_s"] < 4.0 + 4.0  # the timeout, plus a margin
+    # it waited the timeout (not gloo's 60 s: the upper bound only tells them apart)
+    assert 3.5 <= results[0]["elapsed_s"] < 30.0
 
 
 def test_checkpoint_on_two_ranks_gives_the_same_continuation(tmp_path: Path) -> None:

@@ -6,17 +6,12 @@ Build first: ``TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation --no-de
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from asteria import _C
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA: tests/conftest.py
 
 # About 50-100 ms of GPU time on current parts: long enough that a copy queued behind it is
 # observably still pending when the host checks.
@@ -65,15 +60,14 @@ def test_copy_waits_for_the_current_stream_but_not_the_host():
     src = torch.zeros(1 << 20, device="cuda")
     dst = stream.host_buffer_like(src)
     torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)  # on the current stream
+    torch.cuda._sleep(10 * SLEEP_CYCLES)  # on the current stream: ~0.5-1 s
     src.fill_(7.0)  # queued behind the sleep
-    start = time.perf_counter()
     event = stream.copy_to_host(src, dst)
-    issued_in = time.perf_counter() - start
+    # the host is back while the sleep still runs: the call queued the copy and returned
+    assert not torch.cuda.current_stream().query(), "copy_to_host waited for the current stream"
     assert not event.query(), "the copy finished before the current stream's write could run"
     event.synchronize()
     assert torch.all(dst == 7.0), "the copy did not wait for the current stream"
-    assert issued_in < 0.02
 
 
 def test_dropping_an_in_flight_event_is_safe():

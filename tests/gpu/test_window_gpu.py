@@ -19,10 +19,7 @@ from asteria.memory.window import BasesWindow, CudaCopies
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA: tests/conftest.py
 
 # About 50-100 ms of GPU time on current parts: work queued behind it is observably pending.
 SLEEP_CYCLES = 100_000_000

@@ -46,12 +46,28 @@ def pool():
     p.shutdown()
 
 
-def _occupy(pool: _C.WorkerPool, n: int = 640) -> _C.Future:
-    """A float64 eigh long enough (~0.1 s) to keep a worker busy while the test queues work."""
-    fut = pool.submit_eigh("busy", 0, -1, _spd(n, torch.float64), torch.float64)
-    while fut.status() == "queued":
-        time.sleep(0.001)
-    return fut
+class _Busy:
+    """Keeps a pool's workers busy until ``release()``, whatever the machine's speed: float64
+    eighs of deadline -1 (ahead of any job a test queues), one running per worker and ``queued``
+    more behind them (seconds of work on any machine: a test's submissions are made long before
+    they could run out). ``release()`` supersedes the queued ones with trivial jobs (they are
+    cancelled), so the workers reach the test's jobs once the eighs they are running end."""
+
+    def __init__(self, pool: _C.WorkerPool, queued: int = 100, n: int = 400) -> None:
+        self.pool, self.big = pool, _spd(n, torch.float64)
+        self.running = [self._submit(f"busy{i}", 0, self.big) for i in range(pool.workers)]
+        while any(f.status() == "queued" for f in self.running):
+            time.sleep(0.001)
+        self.queued = [self._submit(f"queued{i}", 0, self.big) for i in range(queued)]
+
+    def _submit(self, block: str, version: int, factor: torch.Tensor) -> _C.Future:
+        return self.pool.submit_eigh(block, version, -1, factor, torch.float64, copy=False)
+
+    def release(self) -> None:
+        tiny = torch.eye(1, dtype=torch.float64)
+        for i, f in enumerate(self.queued):
+            assert not f.done(), "the workers ran out of work before the test released them"
+            self._submit(f"queued{i}", 1, tiny)
 
 
 # ---- build record, import check, info ---------------------------------------------------------
@@ -198,20 +214,21 @@ def test_pool_results_equal_the_pure_torch_functions(pool):
 
 def test_deadline_order_with_one_worker():
     pool = _C.WorkerPool(1)
-    busy = _occupy(pool)
+    busy = _Busy(pool)
     deadlines = {"a": 5, "b": 1, "c": 3, "d": 1, "e": 2}
     futures = {k: pool.submit_eigh(k, 1, d, _spd(32)) for k, d in deadlines.items()}
+    busy.release()  # all five are queued: the worker picks them in deadline order
     for f in futures.values():
-        f.result()
+        f.result(timeout_s=60)
     started = sorted(futures, key=lambda k: futures[k].started_at)
     assert started == ["b", "d", "e", "c", "a"]  # ties: first submitted first
-    assert busy.finished_at <= futures["b"].started_at
+    assert busy.running[0].finished_at <= futures["b"].started_at
     pool.shutdown()
 
 
 def test_superseded_job_is_cancelled():
     pool = _C.WorkerPool(1)
-    _occupy(pool)
+    busy = _Busy(pool)
     old = pool.submit_eigh("L0", 1, 10, _spd(16))
     new = pool.submit_eigh("L0", 2, 12, _spd(16, seed=1))
     assert old.cancelled() and old.done() and old.started_at is None
@@ -220,12 +237,13 @@ def test_superseded_job_is_cancelled():
     ):
         old.result()
     assert isinstance(_C.CancelledError("x"), RuntimeError)
-    assert torch.allclose(new.result()[0], mf.eigh_descending(_spd(16, seed=1))[0], atol=1e-5)
     assert pool.stats()["cancelled"] == 1
+    pool.submit_eigh("L1", 5, 0, _spd(4))  # still queued behind the busy worker
     with pytest.raises(ValueError, match="older than its queued version"):
-        _occupy(pool)
-        pool.submit_eigh("L1", 5, 0, _spd(4))
         pool.submit_eigh("L1", 4, 0, _spd(4))
+    busy.release()
+    new_evals = new.result(timeout_s=60)[0]
+    assert torch.allclose(new_evals, mf.eigh_descending(_spd(16, seed=1))[0], atol=1e-5)
     pool.shutdown()
 
 
@@ -258,50 +276,53 @@ def test_submit_checks_arguments_at_once(pool):
 
 def test_job_owns_its_inputs():
     pool = _C.WorkerPool(1)
-    _occupy(pool)
+    busy = _Busy(pool)
     a = _spd(12)
     expected = mf.eigh_descending(a)[0]
     fut = pool.submit_eigh("L", 1, 0, a)
     a.fill_(float("nan"))  # the caller reuses its buffer before the job even started
-    assert torch.allclose(fut.result()[0], expected, atol=1e-5)
+    assert fut.status() == "queued"
+    busy.release()
+    assert torch.allclose(fut.result(timeout_s=60)[0], expected, atol=1e-5)
     pool.shutdown()
 
 
 def test_result_timeout():
     pool = _C.WorkerPool(1)
-    _occupy(pool, n=768)
+    busy = _Busy(pool)
     fut = pool.submit_eigh("L", 1, 0, _spd(8))
     with pytest.raises(TimeoutError, match="no result after"):
         fut.result(timeout_s=0.001)
     with pytest.raises(_C.FutureTimeoutError):
         fut.result(timeout_s=0.0)
+    busy.release()
     assert fut.result(timeout_s=60.0)[0].shape == (8,)
     pool.shutdown()
 
 
 def test_result_releases_the_gil():
-    """A Python thread keeps running while the main thread blocks in result()."""
+    """A Python thread runs while the main thread blocks in result(): it supersedes the job the
+    main thread waits for (queued behind a busy worker), which ends the wait with CancelledError.
+    Were the GIL held, that thread could run only after the job had run and result() returned."""
     pool = _C.WorkerPool(1)
-    count = 0
-    stop = threading.Event()
+    busy = _Busy(pool)
+    fut = pool.submit_eigh("waited", 1, 0, _spd(8))
+    waiting = threading.Event()
 
-    def counter() -> None:
-        nonlocal count
-        while not stop.is_set():
-            count += 1
+    def supersede() -> None:
+        waiting.wait(60)
+        time.sleep(0.05)  # (sleeping frees the GIL: the main thread goes on into result())
+        pool.submit_eigh("waited", 2, 0, _spd(8))
 
-    fut = pool.submit_eigh("big", 1, 0, _spd(768, torch.float64), torch.float64)
-    thread = threading.Thread(target=counter)
+    thread = threading.Thread(target=supersede)
     thread.start()
-    time.sleep(0.01)
-    before = count
-    fut.result()
-    during = count - before
-    stop.set()
-    thread.join()
+    waiting.set()
+    with pytest.raises(_C.CancelledError, match="superseded by version 2"):
+        fut.result(timeout_s=60)
+    thread.join(60)
+    assert fut.started_at is None  # it never ran: the wait ended while the worker was busy
+    busy.release()
     pool.shutdown()
-    assert fut.finished_at - fut.started_at > 0.02  # the wait was real
-    assert during > 1000, f"counter advanced only {during} times while result() waited"
 
 
 def test_pool_leaves_the_main_threads_setting_alone():
@@ -315,11 +336,12 @@ def test_pool_leaves_the_main_threads_setting_alone():
 
 def test_shutdown_cancels_queued_and_finishes_running():
     pool = _C.WorkerPool(1)
-    running = _occupy(pool)
+    busy = _Busy(pool)
+    running = busy.running[0]
     queued = [pool.submit_eigh(f"q{i}", 1, 0, _spd(8)) for i in range(3)]
     pool.shutdown(wait=True)
     assert running.status() == "succeeded"
-    assert all(f.cancelled() for f in queued)
+    assert all(f.cancelled() for f in queued + busy.queued)
     with pytest.raises(_C.CancelledError, match="shut down"):
         queued[0].result()
     with pytest.raises(RuntimeError, match="after shutdown"):
@@ -381,7 +403,7 @@ def test_an_idle_worker_returns_freed_memory_to_the_system():
             del futures
         for i in range(40):
             pool.release(f"hog{i}", 0)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # only a hang runs out of it
         while int(sys.argv[1]) and pool.stats()["trims"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         print(rss() - start, pool.stats()["trims"])

@@ -26,9 +26,6 @@ from asteria.memory import (
     is_host_tensor,
 )
 
-HAS_GPU = _C.cuda_enabled() and torch.cuda.is_available()
-needs_no_gpu = pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a usable GPU")
-
 
 def _live() -> tuple[int, int]:
     gc.collect()
@@ -121,7 +118,7 @@ def test_bad_sizes_are_value_errors():
         host_empty((3, -1), torch.float32)
 
 
-@needs_no_gpu
+@pytest.mark.no_gpu
 def test_pinning_without_a_gpu():
     blocks, _ = _live()
     t = host_empty((16,), torch.float32)  # pinned=None: pageable here
@@ -133,14 +130,14 @@ def test_pinning_without_a_gpu():
     assert _live()[0] == blocks
 
 
-@needs_no_gpu
+@pytest.mark.no_gpu
 def test_device_view_without_cuda_is_a_clear_error():
     t = host_empty((4,), torch.float32)
     with pytest.raises(RuntimeError, match="no CUDA|no GPU"):
         device_view(t)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="the memory checks run before the CUDA check only on GPU")
+@pytest.mark.gpu  # the memory checks run before the CUDA check only on a GPU
 def test_device_view_refuses_foreign_or_pageable_memory():
     with pytest.raises(ValueError, match="does not come from asteria.memory"):
         device_view(torch.empty(4))
@@ -199,7 +196,7 @@ def test_a_slot_is_reused_only_after_its_views_are_gone():
     assert ring.acquire(0).index == 0
 
 
-@needs_no_gpu  # with a GPU, record() takes a real CUDA event: tests/gpu checks that ordering
+@pytest.mark.no_gpu  # with a GPU, record() takes a real CUDA event: tests/gpu checks that ordering
 def test_a_slot_is_reused_only_after_its_copy_completed(held_fences):
     ring = StagingRing(1, 4096)
     with ring.acquire(0) as slot:
@@ -215,19 +212,26 @@ def test_a_slot_is_reused_only_after_its_copy_completed(held_fences):
 
 
 def test_a_waiting_acquire_is_woken_by_a_view_dying_and_releases_the_gil():
-    ring = StagingRing(1, 4096)
-    slot = ring.acquire(0)
-    view = slot.view((16,), torch.float32)
-    slot.release()
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=10).index))
-    waiter.start()
-    time.sleep(0.05)  # the main thread runs Python while the waiter blocks: the GIL is free
-    assert not got
-    del view
-    waiter.join(timeout=10)
-    assert got == [0]
-    assert ring.stats()["waited"] == 1
+    """The waiter blocks in acquire() while the main thread runs Python (the GIL is free) and
+    drops the view that pins the only slot; that wakes the waiter. ``waited`` counts an acquire
+    that had to wait: where the waiter was scheduled only after the view died (a loaded machine),
+    it did not wait, and the case is run again with the waiter given longer to get there."""
+    for settle_s in (0.05, 0.2, 1.0, 5.0):
+        ring = StagingRing(1, 4096)
+        slot = ring.acquire(0)
+        view = slot.view((16,), torch.float32)
+        slot.release()
+        got = []
+        waiter = threading.Thread(target=lambda r=ring, g=got: g.append(r.acquire(60).index))
+        waiter.start()
+        time.sleep(settle_s)  # the main thread runs Python while the waiter blocks
+        assert not got, "acquire() returned a slot that a live view still pins"
+        del view
+        waiter.join(timeout=60)
+        assert got == [0], "the waiter was not woken when the view died"
+        if ring.stats()["waited"] == 1:
+            break
+    assert ring.stats()["waited"] == 1, "the waiter never got to wait before the view died"
 
 
 def test_copy_to_host_through_the_shadow_stream():

@@ -16,6 +16,7 @@ from asteria.runtime import (
     StalenessTimeoutError,
 )
 from asteria.runtime.hooks import ModuleSignals
+from asteria.runtime.testing import slow_pool
 from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
@@ -114,35 +115,38 @@ def test_shampoo_grafts_until_its_first_roots_arrive(lead, runtimes):
     assert {int(k) for k in hist} == {2}, hist  # one install per block, 2 steps after request
 
 
-def _hog(runtime: Runtime, seconds_each: int = 4) -> list:
-    """Occupy every pool worker with long jobs of deadline 0 (ahead of any refresh)."""
-    big = torch.randn(700, 700, dtype=torch.float64)
+def _hog(runtime: Runtime, jobs_per_worker: int = 50) -> list:
+    """Occupy every pool worker with long jobs of deadline 0 (ahead of any refresh): float64
+    eighs, seconds of work on any machine; close() cancels those still queued."""
+    big = torch.randn(400, 400, dtype=torch.float64)
     big = big @ big.T
     return [
-        runtime.pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64)
-        for i in range(seconds_each * runtime.config.resolved_workers)
+        runtime.pool.submit_eigh(f"hog{i}", 0, 0, big, torch.float64, copy=False)
+        for i in range(jobs_per_worker * runtime.config.resolved_workers)
     ]
 
 
 def test_no_version_is_staler_than_the_budget_when_the_pool_is_slow(runtimes):
+    """Refreshes requested while the pool is slowed (``slow_pool``: each takes at least 1 s,
+    some hundred steps of this problem) are not ready at their deadline: the step waits at the
+    barrier and installs them there, at staleness 2, never later."""
     problem = StochasticQuartic([(16, 16), (12, 8)], 60, torch.float32)
     params = problem.params()
     opt = SOAP(params, precondition_frequency=4)
     rt = Runtime(None, opt, RuntimeConfig(staleness=2, workers=1))
     runtimes.append(rt)
     for t in range(60):
-        if t in (10, 30):
-            _hog(rt, 2)
-        opt.zero_grad()
-        problem.loss(params, t).backward()
-        opt.step()
+        slowed = 10 <= t < 14 or 30 <= t < 34  # one refresh request in each window
+        with slow_pool(1.0 if slowed else 0.0):
+            opt.zero_grad()
+            problem.loss(params, t).backward()
+            opt.step()
         for block in rt.stats()["blocks"].values():
             if block["pending"] >= 0:
                 assert t + 1 - block["pending"] <= 2 + 1
     stats = rt.stats()
     assert stats["max_staleness"] <= 2
     assert 2 in stats["staleness_histogram"], "the slowed pool must have forced barrier installs"
-    assert max(stats["barrier_wait_ms"]) > 10.0
 
 
 def test_barrier_timeout_names_the_block(runtimes):
@@ -152,10 +156,10 @@ def test_barrier_timeout_names_the_block(runtimes):
     runtimes.append(rt)
     model(torch.randn(4, 8)).square().sum().backward()
     opt.step()  # the first step: eigh in the step, nothing pending
-    _hog(rt, 3)
     model(torch.randn(4, 8)).square().sum().backward()
-    with pytest.raises(StalenessTimeoutError, match=r"block 'weight\[0\]'.*step 1"):
-        opt.step()
+    with slow_pool(60.0):  # the refresh cannot be ready within barrier_timeout_s
+        with pytest.raises(StalenessTimeoutError, match=r"block 'weight\[0\]'.*step 1"):
+            opt.step()
 
 
 def test_refresh_failures_keep_the_previous_version_then_raise(runtimes):
@@ -477,21 +481,30 @@ def test_statistics_lane_guards_gradients_accumulated_in_place(monkeypatch):
 def test_backward_runs_beside_the_lane_unless_it_accumulates_into_grad(monkeypatch):
     """The gradient hook waits for the lane only where the backward writes into an existing
     ``.grad``: after ``zero_grad()`` (set to None) it runs while the lane still reads the last
-    gradient; without it, it waits. The lane's statistics are held on an event to show both."""
+    gradient; without it, it waits. The lane's statistics are held on an event to show both:
+    where the backward waits, every gradient is accumulated only after the event is set (from
+    another thread, 0.3 s on), whatever the machine's speed."""
     import threading
 
     original = KLShampoo._update_statistics
     release, entered = threading.Event(), threading.Event()
+    order: list[str] = []
 
     def gated(*args):
         entered.set()
-        assert release.wait(10)
+        assert release.wait(60)
         original(*args)
+
+    def open_gate():
+        order.append("released")
+        release.set()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     opt = KLShampoo(model.parameters(), precondition_frequency=3)
     x = torch.randn(16, 8)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: order.append("accumulated"))
 
     def backward():
         model(x).square().mean().backward()
@@ -507,20 +520,20 @@ def test_backward_runs_beside_the_lane_unless_it_accumulates_into_grad(monkeypat
             opt.zero_grad()
             backward()
             opt.step()  # queues this step's statistics on the lane, which holds them
-            assert entered.wait(10)
+            assert entered.wait(60)
+            order.clear()
             if zero_grad:
                 opt.zero_grad()
                 backward()  # new .grad tensors: does not wait
                 assert rt.stats()["statistics_lane"]["pending"]
-                release.set()
+                assert order == ["accumulated"] * 4  # all of them with the gate still closed
+                open_gate()
             else:
-                threading.Timer(0.3, release.set).start()
-                t0 = time.perf_counter()
+                threading.Timer(0.3, open_gate).start()
                 backward()  # adds into the .grad the lane reads: waits for the lane
-                assert (
-                    time.perf_counter() - t0 >= 0.25
-                    and not rt.stats()["statistics_lane"]["pending"]
-                )
+                assert order[0] == "released", order  # no gradient written before the gate
+                assert order.count("accumulated") == 4
+                assert not rt.stats()["statistics_lane"]["pending"]
             opt.step()
             rt.sync()  # this step's statistics pass the gate before it closes again
 
@@ -612,7 +625,7 @@ def test_close_without_installing_drops_what_is_in_flight():
     made: list[Runtime] = []
     problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=5, workers=1), made))
     rt = made[0]
-    hogs = _hog(rt, 2)  # the pool is busy: the last refresh cannot be ready
+    hogs = _hog(rt)  # the pool is busy: the last refresh cannot be ready
     opt = rt.optimizer
     for _, p, _, _ in opt.blocks():
         p.grad = torch.randn_like(p)

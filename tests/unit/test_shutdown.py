@@ -4,7 +4,8 @@ Every case keeps the refresh pool busy (long eigh jobs ahead of the refreshes, r
 behind them) and then ends the runtime a different way: ``close()``, garbage collection without
 ``close()``, interpreter exit, KeyboardInterrupt in the middle of a step (from a hook, from the
 runtime's step boundary, and a real SIGINT while the step waits at the barrier). Each must finish
-promptly, with the expected exit code, no crash, and no thread left behind: the child counts its
+without waiting for the queued work, with the expected exit code, no crash, and no thread left
+behind: the child counts its
 OS threads (``/proc/self/task``; the pool's workers are C++ threads that ``threading`` does not
 list) before the runtime starts and after it ends.
 """
@@ -17,7 +18,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -41,7 +41,7 @@ PRELUDE = textwrap.dedent(
     def tasks():
         return len(os.listdir("/proc/self/task"))
 
-    def settle(n, timeout=20.0):
+    def settle(n, timeout=30.0):
         # running jobs finish their current LAPACK call, then their threads exit
         t0 = time.monotonic()
         while tasks() > n and time.monotonic() - t0 < timeout:
@@ -50,10 +50,16 @@ PRELUDE = textwrap.dedent(
 
     BIG = torch.randn(500, 500, dtype=torch.float64)
     BIG = BIG @ BIG.T
+    HUGE = torch.randn(1000, 1000, dtype=torch.float64)
+    HUGE = HUGE @ HUGE.T
 
-    def hog(rt, n):
-        # jobs of deadline 0: they run before any refresh (each ~0.1 s)
-        return [rt.pool.submit_eigh(f"hog{i}", 0, 0, BIG, torch.float64) for i in range(n)]
+    def hog(rt, n, factor=BIG):
+        # jobs of deadline 0: they run before any refresh (each ~0.1 s with BIG, ~1 s with HUGE);
+        # they read the one factor (copy=False), so that hundreds fit in memory. The cases run at
+        # staleness 8 (requests every 2 steps): no step before the ending waits at the barrier for
+        # a refresh queued behind them.
+        return [rt.pool.submit_eigh(f"hog{i}", 0, 0, factor, torch.float64, copy=False)
+                for i in range(n)]
 
     def model_and_opt(freq=2):
         torch.manual_seed(0)
@@ -82,9 +88,10 @@ PRELUDE = textwrap.dedent(
 )
 
 
-def _run(body: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess, dict, float]:
-    """Run PRELUDE + body in a fresh interpreter; the JSON it printed last, and how long after
-    its last report it took to end (the shutdown itself, without the imports)."""
+def _run(body: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run PRELUDE + body in a fresh interpreter; the JSON it printed last. ``timeout`` only
+    detects a hang: the cases that must not wait for their queued work queue more of it (minutes
+    on any machine) than the timeout lets them run."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
@@ -94,36 +101,34 @@ def _run(body: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess,
         env=env,
         cwd=ROOT,
     )
-    ended = time.time()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     data = json.loads(lines[-1]) if lines else {}
     for bad in ("Fatal Python error", "terminate called", "Segmentation fault", "core dumped"):
         assert bad not in proc.stderr, proc.stderr
-    return proc, data, ended - data.get("t", ended)
+    return proc, data
 
 
 def test_close_while_jobs_run():
-    proc, out, _ = _run(
+    proc, out = _run(
         """
         results = {}
         for install in (True, False):
             model, opt = model_and_opt()
-            rt = Runtime(model, opt, RuntimeConfig(staleness=4, workers=2))
+            rt = Runtime(model, opt, RuntimeConfig(staleness=8, workers=2))
             train(model, opt, 3)
-            hogs = hog(rt, 12)
+            # install_pending=False must not wait for the work queued: minutes of it
+            hogs = hog(rt, 12) if install else hog(rt, 600, HUGE)
             train(model, opt, 4)  # refreshes requested, queued behind the hogs
             in_flight, busy = rt.stats()["jobs"]["in_flight"], tasks()
-            t0 = time.monotonic()
             rt.close(install_pending=install)
-            took = time.monotonic() - t0
             pending = sum(e.pending is not None for e in rt.registry.entries.values())
             train(model, opt, 2)  # native mode again, still works
             results[str(install)] = dict(
-                in_flight=in_flight, busy=busy, close_s=took, pending_after=pending,
+                in_flight=in_flight, busy=busy, pending_after=pending,
                 cancelled=sum(h.cancelled() for h in hogs), after=settle(BASE),
                 native=type(opt.refresher).__name__, finite=finite(model),
             )
-        report(base=BASE, results=results, t=time.time())
+        report(base=BASE, results=results)
         """
     )
     assert proc.returncode == 0, proc.stderr
@@ -131,24 +136,23 @@ def test_close_while_jobs_run():
         assert r["in_flight"] > 0 and r["busy"] >= out["base"] + 2
         assert r["after"] == out["base"], f"threads left behind (install_pending={install})"
         assert r["native"] == "NativeRefresher" and r["finite"]
-    assert out["results"]["True"]["pending_after"] == 0, "close() installs what was in flight"
     # install_pending=True waits for the refreshes (behind ~12 x 0.1 s of hogs on 2 workers)
-    assert out["results"]["True"]["close_s"] < 15.0
-    # install_pending=False does not wait: queued jobs are cancelled
-    assert out["results"]["False"]["close_s"] < 1.0
+    assert out["results"]["True"]["pending_after"] == 0, "close() installs what was in flight"
+    # install_pending=False does not wait (the child would run out of time): queued jobs are
+    # cancelled
     assert out["results"]["False"]["cancelled"] > 0
 
 
 def test_garbage_collection_without_close():
     """Drop the optimizer and runtime without close(), once with the model and once while the
     model lives on (its hooks must not keep the runtime alive)."""
-    proc, out, _ = _run(
+    proc, out = _run(
         """
         def start():
             model, opt = model_and_opt()
-            rt = Runtime(model, opt, RuntimeConfig(staleness=4, workers=2))
+            rt = Runtime(model, opt, RuntimeConfig(staleness=8, workers=2))
             train(model, opt, 3)
-            hog(rt, 8)
+            hog(rt, 200)  # the refreshes requested next cannot be done within 4 steps
             train(model, opt, 4)
             assert rt.stats()["jobs"]["in_flight"] > 0
             return model, weakref.ref(rt), weakref.ref(opt), tasks()
@@ -171,7 +175,7 @@ def test_garbage_collection_without_close():
             )
             if keep_model:
                 train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)  # hooks gone
-        report(base=BASE, results=results, t=time.time())
+        report(base=BASE, results=results)
         """
     )
     assert proc.returncode == 0, proc.stderr
@@ -185,14 +189,14 @@ def test_garbage_collection_without_close():
 
 @pytest.mark.parametrize("how", ["normal", "exception"])
 def test_interpreter_exit_with_jobs_in_flight(how):
-    proc, out, exit_s = _run(
+    proc, out = _run(
         f"""
         model, opt = model_and_opt()
-        rt = Runtime(model, opt, RuntimeConfig(staleness=4, workers=2))
+        rt = Runtime(model, opt, RuntimeConfig(staleness=8, workers=2))
         train(model, opt, 3)
-        hog(rt, 40)  # ~2 s of queued work: exit must not wait for it
+        hog(rt, 600, HUGE)  # minutes of queued work: exit must not wait for it
         train(model, opt, 4)
-        report(in_flight=rt.stats()["jobs"]["in_flight"], t=time.time())
+        report(in_flight=rt.stats()["jobs"]["in_flight"])
         if "{how}" == "exception":
             raise RuntimeError("boom with jobs in flight")
         """
@@ -202,18 +206,17 @@ def test_interpreter_exit_with_jobs_in_flight(how):
         assert proc.returncode == 0, proc.stderr
     else:
         assert proc.returncode == 1 and "boom with jobs in flight" in proc.stderr
-    assert exit_s < 5.0, f"exit took {exit_s:.1f} s"
 
 
 def test_keyboard_interrupt_from_a_hook_uncaught():
     """Ctrl-C in the forward pass (a user's hook) with jobs in flight, not caught: the process
     dies of SIGINT, as any Python program, promptly and without a crash."""
-    proc, _, exit_s = _run(
+    proc, _ = _run(
         """
         model, opt = model_and_opt()
-        rt = Runtime(model, opt, RuntimeConfig(staleness=4, workers=2))
+        rt = Runtime(model, opt, RuntimeConfig(staleness=8, workers=2))
         train(model, opt, 3)
-        hog(rt, 40)
+        hog(rt, 600, HUGE)  # minutes of queued work: the exit must not wait for it
         train(model, opt, 4)
         calls = []
         def interrupt(module, args):
@@ -221,21 +224,21 @@ def test_keyboard_interrupt_from_a_hook_uncaught():
             if len(calls) == 2:
                 raise KeyboardInterrupt
         model[2].register_forward_pre_hook(interrupt)
-        report(t=time.time())
+        report()
         train(model, opt, 5)
         """
     )
     assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT), proc.stderr
     assert "KeyboardInterrupt" in proc.stderr
-    assert exit_s < 5.0, f"exit took {exit_s:.1f} s"
 
 
 def test_keyboard_interrupt_inside_a_step_is_recoverable():
     """(1) KeyboardInterrupt raised between blocks of a step (after some parameters updated);
-    (2) a real SIGINT while the step is blocked at the staleness barrier behind ~2 s of work:
-    raised within a fraction of a second (not when the wait ends). Either way the user catches
-    it, leaves the runtime's ``with`` block (queued work is cancelled) and trains on natively."""
-    proc, out, _ = _run(
+    (2) a real SIGINT while the step is blocked at the staleness barrier behind minutes of work:
+    raised while the work is still queued (not when the wait ends: the child would run out of
+    time first). Either way the user catches it, leaves the runtime's ``with`` block (queued work
+    is cancelled) and trains on natively."""
+    proc, out = _run(
         """
         model, opt = model_and_opt()
         boundaries = []
@@ -263,7 +266,7 @@ def test_keyboard_interrupt_inside_a_step_is_recoverable():
         try:
             with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
                 train(model, opt, 1)
-                hogs = hog(rt, 40)
+                hogs = hog(rt, 600, HUGE)
                 def fire():
                     sent.append(time.monotonic())
                     os.kill(os.getpid(), signal.SIGINT)
@@ -277,13 +280,13 @@ def test_keyboard_interrupt_inside_a_step_is_recoverable():
         report(base=BASE, between_blocks=between_blocks, after_first=after_first,
                native=native, delay=caught - sent[0] if caught else None,
                after_second=after_second, cancelled=sum(h.cancelled() for h in hogs),
-               finite=finite(model), t=time.time())
+               finite=finite(model))
         """
     )
     assert proc.returncode == 0, proc.stderr
     assert out["between_blocks"] and out["native"] == "NativeRefresher"
     assert out["after_first"] == out["base"]
     # on failure, the child's stderr shows where the interrupt went (one CI run lost it once)
-    assert out["delay"] is not None and out["delay"] < 1.0, (out, proc.stderr[-3000:])
+    assert out["delay"] is not None, (out, proc.stderr[-3000:])
     assert out["cancelled"] > 0 and out["finite"]
     assert out["after_second"] == out["base"]
