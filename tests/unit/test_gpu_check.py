@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from bench import gpu_summary
 from bench._common import device_tag
@@ -95,7 +94,7 @@ def _last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
+@pytest.mark.no_gpu  # checks the skip without CUDA
 def test_measured_memory_mode_skips_cleanly_without_cuda(capsys):
     from bench import memory
 
