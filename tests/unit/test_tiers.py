@@ -166,14 +166,30 @@ def _data():
     return torch.randn(STEPS, 16, 24, generator=gen), torch.randn(STEPS, 16, 4, generator=gen)
 
 
+def _finish_refreshes(rt: Runtime) -> None:
+    """Wait until every refresh in flight has its results. The runtime spills a finished refresh
+    at the next block boundary before its install step: waiting here before each step makes
+    which refreshes are spilled the same on a loaded machine as on an idle one."""
+    for e in rt.registry.entries.values():
+        if e.pending is not None:
+            for f in e.pending.futures:
+                if f is not None:
+                    try:
+                        f.result(timeout_s=60)
+                    except Exception:  # a failed refresh is the runtime's to report
+                        pass
+
+
 def _train(name, config, after_step=None):
-    """Train the MLP for STEPS steps under ``config``; params, memory report, stats."""
+    """Train the MLP for STEPS steps under ``config``, each step after the refreshes in flight
+    have their results (``_finish_refreshes``); params, memory report, stats."""
     model = mlp_24_32_32_4()
     opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=5, max_preconditioner_dim=16)
     xs, ys = _data()
     rt = Runtime(model, opt, config)
     try:
         for t in range(STEPS):
+            _finish_refreshes(rt)
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
             opt.step()
@@ -332,6 +348,7 @@ def test_memory_report_matches_the_tensors_allocated(name, tmp_path):
     xs, ys = _data()
     with Runtime(model, opt, _spill_config(tmp_path, placement={"results": "nvme"})) as rt:
         for t in range(13):  # refreshes requested at step 10 wait, spilled, for step 14
+            _finish_refreshes(rt)  # so that the next step's boundary spills them
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
             opt.step()
