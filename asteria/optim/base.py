@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -40,7 +41,13 @@ from torch.optim import Optimizer
 
 from asteria.optim import state_format
 from asteria.optim.blocking import ParamLayout
-from asteria.optim.checks import check_betas, check_range, check_shampoo_beta, finite_flags
+from asteria.optim.checks import (
+    check_betas,
+    check_lr,
+    check_range,
+    check_shampoo_beta,
+    finite_flags,
+)
 from asteria.optim.refresher import BlockKey, NativeRefresher, Refresher, RefreshJob, Update
 
 __all__ = [
@@ -122,6 +129,7 @@ class KroneckerOptimizer(Optimizer):
     refresh_precedes_update = False
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        check_lr(defaults["lr"])  # first, as torch.optim does (Note [torch.optim conventions])
         params = _param_list(type(self).__name__, params)
         self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}
         self._refresher: Refresher = NativeRefresher()
@@ -194,24 +202,58 @@ class KroneckerOptimizer(Optimizer):
 
     # -- torch.optim conventions ---------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy or a pickle keeps (Note [torch.optim conventions]): the groups, the
+        state, the defaults and every other attribute (``skip_nonfinite_grads``,
+        ``nonfinite_grads``, ``param_names``, ...), after any deferred statistics update has
+        run; a runtime's refreshes in flight go along as a loaded checkpoint's would, for the
+        runtime the copy attaches. Not kept, as in torch: the hooks; not kept either: the
+        refresher (a copy steps natively) and the layouts (cached by parameter identity)."""
+        self._refresher.sync(self)
+        state = {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
+        if not isinstance(self._refresher, NativeRefresher):
+            state["_resumed_refreshes"] = _refresher_state(self._refresher)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        had_differentiable = "differentiable" in state.get("defaults", {})
+        super().__setstate__(state)  # torch's: empty hooks, the step's profiling wrapper
+        if not had_differentiable:
+            self.defaults.pop("differentiable", None)  # torch's default of an option not ours
+        for name, value in _ATTRIBUTE_DEFAULTS.items():  # pickled by an earlier version
+            if name not in self.__dict__:
+                setattr(self, name, copy.copy(value))
+        self._layouts = {}
+        self._refresher = NativeRefresher()
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; its hyperparameters (given or inherited) are validated first."""
+        """Add a group; its hyperparameters (given or inherited) are validated first. Its
+        ``params`` are tensors or ``(name, tensor)`` pairs (``model.named_parameters()``), all
+        of one kind: names go to the group's ``param_names``, as in ``torch.optim``, and to
+        ``self.param_names`` for messages."""
         name = type(self).__name__
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise ValueError(f"a parameter group of {name} must be a dict with a 'params' key")
         ps = param_group["params"]
         if isinstance(ps, set):
-            raise ValueError(f"params of {name} must be an ordered collection, not a set")
+            raise TypeError(f"params of {name} must be an ordered collection (a list), not a set")
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # a generator is read once
         for p in ps:
-            if not isinstance(p, torch.Tensor):
-                raise ValueError(f"params of {name} must be tensors, got {type(p).__name__}")
+            named = isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+            if not isinstance(p[1] if named else p, torch.Tensor):
+                raise TypeError(
+                    f"params of {name} must be tensors or (name, tensor) pairs, "
+                    f"got {type(p).__name__}"
+                )
         super().add_param_group({**param_group, "params": ps})
         try:
             self._check_group(self.param_groups[-1])
         except Exception:
             self.param_groups.pop()  # a refused group is not added
             raise
+        first = sum(len(g["params"]) for g in self.param_groups[:-1])
+        for i, param_name in enumerate(self.param_groups[-1].get("param_names", ()), first):
+            self.param_names.setdefault(i, param_name)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -232,7 +274,7 @@ class KroneckerOptimizer(Optimizer):
                 )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        check_range("lr", group["lr"], 0.0)
+        check_lr(group["lr"])
         if "eps" in group:  # Shampoo has Meta's grafting_epsilon instead
             check_range("eps", group["eps"], 0.0)
         check_range("weight_decay", group["weight_decay"], 0.0)
@@ -248,20 +290,38 @@ class KroneckerOptimizer(Optimizer):
         """``torch.optim``'s ``state_dict``, after any deferred statistics update has run, in the
         flat form of Note [Flat optimizer state] (state_format.py): each parameter's state is one
         dict of dotted keys (``"blocks.0.bases.1"``) to tensors and numbers, and
-        ``refresh_dtype`` is a name."""
+        ``refresh_dtype`` is a name. The hooks run as torch runs them (Note [torch.optim
+        conventions]): the pre-hooks first, the post-hooks last, on the whole dict."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._refresher.sync(self)
         state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
-        saved = super().state_dict()
-        out = {
-            "state": {
-                k: state_format.flat_state(v, self.bases_field) for k, v in saved["state"].items()
-            },
-            "param_groups": [state_format.portable_group(g) for g in saved["param_groups"]],
-        }
+        # Parameters are saved by their position in the groups, a repeated one by its first.
+        index: dict[int, int] = {}
+        groups = []
+        position = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), position)
+                position += 1
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(state_format.portable_group(packed))
+        state: dict[Any, Any] = {}
+        for key, value in self.state.items():
+            if isinstance(key, torch.Tensor):
+                state[index[id(key)]] = state_format.flat_state(value, self.bases_field)
+            else:  # what a hook or a caller keeps beside the parameters' state, as it is
+                state[key] = value
+        out: dict[str, Any] = {"state": state, "param_groups": groups}
         # Note [Runtime state in the optimizer's checkpoint]
         in_flight = _refresher_state(self._refresher)
         if in_flight is not None:
             out[RUNTIME_STATE_KEY] = in_flight
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -278,29 +338,62 @@ class KroneckerOptimizer(Optimizer):
         ``set_optimizer_state_dict`` unflattens it), and the nested form (lists of blocks) of
         earlier versions (Note [Flat optimizer state] in state_format.py).
         ``torch.optim.Optimizer.load_state_dict`` would cast floating-point state to the
-        parameter's dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so only the groups
-        go through the base class and the saved tensors are restored as they are (copies, moved
-        to the parameter's device).
+        parameter's dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so the saved
+        tensors are restored as they are (copies, moved to the parameter's device). Everything
+        else is torch's (Note [torch.optim conventions]): the pre-hooks see the dict as given
+        and may return another, the groups take the saved options (and ``param_names``, kept
+        from the live groups where the saved ones have none), entries of ``state`` that are not
+        a parameter's are kept as they are, and the post-hooks run once all is restored.
         """
+        state_dict = state_dict.copy()  # shallow, as torch: a pre-hook may replace entries
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._refresher.sync(self)
         state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of "
+                "optimizer's group"
+            )
         saved = copy.deepcopy(state_dict["state"])
-        groups = [state_format.group_from_portable(g) for g in state_dict["param_groups"]]
-        super().load_state_dict({**state_dict, "state": {}, "param_groups": groups})
-        self._layouts.clear()
+        groups = []
+        for live, group in zip(self.param_groups, saved_groups):
+            group = {**state_format.group_from_portable(group), "params": live["params"]}
+            if "param_names" in live and "param_names" not in group:
+                group["param_names"] = live["param_names"]
+            groups.append(group)
         # The saved groups' "params" lists name the parameters, in order: positions as this
         # class saves them, or other keys (torch.distributed.checkpoint.state_dict's parameter
         # names), mapped by position as torch.optim does.
-        owners = [(p, g) for g in self.param_groups for p in g["params"]]
-        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        owners = [(p, g) for g in groups for p in g["params"]]
+        keys = [k for g in saved_groups for k in g["params"]]
         owner_of = dict(zip(keys, owners))
-        for key, value in saved.items():
-            if key in owner_of:
+        state: defaultdict[Any, Any] = defaultdict(dict)
+        try:
+            for key, value in saved.items():
+                if key not in owner_of:
+                    state[key] = value  # not a parameter's: kept as it is, as torch does
+                    continue
                 param, group = owner_of[key]
                 if not any(isinstance(v, list) for v in value.values()):  # not the nested form
                     value = self._unflatten_state(key, value, param, group)
-                self.state[param] = _to_device(value, param.device)
-        self._layouts.clear()
+                state[param] = _to_device(value, param.device)
+        finally:
+            self._layouts.clear()  # layouts under the saved options were cached on the way
+        # nothing is changed until everything fits
+        self.param_groups, self.state = groups, state
+        first = 0
+        for group in self.param_groups:  # the loaded names, in messages too
+            for i, param_name in enumerate(group.get("param_names", ()), first):
+                self.param_names[i] = param_name
+            first += len(group["params"])
         in_flight = state_dict.get(RUNTIME_STATE_KEY)
         self._resumed_refreshes = None
         if in_flight is not None:
@@ -308,6 +401,8 @@ class KroneckerOptimizer(Optimizer):
                 self._resumed_refreshes = in_flight  # for the runtime attached next
             else:
                 self._refresher.load_state_dict(in_flight)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _unflatten_state(
         self, key: Any, flat: dict[str, Any], param: torch.Tensor, group: dict[str, Any]
@@ -419,8 +514,13 @@ class KroneckerOptimizer(Optimizer):
             batch.clear()
 
     def _has_state(self) -> bool:
-        """Whether some parameter has state (placeholders do not count)."""
-        return any(s and not _is_placeholder(s) for s in self.state.values())
+        """Whether some parameter has state (placeholders, and entries of ``state`` that are
+        not a parameter's, do not count)."""
+        return any(
+            s and not _is_placeholder(s)
+            for k, s in self.state.items()
+            if isinstance(k, torch.Tensor)
+        )
 
     def _check_grad_kind(self, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -542,6 +642,59 @@ class KroneckerOptimizer(Optimizer):
 #: The key of a runtime's refreshes in flight in ``KroneckerOptimizer.state_dict()``.
 RUNTIME_STATE_KEY = "asteria_runtime"
 
+#: What ``__getstate__`` leaves out: torch's hooks (as torch does), the refresher, the layouts.
+_NOT_COPIED = frozenset(
+    {
+        "_refresher",
+        "_layouts",
+        "_optimizer_step_pre_hooks",
+        "_optimizer_step_post_hooks",
+        "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks",
+        "_optimizer_load_state_dict_pre_hooks",
+        "_optimizer_load_state_dict_post_hooks",
+    }
+)
+
+#: Attributes an optimizer pickled before they existed takes on unpickling (their defaults in
+#: ``KroneckerOptimizer.__init__``).
+_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
+    "max_consecutive_failures": 3,
+    "skip_nonfinite_grads": True,
+    "nonfinite_grads": 0,
+    "param_names": {},
+    "_nonfinite_warned": False,
+    "_resumed_refreshes": None,
+}
+
+# Note [torch.optim conventions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# SOAP, KL-Shampoo and Shampoo keep every generic convention of ``torch.optim.Optimizer`` that
+# torch's own optimizer tests check (test/test_optim.py, TestOptimRenewed), and the project's
+# conformance suite checks the same on an ``OptimizerInfo`` per optimizer
+# (tests/unit/test_torch_conformance.py), natively and with a runtime attached:
+#   * params: tensors, parameter groups, or ``(name, tensor)`` pairs (``named_parameters()``),
+#     whose names go to the group's ``param_names`` and so into the ``state_dict``; what is not
+#     an ordered iterable of those is a ``TypeError`` in torch's words (a single tensor
+#     included), duplicates warn and a parameter in two groups is a ``ValueError``, as in torch;
+#     an empty list is one empty group that steps as a no-op (torch raises).
+#   * ``lr`` may be a 1-element floating-point tensor (checked before the parameters, as torch
+#     does, "Tensor lr must be 1-element"); schedulers fill it in place.
+#   * ``state_dict``: pre-hooks, then the dict, then post-hooks, whose result is what is
+#     returned; entries of ``state`` that are not a parameter's (a hook's) are kept as they
+#     are. ``load_state_dict``: pre-hooks on a shallow copy of what is given (a result
+#     replaces it), the groups (saved options; live ``param_names`` where the saved have none)
+#     and the state restored, then post-hooks. Saving is deterministic, loads into equal but
+#     not identical parameters, and survives ``torch.save`` / ``torch.load(weights_only=True)``.
+#   * ``copy.deepcopy`` and pickling keep every attribute but the hooks (as torch), the
+#     refresher (a copy steps natively; a runtime's refreshes in flight go along as a loaded
+#     checkpoint's would) and the layout cache (keyed by parameter identity, rebuilt).
+#   * Step pre/post hooks, global and per optimizer, run in torch's order (torch's own wrapper of
+#     ``step``).
+# Not offered: foreach, fused, capturable and differentiable (implementation flags of torch's
+# element-wise optimizers; a constructor given one raises TypeError), maximize, complex and
+# sparse parameters or gradients (a RuntimeError that names them).
+
 # Note [Runtime state in the optimizer's checkpoint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Frameworks (the HF Trainer, Lightning, torchtitan) save ``model.state_dict()`` and
@@ -568,20 +721,21 @@ def _refresher_state(refresher: Any) -> dict[str, Any] | None:
 
 def _param_list(name: str, params: Any) -> list:
     """``params`` as a list; an empty one becomes one empty group (an optimizer with nothing to
-    do steps as a no-op, where ``torch.optim`` raises)."""
+    do steps as a no-op, where ``torch.optim`` raises). What is not an ordered iterable is a
+    ``TypeError`` in torch's words (Note [torch.optim conventions])."""
     if isinstance(params, torch.Tensor):
-        raise ValueError(
-            f"params of {name} must be an iterable of tensors or of parameter-group dicts, "
-            f"got a single tensor (wrap it in a list)"
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)} ({name}: a single tensor goes in a list)"
         )
     if isinstance(params, set):
-        raise ValueError(f"params of {name} must be an ordered collection, not a set")
+        raise TypeError(f"params of {name} must be an ordered collection (a list), not a set")
     try:
         params = list(params)
     except TypeError:
-        raise ValueError(
-            f"params of {name} must be an iterable of tensors or of parameter-group dicts, "
-            f"got {type(params).__name__}"
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {type(params).__name__} ({name})"
         ) from None
     return params if params else [{"params": []}]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_betas", "check_range", "check_shampoo_beta", "finite_flags"]
+__all__ = ["check_betas", "check_lr", "check_range", "check_shampoo_beta", "finite_flags"]
 
 
 def check_range(
@@ -41,6 +41,18 @@ def check_range(
         raise ValueError(f"{name} must be in {allowed}, got {value!r}")
     if high is not None and (value > high or (value == high and not high_inclusive)):
         raise ValueError(f"{name} must be in {allowed}, got {value!r}")
+
+
+def check_lr(lr: Any) -> None:
+    """``lr`` must be a number in ``[0, inf)``, or a 1-element floating-point tensor holding one
+    (``torch.optim`` takes a Tensor lr, which LR schedulers then fill in place)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:  # torch.optim's words
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+        if not lr.is_floating_point():
+            raise ValueError(f"lr must be a number or a floating-point tensor, got {lr.dtype}")
+        lr = lr.item()
+    check_range("lr", lr, 0.0)
 
 
 def check_betas(betas: Any, *, second_may_be_one: bool = False) -> None:

@@ -32,7 +32,9 @@ COMMON = [
     ("lr", "1e-3"),
     ("lr", None),
     ("lr", True),
-    ("lr", torch.tensor(1e-3)),
+    ("lr", torch.tensor([1e-3, 1e-3])),  # a Tensor lr must be 1-element (torch.optim's rule)
+    ("lr", torch.tensor(-1e-3)),
+    ("lr", torch.tensor(1)),  # an integer tensor
     ("betas", 0.9),
     ("betas", None),
     ("betas", (0.9,)),
@@ -130,20 +132,23 @@ def test_constructor_argument_is_checked(cls, name, value):
     assert len(opt.param_groups) == 1, "a refused group must not be added"
 
 
+# What is not an ordered iterable of tensors, (name, tensor) pairs or groups is a TypeError, as
+# in torch.optim (Note [torch.optim conventions] in asteria/optim/base.py).
 PARAMS_CASES = [
-    ("a single tensor", lambda: _param(), r"params.*single tensor"),
-    ("an int", lambda: 5, r"params.*iterable"),
-    ("a set", lambda: {_param()}, r"params.*ordered"),
-    ("ints in a list", lambda: [1, 2], r"params.*tensors, got int"),
-    ("a group without params", lambda: [{"lr": 1e-3}], r"'params' key"),
-    ("a group that is not a dict", lambda: [[_param()], 3], r"params.*tensors"),
+    ("a single tensor", lambda: _param(), TypeError, r"params argument .* single tensor"),
+    ("an int", lambda: 5, TypeError, r"params argument .* iterable"),
+    ("a set", lambda: {_param()}, TypeError, r"params.*ordered"),
+    ("ints in a list", lambda: [1, 2], TypeError, r"params.*tensors.*got int"),
+    ("a group without params", lambda: [{"lr": 1e-3}], ValueError, r"'params' key"),
+    ("a group that is not a dict", lambda: [[_param()], 3], TypeError, r"params.*tensors"),
+    ("a bad pair", lambda: [(_param(), "w")], TypeError, r"\(name, tensor\) pairs"),
 ]
 
 
 @pytest.mark.parametrize("cls", ALL)
-@pytest.mark.parametrize("what,make,match", PARAMS_CASES, ids=[c[0] for c in PARAMS_CASES])
-def test_bad_params_argument(cls, what, make, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("what,make,error,match", PARAMS_CASES, ids=[c[0] for c in PARAMS_CASES])
+def test_bad_params_argument(cls, what, make, error, match):
+    with pytest.raises(error, match=match):
         cls(make())
 
 
