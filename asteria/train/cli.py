@@ -3,8 +3,10 @@
 Owns: argument parsing, turning bad inputs into clear usage errors (exit 2, nothing written),
 the run folder (refused when it exists without ``--resume``; ``run.json`` keeps the settings a
 resume must match), running one optimizer or a comparison with identical model init and data
-order, Ctrl-C (stop after the step in progress, checkpoint, exit 130), and printing the results.
-Must not: contain training math (loop.py) or output formats (report.py).
+order, repeating the runs over seeds (``--seeds``), Ctrl-C (stop after the step in progress,
+checkpoint, exit 130), and printing the results, each run's time to the target loss among them
+(the first run's final validation loss, or ``--target-loss``). Must not: contain training math
+(loop.py), the time-to-target figures (targets.py) or output formats (report.py, plots.py).
 
 With no arguments it compares AdamW, native SOAP and Asteria-orchestrated SOAP on the ``tiny``
 model for 200 steps on the CPU and writes ``runs/tiny-adamw-soap_native-soap_asteria/``.
@@ -39,6 +41,7 @@ from asteria.train.report import (
     write_report,
     write_summary,
 )
+from asteria.train.targets import time_to_target
 
 DEFAULT_COMPARE = "adamw,soap:native,soap:asteria"
 RUN_JSON = "run.json"
@@ -48,7 +51,7 @@ EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 FIXED_ON_RESUME = (
     "model", "optimizer", "compare", "mode", "steps", "batch_size", "seq_len", "lr", "seed",
     "val_every", "val_batches", "data", "data_bytes", "token_dtype", "vocab_size", "fsdp", "hsdp",
-    "hsdp_shards",
+    "hsdp_shards", "seeds",
 )  # fmt: skip
 
 
@@ -144,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, help="peak learning rate for every run")
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed")
+    p.add_argument(
+        "--seeds", type=int, default=1,
+        help="repeat every run over N seeds (--seed, --seed + 1, ...): figures over the seeds, "
+        "bands in the plots",
+    )  # fmt: skip
+    p.add_argument(
+        "--target-loss", type=float,
+        help="the validation loss each run's steps and time are measured to (default: the first "
+        "run's final validation loss, the mean over the seeds)",
+    )  # fmt: skip
     p.add_argument("--val-every", type=int, default=50, help="validation interval in steps")
     p.add_argument("--val-batches", type=int, default=4, help="validation batches per check")
     d = p.add_argument_group("data")
@@ -267,18 +280,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch_size=args.batch_size,
                 seq_len=args.seq_len,
                 lr=args.lr,
-                seed=args.seed,
+                seed=seed,
                 val_every=args.val_every,
                 val_batches=args.val_batches,
             )
-            for spec in specs
+            for seed in range(args.seed, args.seed + max(1, args.seeds))
+            for spec in specs  # seed by seed: the runs compared are run close together in time
         ]
         rt_config = runtime_config(args)
-        for name in ("threads", "stop_after"):
+        for name in ("threads", "stop_after", "seeds"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
                 )
+        if args.target_loss is not None and not 0.0 < args.target_loss < float("inf"):
+            raise ValueError(f"--target-loss must be a finite loss > 0, got {args.target_loss}")
         if args.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
         corpus = load_corpus(
@@ -394,11 +410,12 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
     with StopFlag() as stop:
         try:
             for cfg in configs:
-                path = ckpt.checkpoint_path(out, cfg.label)
+                key = run_key(cfg, args.seeds)
+                path = ckpt.checkpoint_path(out, key)
                 resume = ckpt.load(path) if args.resume and path.is_file() else None
                 if resume is not None and resume["status"] in ("finished", "diverged"):
                     result = RunResult.from_checkpoint(cfg, resume)
-                    say(f"{cfg.label:>14}: done in an earlier invocation", flush=True)
+                    say(f"{key:>14}: done in an earlier invocation", flush=True)
                     for rec in result.records if writer is not None else ():
                         writer(rec)
                 else:
@@ -406,7 +423,7 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
                         incomplete = True
                         break
                     if resume is not None:
-                        say(f"{cfg.label:>14}: resuming at step {resume['step']}", flush=True)
+                        say(f"{key:>14}: resuming at step {resume['step']}", flush=True)
                         for rec in resume["records"] if writer is not None else ():
                             writer(rec)
                     result = train(
@@ -426,27 +443,36 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
                     )
                     if budget is not None:
                         budget -= len(result.records) - (len(resume["records"]) if resume else 0)
-                runs[cfg.label], records[cfg.label] = result.summary(), result.records
+                runs[key], records[key] = result.summary(), result.records
                 if result.status == "stopped":
                     incomplete = True
                     say(
-                        f"{cfg.label:>14}: stopped at step {len(result.records)} of {cfg.steps}",
+                        f"{key:>14}: stopped at step {len(result.records)} of {cfg.steps}",
                         flush=True,
                     )
                     break
-                say(_result_line(cfg.label, runs[cfg.label]), flush=True)
+                say(_result_line(key, runs[key]), flush=True)
         finally:
             if writer is not None:
                 writer.close()
     if main_rank and runs and any(records.values()):
         add_efficiency(runs, corpus.vocab_size)
-        write_summary(out, env, runs, energy_info)
+        groups = run_groups(configs, args.seeds, records)
+        targets = None
+        if groups and next(iter(groups)) == configs[0].label:  # the first run is the reference
+            by_seed = {lb: {sd: records[k] for sd, k in g.items()} for lb, g in groups.items()}
+            lrs = {c.label: {"lr": c.peak_lr} for c in configs}
+            targets = time_to_target(by_seed, configs[0].label, args.target_loss, lrs)
+            for line in _target_lines(targets):
+                say(line, flush=True)
+        write_summary(out, env, runs, energy_info, targets)
         runs_with_steps = {k: v for k, v in records.items() if v}
         write_plots(out, runs_with_steps, {k: runs[k] for k in runs_with_steps},
-                    "byte" if corpus.kind == "bytes" else "token")  # fmt: skip
-        labels = [c.label for c in configs]
+                    "byte" if corpus.kind == "bytes" else "token", groups,
+                    targets["target"] if targets else None)  # fmt: skip
+        labels = list(dict.fromkeys(c.label for c in configs))
         write_report(out, env, runs, f"asteria.train: {' vs '.join(labels)}", energy_info,
-                     corpus.vocab_size)  # fmt: skip
+                     corpus.vocab_size, targets)  # fmt: skip
     if incomplete:
         say(
             f"checkpoints in {out / ckpt.CHECKPOINTS}/; continue with: "
@@ -457,6 +483,38 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
     say(f"report: {(out / 'report.md').resolve()}")
     say(f"  also in {out}/: metrics.jsonl summary.json {' '.join(PLOTS)} checkpoints/")
     return 0
+
+
+def run_key(cfg: TrainConfig, seeds: int) -> str:
+    """A run's name in the folder: its label, with ``@seedN`` where the runs repeat over seeds."""
+    return cfg.label if seeds <= 1 else f"{cfg.label}@seed{cfg.seed}"
+
+
+def run_groups(
+    configs: Sequence[TrainConfig], seeds: int, records: dict[str, list[dict]]
+) -> dict[str, dict[int, str]]:
+    """label -> seed -> run key, for the runs that trained at least a step."""
+    groups: dict[str, dict[int, str]] = {}
+    for cfg in configs:
+        key = run_key(cfg, seeds)
+        if records.get(key):
+            groups.setdefault(cfg.label, {})[cfg.seed] = key
+    return groups
+
+
+def _target_lines(t: dict) -> list[str]:
+    if t["target"] is None:
+        return []
+    out = [f"time to val loss {t['target']:.4f} (training seconds; ratio to {t['reference']}'s):"]
+    for label, r in t["runs"].items():
+        secs = r["seconds_to_target"].values()
+        q = r["ratio_to_reference"]
+        ratio = "-" if q["median"] is None else f"{q['median']:.2f}"
+        if len(secs) > 1 and q["median"] is not None:
+            ratio += f" ({q['min']:.2f}-{q['max']:.2f})"
+        times = ", ".join("-" if x is None else f"{x:.1f}" for x in secs)
+        out.append(f"{label:>14}: {times} s, ratio {ratio}, reached {r['reached']}/{r['of_seeds']}")
+    return out
 
 
 def _result_line(name: str, s: dict) -> str:

@@ -6,15 +6,16 @@ second-order optimizer in ``asteria`` mode, stopping cleanly between two steps (
 a number of steps) with a checkpoint, and resuming from one. Must not: write anything but its
 checkpoint, parse arguments, or pick hyperparameters (the optimizer table does).
 
-Per-step record (one JSON line of ``metrics.jsonl``): ``optimizer`` (the run's label), ``step``,
-``loss``, ``lr``, ``step_ms`` (forward + backward + optimizer), ``opt_ms`` (the optimizer step),
-``barrier_wait_ms`` (time the step waited for a refresh at the staleness barrier; ``null``
-without the runtime), ``tokens_per_s``, ``elapsed_s`` (wall clock since the run started,
-validation included), ``memory`` (optimizer-state bytes by tier), ``refresh`` (second-order:
-whether a refresh was due), ``installs`` and ``staleness`` (asteria mode: refreshes installed at
-this step and the largest staleness among them, in steps; ``basis_age``: the age of the oldest
-basis this step's updates read, bounded by Note [Staleness contract]), ``energy_j`` (cumulative, per
-source, where measured), ``val_loss`` at validation steps.
+Per-step record (one JSON line of ``metrics.jsonl``): ``optimizer`` (the run's label), ``seed``,
+``step``, ``loss``, ``lr``, ``step_ms`` (forward + backward + optimizer; their sum is the
+training time of targets.py), ``opt_ms`` (the optimizer step), ``barrier_wait_ms`` (time the
+step waited for a refresh at the staleness barrier; ``null`` without the runtime),
+``tokens_per_s``, ``elapsed_s`` (wall clock since the run started, validation included),
+``memory`` (optimizer-state bytes by tier), ``refresh`` (second-order: whether a refresh was
+due), ``installs`` and ``staleness`` (asteria mode: refreshes installed at this step and the
+largest staleness among them, in steps; ``basis_age``: the age of the oldest basis this step's
+updates read, bounded by Note [Staleness contract]), ``energy_j`` (cumulative, per source, where
+measured), ``val_loss`` at validation steps.
 """
 
 from __future__ import annotations
@@ -473,7 +474,8 @@ def train(
             _sync(device)
             t2 = time.perf_counter()
             loss_value = dist_util.mean(loss.item(), ctx)
-            rec: dict[str, Any] = {"optimizer": cfg.label, "step": step + 1, "loss": loss_value}
+            rec: dict[str, Any] = {"optimizer": cfg.label, "seed": cfg.seed, "step": step + 1}
+            rec["loss"] = loss_value
             rec["lr"] = sched.get_last_lr()[0]
             rec["step_ms"], rec["opt_ms"] = 1e3 * (t2 - t0), 1e3 * (t2 - t1)
             rec["tokens_per_s"] = tokens_per_step / (t2 - t0)

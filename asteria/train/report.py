@@ -1,16 +1,17 @@
-"""Run outputs of `asteria.train`: metrics.jsonl, summary.json, report.md and the PNG plots.
+"""Run outputs of `asteria.train`: metrics.jsonl, summary.json and report.md (plots: plots.py).
 
-Owns: the output folder's layout and formats. Must not: train, or read anything but the records
-and summaries it is given. Non-finite numbers (a diverged run) are written as JSON ``null``.
+Owns: the output folder's layout and formats. Must not: train, compute the figures it writes
+(targets.py does the time to target), or read anything but the records and summaries it is
+given. Non-finite numbers (a diverged run) are written as JSON ``null``.
 
 * ``metrics.jsonl``: one JSON object per optimizer step (fields: loop.py's module doc).
-* ``summary.json``: {"env": ..., "energy": ..., "runs": {label: summary}}.
-* ``report.md``: the setup, a table of final losses, times, memory and energy, the efficiency
-  figure where energy was measured, the runtime's staleness, and the plots.
-* ``loss.png``: training loss (EMA) and validation loss per step, one colour per run.
-* ``loss_time.png``: the same against wall-clock seconds.
-* ``step_time.png``: every step's time (refresh steps marked): spikes vs. flat.
-* ``memory.png``: peak optimizer-state memory per run, stacked by tier.
+* ``summary.json``: {"env": ..., "energy": ..., "runs": {run: summary}, "time_to_target":
+  targets.time_to_target(...)}; a run is its label (``soap:asteria``), or ``label@seedN`` where
+  ``--seeds`` repeats the runs.
+* ``report.md``: the setup, a table of final losses, times, memory and energy, the time to the
+  target loss (per run over its seeds), the efficiency figure where energy was measured, the
+  runtime's staleness, and the plots.
+* the PNG plots: plots.py's module doc.
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from asteria.train.energy import efficiency
+from asteria.train.plots import PLOT, PLOT_MEMORY, PLOT_STEPS, PLOT_TIME, PLOTS, write_plots
+
+__all__ = ["PLOTS", "MetricsWriter", "add_efficiency", "write_plots", "write_report",
+           "write_summary"]  # fmt: skip
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 REPORT = "report.md"
-PLOT = "loss.png"
-PLOT_TIME = "loss_time.png"
-PLOT_STEPS = "step_time.png"
-PLOT_MEMORY = "memory.png"
-PLOTS = (PLOT, PLOT_TIME, PLOT_STEPS, PLOT_MEMORY)
 ENERGY_SOURCES = ("nvml", "rapl")  # preferred first for the efficiency figure
 NOT_MEASURED = "not measured on this machine"
 
@@ -81,107 +81,19 @@ def add_efficiency(runs: dict[str, dict], vocab_size: int) -> str | None:
     return None
 
 
-def write_summary(out: Path, env: dict, runs: dict[str, dict], energy: dict | None = None) -> Path:
+def write_summary(
+    out: Path,
+    env: dict,
+    runs: dict[str, dict],
+    energy: dict | None = None,
+    time_to_target: dict | None = None,
+) -> Path:
     path = out / SUMMARY
     payload = {"env": env, "energy": energy or {}, "runs": runs}
+    if time_to_target is not None:
+        payload["time_to_target"] = time_to_target
     path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n", "utf-8")
     return path
-
-
-def _ema(values: list[float], beta: float = 0.9) -> list[float]:
-    out, acc = [], values[0] if values else 0.0
-    for i, v in enumerate(values):
-        acc = v if i == 0 or not math.isfinite(acc) else beta * acc + (1 - beta) * v
-        out.append(acc)
-    return out
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path)
-    _pyplot().close(fig)
-    return path
-
-
-def plot_losses(out: Path, records: dict[str, list[dict]], unit: str = "byte") -> Path:
-    """Training loss (EMA 0.9) as lines, validation loss as markers, one colour per run."""
-    return _plot_loss(out / PLOT, records, "step", "step", unit)
-
-
-def plot_losses_time(out: Path, records: dict[str, list[dict]], unit: str = "byte") -> Path:
-    return _plot_loss(out / PLOT_TIME, records, "elapsed_s", "wall-clock seconds", unit)
-
-
-def _plot_loss(path: Path, records: dict[str, list[dict]], x: str, xlabel: str, unit: str):
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for i, (name, recs) in enumerate(records.items()):
-        color = f"C{i}"
-        xs = [r[x] for r in recs]
-        ax.plot(xs, _ema([r["loss"] for r in recs]), color=color, label=f"{name} train (EMA)")
-        val = [(r[x], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
-        if val:
-            ax.plot(*zip(*val), "o--", color=color, label=f"{name} validation", markersize=4)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"loss (nats per {unit})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
-
-
-def plot_step_times(out: Path, records: dict[str, list[dict]]) -> Path:
-    """Every step's time per run; refresh steps (second-order) as x markers."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
-    for i, (name, recs) in enumerate(records.items()):
-        color = f"C{i}"
-        ax.plot(
-            [r["step"] for r in recs], [r["step_ms"] for r in recs], color=color, lw=1, label=name
-        )
-        spikes = [(r["step"], r["step_ms"]) for r in recs if r.get("refresh")]
-        if spikes:
-            ax.plot(*zip(*spikes), "x", color=color, markersize=4)
-    ax.set_xlabel("step (x: a refresh was due)")
-    ax.set_ylabel("step time, ms (forward + backward + optimizer)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path=out / PLOT_STEPS)
-
-
-def plot_memory(out: Path, runs: dict[str, dict]) -> Path:
-    """Peak optimizer-state memory per run, one stacked bar per run, one colour per tier."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    names = list(runs)
-    tiers: list[str] = []
-    for s in runs.values():
-        tiers += [t for t in s.get("peak_memory_bytes", {}) if t not in tiers]
-    bottom = [0.0] * len(names)
-    for i, tier in enumerate(tiers):
-        mib = [runs[n].get("peak_memory_bytes", {}).get(tier, 0) / 2**20 for n in names]
-        ax.bar(names, mib, bottom=bottom, color=f"C{i}", label=tier)
-        bottom = [b + m for b, m in zip(bottom, mib)]
-    ax.set_ylabel("optimizer state, MiB (peak)")
-    ax.grid(alpha=0.3, axis="y")
-    if tiers:
-        ax.legend(title="tier", fontsize=8)
-    return _save(fig, out / PLOT_MEMORY)
-
-
-def write_plots(out: Path, records: dict[str, list[dict]], runs: dict[str, dict], unit: str):
-    plot_losses(out, records, unit)
-    plot_losses_time(out, records, unit)
-    plot_step_times(out, records)
-    plot_memory(out, runs)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -196,6 +108,59 @@ def _mib(tiers: dict[str, int]) -> str:
     return ", ".join(f"{t} {b / 2**20:.1f}" for t, b in tiers.items())
 
 
+def _seeds_text(seeds: list[int]) -> str:
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"seeds {seeds[0]}-{seeds[-1]}"
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
+def _per_seed(values: dict[str, float | None], spec: str) -> str:
+    return ", ".join(_fmt(v, spec) for v in values.values())
+
+
+def time_to_target_lines(t: dict) -> list[str]:
+    """The report's section on the time to the target loss (targets.time_to_target's dict)."""
+    ref, seeds = t["reference"], t["seeds"]
+    lines = ["", "## Time to target", ""]
+    if t["target"] is None:
+        return [*lines, f"No target: {ref} ended without a validation loss.", ""]
+    where = (
+        "given by --target-loss"
+        if t["target_source"] == "given"
+        else f"{ref}'s final validation loss"
+        + (f", the mean over {_seeds_text(seeds)}" if len(seeds) > 1 else "")
+    )
+    lines += [
+        f"Target: validation loss {t['target']:.4f}, {where}. Time is training time (the steps' "
+        "forward, backward and optimizer, validation excluded) to the first validation at or "
+        "under the target, interpolated between validations (Note [Time to target] in "
+        f"asteria/train/targets.py). Ratio: a run's time over {ref}'s on the same seed ({ref}'s "
+        "whole training time where it does not reach the target); below 1 is faster. "
+        + (f"Per-seed columns list {_seeds_text(seeds)} in order." if len(seeds) > 1 else ""),
+        "",
+        f"| run | lr | final val loss mean ± std (min-max) | steps to target | "
+        f"seconds to target | time / {ref}'s: median (min-max) | reached | median step ms "
+        f"| step time / {ref}'s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in t["runs"].items():
+        f, q, st = r["final_val_loss"], r["ratio_to_reference"], r["step_time_vs_reference"]
+        span = "" if len(seeds) == 1 else f" ± {_fmt(f['std'], '.4f')} "
+        span += "" if len(seeds) == 1 else f"({_fmt(f['min'], '.4f')}-{_fmt(f['max'], '.4f')})"
+        ratio = _fmt(q["median"], ".2f")
+        if len(seeds) > 1 and q["median"] is not None:
+            ratio += f" ({q['min']:.2f}-{q['max']:.2f})"
+        lr = "-" if r.get("lr") is None else format(r["lr"], "g")
+        lines.append(
+            f"| {label} | {lr} | {_fmt(f['mean'], '.4f')}{span} "
+            f"| {_per_seed(r['steps_to_target'], '.1f')} "
+            f"| {_per_seed(r['seconds_to_target'], '.1f')} | {ratio} "
+            f"| {r['reached']}/{r['of_seeds']} | {_fmt(r['median_step_ms']['median'], '.1f')} "
+            f"| {_fmt(st['median'], '.2f')} |"
+        )
+    return lines
+
+
 def write_report(
     out: Path,
     env: dict,
@@ -203,17 +168,20 @@ def write_report(
     title: str,
     energy: dict | None = None,
     vocab_size: int | None = None,
+    time_to_target: dict | None = None,
 ) -> Path:
-    """The Markdown report: setup, results table, energy and efficiency, staleness, plots."""
+    """The Markdown report: setup, results table, time to target, energy and efficiency,
+    staleness, plots."""
     energy = energy or {}
     first = next(iter(runs.values()))["config"]
+    seeds = sorted({s["config"]["seed"] for s in runs.values()})
     measured = bool(energy.get("sources"))
     lines = [
         f"# {title}",
         "",
         (
             f"Model `{first['model']}`, {first['steps']} steps of batch {first['batch_size']} x "
-            f"{first['seq_len']} tokens, seed {first['seed']}, data {env.get('data', '?')} "
+            f"{first['seq_len']} tokens, {_seeds_text(seeds)}, data {env.get('data', '?')} "
             f"(vocab {vocab_size}); torch {env['torch']}, {env['torch_threads']} threads, "
             f"{env['cpu']}{', GPU ' + str(env['cuda']) if env.get('cuda') else ''}"
             f"{', ' + str(env['distributed']) if env.get('distributed') else ''}."
@@ -241,6 +209,8 @@ def write_report(
             f"| {_fmt(s['median_tokens_per_s'], '.0f')} | {_mib(s.get('peak_memory_bytes', {}))} "
             f"| {_fmt(s['wall_s'], '.1f')} | {e_txt} |"
         )
+    if time_to_target is not None:
+        lines += time_to_target_lines(time_to_target)
     lines += ["", "## Energy", ""]
     if measured:
         lines.append(

@@ -1,0 +1,469 @@
+"""Time to AdamW's loss, over seeds, with every optimizer tuned alike (CPU presets nano and tiny).
+
+The headline a user decides on: how much wall-clock a second-order optimizer, native or
+Asteria-orchestrated, needs to reach the validation loss AdamW ends at.
+
+Protocol, per preset (``--presets``, default ``nano,tiny``):
+
+1. Tuning, on seed 0 (``--tune-seed``): AdamW, SOAP, KL-Shampoo and Shampoo in native mode, each
+   at the four learning rates of its grid (GRIDS: the demo's rates before this benchmark, x 1/2,
+   1, 2 and 4); the rate with the lowest final validation loss is chosen. Only the learning rate
+   is tuned, the other hyperparameters are asteria/train/optimizers.py's. An Asteria variant
+   takes the rate of its native mode: the same optimizer and math, so the two modes compare at
+   equal hyperparameters (``--tune-each-mode``: tune it on its own grid, four more runs each).
+   A rate chosen at the edge of its grid is flagged (``at_edge``).
+2. Evaluation, on seeds 1, 2, 3 (``--eval-seeds``, never seen by the tuning): the seven variants
+   (``adamw``, ``<opt>:native``, ``<opt>:asteria``) at their rates, seed by seed, the seven runs
+   of a seed back to back in an order rotated from seed to seed, so that the load of a shared
+   machine falls on them alike.
+3. The target is AdamW's mean final validation loss over the evaluation seeds. Per variant: the
+   final validation loss (mean, std, min, max), the steps and training seconds to the target on
+   each seed, the ratio of its time to AdamW's on the same seed (median, min, max) and its step
+   time against AdamW's (asteria/train/targets.py, Note [Time to target]: training time is the
+   sum of the steps' forward, backward and optimizer time; AdamW's time is its own time to the
+   target, its whole training time on a seed that ends above it).
+
+Every run trains as ``asteria-train`` does (asteria.train.loop.train: warmup + cosine over the
+steps, gradient clipping 1.0, the same data order and init per seed), with the training on all
+cores but one (asteria-train's default on a CPU: on 2 cores, 1 thread) and Asteria's runtime at
+its defaults (``--staleness`` S = 5). Output: a table per preset, the goals, a plot per preset of
+validation loss against training seconds (mean over the evaluation seeds, a min-max band, a star
+where each seed crosses the target), and as the last line JSON (also ``--json PATH``) with the
+machine, commit, torch version, date and duration.
+
+The JSON's ``duration_s`` is how long a run of it took. ``--quick`` (nano, a few tiny steps,
+for the tests) takes about half a minute. ``--cache FILE`` keeps each finished run
+(a JSON line) and reuses it when the same run is asked again, so that an interrupted benchmark
+continues where it stopped.
+
+Usage: ``python bench/time_to_target.py [--presets tiny] [--json bench/results/t.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import io
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from asteria.train.cli import training_threads  # noqa: E402
+from asteria.train.data import DEFAULT_MAX_BYTES, load_corpus  # noqa: E402
+from asteria.train.loop import TrainConfig, train  # noqa: E402
+from asteria.train.plots import plot_loss  # noqa: E402
+from asteria.train.targets import time_to_target  # noqa: E402
+from bench._common import emit_json, env_header, print_table  # noqa: E402
+
+OPTIMIZERS = ("adamw", "soap", "kl-shampoo", "shampoo")
+SECOND_ORDER = OPTIMIZERS[1:]
+FACTORS = (0.5, 1.0, 2.0, 4.0)
+# The demo's rates before this benchmark (asteria/train/optimizers.py, one seed, 200 steps): the
+# centre of each grid, fixed here so that the grid does not move with the table it tunes.
+BASE_LRS = {
+    "nano": {"adamw": 3e-3, "soap": 1e-2, "kl-shampoo": 1e-2, "shampoo": 3e-3},
+    "tiny": {"adamw": 1e-3, "soap": 3e-3, "kl-shampoo": 1e-2, "shampoo": 3e-3},
+}
+GRIDS = {
+    preset: {name: tuple(round(lr * f, 10) for f in FACTORS) for name, lr in lrs.items()}
+    for preset, lrs in BASE_LRS.items()
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One preset's run length: every run of it, tuning and evaluation, trains this long."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    val_every: int
+    val_batches: int = 4
+
+
+BUDGETS = {
+    "nano": Budget(steps=200, batch_size=8, seq_len=64, val_every=10),
+    "tiny": Budget(steps=120, batch_size=8, seq_len=128, val_every=10),
+}
+QUICK = Budget(steps=8, batch_size=2, seq_len=32, val_every=4, val_batches=2)
+QUICK_DATA_BYTES = 100_000
+
+
+def variants(names: tuple[str, ...]) -> list[str]:
+    """``adamw``, then ``<name>:native`` and ``<name>:asteria`` for each second-order name."""
+    out = ["adamw"] if "adamw" in names else []
+    for n in names:
+        if n != "adamw":
+            out += [f"{n}:native", f"{n}:asteria"]
+    return out
+
+
+def _split(variant: str) -> tuple[str, str]:
+    name, _, mode = variant.partition(":")
+    return name, mode or "native"
+
+
+# -- one run, and the cache of finished runs -------------------------------------------------------
+
+
+def _key(preset: str, budget: Budget, variant: str, lr: float, seed: int, args) -> str:
+    return json.dumps(
+        [preset, budget.__dict__, variant, lr, seed, args.staleness, args.data_bytes, args.threads]
+    )
+
+
+class Cache:
+    """Finished runs by key, read from and appended to a JSON-lines file (none: in memory)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self.runs = path, {}
+        if path is not None and path.is_file():
+            for line in path.read_text("utf-8").splitlines():
+                if line.strip():
+                    entry = json.loads(line)
+                    self.runs[entry["key"]] = entry["run"]
+
+    def get(self, key: str) -> dict | None:
+        return self.runs.get(key)
+
+    def put(self, key: str, run: dict) -> None:
+        self.runs[key] = run
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"key": key, "run": run}) + "\n")
+
+
+def run_one(preset: str, budget: Budget, variant: str, lr: float, seed: int, corpus, args) -> dict:
+    """Train ``variant`` at ``lr`` on ``seed``; the records the figures need and a summary."""
+    from asteria.runtime import RuntimeConfig
+
+    name, mode = _split(variant)
+    cfg = TrainConfig(
+        model=preset,
+        optimizer=name,
+        mode=mode,
+        steps=budget.steps,
+        batch_size=budget.batch_size,
+        seq_len=budget.seq_len,
+        lr=lr,
+        seed=seed,
+        val_every=budget.val_every,
+        val_batches=budget.val_batches,
+    )
+    rt = RuntimeConfig(staleness=args.staleness) if mode == "asteria" else None
+    start = time.perf_counter()
+    result = train(cfg, corpus, runtime_config=rt, progress=False)
+    keep = ("step", "step_ms", "loss", "val_loss")
+    records = [{k: r[k] for k in keep if k in r} for r in result.records]
+    s = result.summary()
+    return {
+        "variant": variant,
+        "lr": lr,
+        "seed": seed,
+        "status": result.status,
+        "final_val_loss": s["final_val_loss"],
+        "median_step_ms": s["median_step_ms"],
+        "median_opt_ms": s["median_opt_ms"],
+        "train_s": sum(r["step_ms"] for r in records) / 1e3,
+        "run_s": time.perf_counter() - start,
+        "records": records,
+    }
+
+
+def _cached_run(cache: Cache, preset, budget, variant, lr, seed, corpus, args) -> dict:
+    key = _key(preset, budget, variant, lr, seed, args)
+    run = cache.get(key)
+    if run is None:
+        run = run_one(preset, budget, variant, lr, seed, corpus, args)
+        cache.put(key, run)
+        where = f"{run['run_s']:.0f} s"
+    else:
+        where = "cached"
+    val = run["final_val_loss"]
+    print(
+        f"   {preset} {variant:>18} lr {lr:<8g} seed {seed}: val "
+        f"{'-' if val is None else f'{val:.4f}'}, median step {run['median_step_ms']:.0f} ms "
+        f"({where})",
+        flush=True,
+    )
+    return run
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+
+def tune(preset: str, budget: Budget, names, corpus, cache: Cache, args) -> dict[str, dict]:
+    """variant -> {"grid": {lr: final val loss}, "lr": chosen, "at_edge", "tuned_as"}."""
+    out: dict[str, dict] = {}
+    for variant in variants(names):
+        name, mode = _split(variant)
+        if mode == "asteria" and not args.tune_each_mode:
+            native = out[f"{name}:native"]
+            out[variant] = {**native, "tuned_as": f"{name}:native"}
+            continue
+        grid = GRIDS[preset][name] if args.grid is None else tuple(args.grid)
+        finals = {}
+        for lr in grid:
+            run = _cached_run(cache, preset, budget, variant, lr, args.tune_seed, corpus, args)
+            finals[lr] = run["final_val_loss"]
+        scored = {lr: v for lr, v in finals.items() if v is not None and math.isfinite(v)}
+        best = min(scored, key=scored.get) if scored else grid[0]
+        out[variant] = {
+            "grid": {str(lr): v for lr, v in finals.items()},
+            "lr": best,
+            "at_edge": best in (grid[0], grid[-1]),
+            "tuned_as": variant,
+        }
+    return out
+
+
+def evaluate(preset, budget, tuned, corpus, cache: Cache, args) -> dict[str, dict[int, dict]]:
+    """variant -> seed -> run, seed by seed, the order rotated from one seed to the next."""
+    names = list(tuned)
+    runs: dict[str, dict[int, dict]] = {v: {} for v in names}
+    for i, seed in enumerate(args.eval_seeds):
+        shift = i % len(names)
+        for variant in names[shift:] + names[:shift]:
+            runs[variant][seed] = _cached_run(
+                cache, preset, budget, variant, tuned[variant]["lr"], seed, corpus, args
+            )
+    return runs
+
+
+def goals(figures: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals on one preset's figures (targets.time_to_target's dict)."""
+    runs = figures["runs"]
+    asteria = [v for v in runs if v.endswith(":asteria")]
+
+    def worst_ratio(v: str) -> float | None:
+        r = runs[v]
+        return r["ratio_to_reference"]["max"] if r["reached"] == r["of_seeds"] else None
+
+    ranked = sorted(
+        (v for v in asteria if worst_ratio(v) is not None), key=lambda v: worst_ratio(v)
+    )
+    best = ranked[0] if ranked else None
+    out: dict[str, Any] = {
+        "best_asteria": best,
+        "best_asteria_worst_ratio": worst_ratio(best) if best else None,
+        "best_asteria_within_0p7_every_seed": bool(best) and worst_ratio(best) <= 0.7,
+        "asteria_ahead_of_native": {},
+        "asteria_quality_within_1pct": {},
+    }
+    for v in asteria:
+        native = v.replace(":asteria", ":native")
+        if native not in runs:
+            continue
+        a, n = runs[v], runs[native]
+        secs = [
+            (a["seconds_to_target"][s], n["seconds_to_target"][s]) for s in a["seconds_to_target"]
+        ]
+        wins = sum(x is not None and (y is None or x < y) for x, y in secs)
+        a_med = statistics.median(x for x, _ in secs) if all(x for x, _ in secs) else None
+        n_med = statistics.median(y for _, y in secs) if all(y for _, y in secs) else None
+        out["asteria_ahead_of_native"][v] = {
+            "seeds_ahead": wins,
+            "of_seeds": len(secs),
+            "median_seconds": [a_med, n_med],
+            "ahead": wins == len(secs),
+        }
+        am, nm = a["final_val_loss"]["mean"], n["final_val_loss"]["mean"]
+        rel = (am - nm) / nm if am is not None and nm else None
+        out["asteria_quality_within_1pct"][v] = {
+            "mean_final_val_loss": [am, nm],
+            "relative_difference": rel,
+            "within": rel is not None and abs(rel) <= 0.01,
+        }
+    return out
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report_preset(preset: str, tuned: dict, figures: dict, g: dict, tune_seed: int) -> None:
+    print(f"\n== {preset}: tuning on seed {tune_seed}, final validation loss per rate")
+    for v, t in tuned.items():
+        if t["tuned_as"] != v:
+            continue
+        grid = ", ".join(f"{lr}: {_fmt(val, '.4f')}" for lr, val in t["grid"].items())
+        print(f"   {v:>18}: {grid} -> {t['lr']:g}{' (edge of the grid)' if t['at_edge'] else ''}")
+    print(f"\n== {preset}: target {figures['target']:.4f} (AdamW's mean final validation loss)")
+    rows = []
+    for v, r in figures["runs"].items():
+        f, q = r["final_val_loss"], r["ratio_to_reference"]
+        rows.append(
+            [
+                v,
+                f"{tuned[v]['lr']:g}",
+                _fmt(f["mean"], ".4f"),
+                _fmt(f["std"], ".4f"),
+                f"{_fmt(f['min'], '.4f')}-{_fmt(f['max'], '.4f')}",
+                ", ".join(_fmt(x, ".0f") for x in r["steps_to_target"].values()),
+                ", ".join(_fmt(x, ".1f") for x in r["seconds_to_target"].values()),
+                _fmt(q["median"], ".2f"),
+                f"{_fmt(q['min'], '.2f')}-{_fmt(q['max'], '.2f')}",
+                _fmt(r["step_time_vs_reference"]["median"], ".2f"),
+            ]
+        )
+    headers = ["variant", "lr", "val mean", "std", "min-max", "steps to target", "seconds",
+               "ratio med", "ratio range", "step vs adamw"]  # fmt: skip
+    print_table(headers, rows)
+    best = g["best_asteria"]
+    print(
+        f"   best Asteria variant: {best or 'none reached the target on every seed'}"
+        + (f", worst ratio {g['best_asteria_worst_ratio']:.2f} (goal <= 0.7)" if best else "")
+    )
+    for v, a in g["asteria_ahead_of_native"].items():
+        qd = g["asteria_quality_within_1pct"][v]["relative_difference"]
+        print(
+            f"   {v}: ahead of native on {a['seeds_ahead']}/{a['of_seeds']} seeds; mean final "
+            f"val loss {_fmt(None if qd is None else 100 * qd, '+.2f')}% against native"
+        )
+
+
+def _commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (sha or "unknown") + ("+uncommitted changes" if dirty else "")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", default="nano,tiny", help="comma-separated: nano, tiny")
+    p.add_argument(
+        "--optimizers", default=",".join(OPTIMIZERS),
+        help="comma-separated, adamw first (the reference): " + ", ".join(OPTIMIZERS),
+    )  # fmt: skip
+    p.add_argument("--tune-seed", type=int, default=0)
+    p.add_argument("--eval-seeds", default="1,2,3", help="at least three, none the tune seed")
+    p.add_argument("--tune-each-mode", action="store_true", help="tune Asteria modes too")
+    p.add_argument("--grid", help="comma-separated rates for every optimizer (default: GRIDS)")
+    p.add_argument("--steps", type=int, help="override every preset's steps")
+    p.add_argument("--staleness", type=int, default=5, help="RuntimeConfig.staleness (S)")
+    p.add_argument("--threads", type=int, help="training threads (default: all cores but one)")
+    p.add_argument("--data-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    p.add_argument("--quick", action="store_true", help="nano, a few tiny steps (the tests)")
+    p.add_argument("--plots", type=Path, default=Path("bench/results"), help="plot folder")
+    p.add_argument("--json", type=Path, help="also write the JSON here")
+    p.add_argument("--cache", type=Path, help="JSON lines of finished runs, reused when asked")
+    args = p.parse_args(argv)
+    args.presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+    if args.quick:
+        args.presets, args.data_bytes = ["nano"], QUICK_DATA_BYTES
+    bad = [x for x in args.presets if x not in BUDGETS]
+    if bad:
+        p.error(f"unknown presets {bad}; choose from {', '.join(BUDGETS)}")
+    args.optimizers = tuple(x.strip() for x in args.optimizers.split(",") if x.strip())
+    if not args.optimizers or args.optimizers[0] != "adamw":
+        p.error("--optimizers must start with adamw, the reference")
+    if set(args.optimizers) - set(OPTIMIZERS):
+        p.error(f"unknown optimizers; choose from {', '.join(OPTIMIZERS)}")
+    args.eval_seeds = [int(x) for x in args.eval_seeds.split(",") if x.strip()]
+    if len(args.eval_seeds) < 3 or args.tune_seed in args.eval_seeds:
+        p.error("--eval-seeds: at least three seeds, none of them the tuning seed")
+    if args.grid is not None:
+        args.grid = [float(x) for x in args.grid.split(",") if x.strip()]
+        if len(args.grid) < 4:
+            p.error("--grid: at least four learning rates")
+    if args.threads is None:
+        args.threads = training_threads(None, torch.device("cpu"), False)[0]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    env = env_header("asteria bench/time_to_target.py")
+    corpus = load_corpus(max_bytes=args.data_bytes, min_tokens=256)
+    cache = Cache(args.cache)
+    payload: dict[str, Any] = {
+        "benchmark": "time_to_target",
+        "env": env,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python bench/time_to_target.py " + " ".join(argv or sys.argv[1:]),
+        "config": {
+            "tune_seed": args.tune_seed,
+            "eval_seeds": args.eval_seeds,
+            "lr_factors": FACTORS,
+            "tune_each_mode": args.tune_each_mode,
+            "staleness": args.staleness,
+            "threads": torch.get_num_threads(),
+            "data_bytes": args.data_bytes,
+        },
+        "presets": {},
+    }
+    for preset in args.presets:
+        t0 = time.perf_counter()
+        budget = QUICK if args.quick else BUDGETS[preset]
+        if args.steps is not None:
+            budget = dataclasses.replace(budget, steps=args.steps)
+        print(f"\n== {preset}: {budget}", flush=True)
+        tuned = tune(preset, budget, args.optimizers, corpus, cache, args)
+        runs = evaluate(preset, budget, tuned, corpus, cache, args)
+        by_seed = {v: {s: r["records"] for s, r in seeds.items()} for v, seeds in runs.items()}
+        extra = {v: {"lr": t["lr"], "tuned_as": t["tuned_as"]} for v, t in tuned.items()}
+        figures = time_to_target(by_seed, "adamw", None, extra)
+        g = goals(figures)
+        report_preset(preset, tuned, figures, g, args.tune_seed)
+        args.plots.mkdir(parents=True, exist_ok=True)
+        plot = args.plots / f"time_to_target_cpu_{preset}.png"
+        plot_loss(
+            plot, by_seed, time=True, target=figures["target"], train=False,
+            title=f"{preset}: validation loss, mean of seeds {args.eval_seeds} (band: min-max); "
+            "* reaches AdamW's mean final loss",
+        )  # fmt: skip
+        for v, seeds in runs.items():
+            figures["runs"][v]["median_opt_ms"] = statistics.median(
+                r["median_opt_ms"] for r in seeds.values()
+            )
+        payload["presets"][preset] = {
+            "budget": budget.__dict__,
+            "tuning": {v: t for v, t in tuned.items() if t["tuned_as"] == v},
+            **figures,
+            "goals": g,
+            "plot": str(plot),
+            "duration_s": time.perf_counter() - t0,
+        }
+    payload["duration_s"] = time.perf_counter() - started
+    print(f"\nduration {payload['duration_s'] / 60:.1f} min", flush=True)
+    line = io.StringIO()
+    with contextlib.redirect_stdout(line):
+        emit_json(payload)
+    if args.json is not None:  # the very line printed last
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(line.getvalue(), "utf-8")
+    print(line.getvalue(), end="", flush=True)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

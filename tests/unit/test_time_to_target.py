@@ -1,0 +1,171 @@
+"""Time to a target loss: the crossing and the reference (asteria/train/targets.py), asteria-train's
+--seeds and --target-loss (report.md, summary.json, the plots), and bench/time_to_target.py --quick.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from asteria.train.cli import main
+from asteria.train.targets import crossing, time_to_target, train_seconds
+from tests.unit.test_train import QUICK
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _records(vals: dict[int, float], steps: int, step_ms: float = 100.0) -> list[dict]:
+    return [
+        {"step": s, "step_ms": step_ms, "loss": 1.0, **({"val_loss": vals[s]} if s in vals else {})}
+        for s in range(1, steps + 1)
+    ]
+
+
+def test_crossing_is_interpolated_between_validations_in_steps_and_training_seconds() -> None:
+    recs = _records({2: 3.0, 4: 2.0, 6: 1.5}, steps=6)
+    assert train_seconds(recs) == pytest.approx([0.1 * k for k in range(1, 7)])
+    hit = crossing(recs, 2.5)  # half way from step 2 (3.0) to step 4 (2.0)
+    assert hit.step == pytest.approx(3.0) and hit.seconds == pytest.approx(0.3)
+    hit = crossing(recs, 1.75)  # half way from step 4 (2.0) to step 6 (1.5)
+    assert hit.step == pytest.approx(5.0) and hit.seconds == pytest.approx(0.5)
+    assert crossing(recs, 3.5).step == 2.0  # the first validation is already under it
+    assert crossing(recs, 1.0) is None  # never reached
+    # the first validation at or under the target counts, not a later one
+    bumpy = _records({2: 3.0, 4: 2.0, 6: 2.6, 8: 1.9}, steps=8)
+    assert crossing(bumpy, 2.0).step == pytest.approx(4.0)
+
+
+def test_reference_is_its_time_to_the_target_or_its_whole_time() -> None:
+    ref = {0: _records({2: 3.0, 4: 2.0}, 4), 1: _records({2: 3.0, 4: 2.2}, 4)}  # mean 2.1
+    fast = {0: _records({2: 2.05, 4: 1.5}, 4, step_ms=150.0), 1: _records({2: 2.5, 4: 2.0}, 4)}
+    t = time_to_target({"adamw": ref, "x": fast}, "adamw")
+    assert t["target"] == pytest.approx(2.1) and t["target_source"] == "reference"
+    adamw, x = t["runs"]["adamw"], t["runs"]["x"]
+    # seed 0: AdamW reaches 2.1 at step 3.8 (0.38 s); seed 1 ends above it: its whole 0.4 s
+    assert adamw["seconds_to_target"]["0"] == pytest.approx(0.38)
+    assert adamw["seconds_to_target"]["1"] is None and adamw["reached"] == 1
+    assert x["seconds_to_target"]["0"] == pytest.approx(0.3)  # step 2 at 150 ms a step
+    assert x["ratio_to_reference"]["per_seed"]["0"] == pytest.approx(0.3 / 0.38)
+    # seed 1: x reaches 2.1 at step 2 + 2 * 0.4 / 0.5 = 3.6, 0.36 s, against AdamW's whole 0.4 s
+    assert x["ratio_to_reference"]["per_seed"]["1"] == pytest.approx(0.36 / 0.4)
+    assert x["step_time_vs_reference"]["median"] == pytest.approx(1.25)  # (1.5 + 1.0) / 2
+    assert x["final_val_loss"]["mean"] == pytest.approx(1.75)
+    assert adamw["ratio_to_reference"]["per_seed"] == {"0": pytest.approx(1.0), "1": None}
+    given = time_to_target({"adamw": ref, "x": fast}, "adamw", target=2.5)
+    assert given["target"] == 2.5 and given["target_source"] == "given"
+    assert given["runs"]["x"]["steps_to_target"] == {"0": 2.0, "1": 2.0}
+
+
+def test_seeds_repeat_every_run_and_the_report_gives_the_time_to_the_first_runs_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "run"
+    labels = ("adamw", "soap:asteria")
+    argv = [*QUICK, "--model", "nano", "--compare", ",".join(labels), "--seeds", "2"]
+    assert main([*argv, "--seed", "3", "--out", str(out)]) == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # seed by seed, every run of a seed back to back
+    order = [(r["seed"], r["optimizer"]) for r in records if r["step"] == 1]
+    assert order == [(3, "adamw"), (3, "soap:asteria"), (4, "adamw"), (4, "soap:asteria")]
+    summary = json.loads((out / "summary.json").read_text())
+    keys = ["adamw@seed3", "soap:asteria@seed3", "adamw@seed4", "soap:asteria@seed4"]
+    assert list(summary["runs"]) == keys
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(
+        k.replace(":", "_") + ".pt" for k in keys
+    )
+    t = summary["time_to_target"]
+    finals = [summary["runs"][f"adamw@seed{s}"]["final_val_loss"] for s in (3, 4)]
+    assert t["target"] == pytest.approx(statistics.fmean(finals)) and t["seeds"] == [3, 4]
+    assert list(t["runs"]) == list(labels)
+    for r in t["runs"].values():
+        assert set(r["seconds_to_target"]) == {"3", "4"} and r["of_seeds"] == 2
+    assert t["runs"]["adamw"]["reached"] >= 1  # at least the seed that ends under the mean
+    report = (out / "report.md").read_text()
+    assert "## Time to target" in report and "seeds 3, 4" in report
+    for label in labels:
+        assert f"| {label} | " in report
+    for plot in ("loss.png", "loss_time.png"):
+        assert (out / plot).read_bytes()[:8] == PNG
+    assert "time to val loss" in capsys.readouterr().out
+
+
+def test_target_loss_is_the_loss_every_run_is_timed_to(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = [*QUICK, "--model", "nano", "--compare", "adamw,soap:native", "--target-loss", "100"]
+    assert main([*argv, "--out", str(out)]) == 0
+    t = json.loads((out / "summary.json").read_text())["time_to_target"]
+    assert t["target"] == 100.0 and t["target_source"] == "given"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    for label, r in t["runs"].items():  # every run is under 100 at its first validation
+        assert r["steps_to_target"] == {"0": 2.0}
+        mine = [x for x in records if x["optimizer"] == label]
+        assert r["seconds_to_target"]["0"] == pytest.approx(
+            (mine[0]["step_ms"] + mine[1]["step_ms"]) / 1e3
+        )
+    assert t["runs"]["adamw"]["ratio_to_reference"]["median"] == pytest.approx(1.0)
+    assert (
+        "Target: validation loss 100.0000, given by --target-loss"
+        in (out / "report.md").read_text()
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seeds", "0"], "--seeds must be >= 1, got 0"),
+        (["--target-loss", "0"], "--target-loss must be a finite loss > 0"),
+    ],
+)
+def test_bad_seeds_and_targets_are_usage_errors(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*QUICK, "--optimizer", "adamw", *argv, "--out", str(tmp_path / "run")])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_benchmark_quick_tunes_alike_and_evaluates_on_unseen_seeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import time_to_target as bench
+
+    cache = tmp_path / "runs.jsonl"
+    argv = ["--quick", "--optimizers", "adamw,soap", "--plots", str(tmp_path)]
+    argv += ["--json", str(tmp_path / "t.json"), "--cache", str(cache)]
+    payload = bench.main(argv)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[-1]) == json.loads((tmp_path / "t.json").read_text())
+    assert set(payload) >= {"env", "commit", "date", "duration_s", "presets"}
+    assert payload["env"]["torch"] and payload["commit"]
+    nano = payload["presets"]["nano"]
+    # the same tuning budget: four rates each on seed 0; Asteria takes its native mode's rate
+    assert set(nano["tuning"]) == {"adamw", "soap:native"}
+    for t in nano["tuning"].values():
+        assert len(t["grid"]) == 4 and str(t["lr"]) in t["grid"]
+        assert min(t["grid"], key=t["grid"].get) == str(t["lr"])
+    runs = nano["runs"]
+    assert list(runs) == ["adamw", "soap:native", "soap:asteria"]
+    assert runs["soap:asteria"]["lr"] == runs["soap:native"]["lr"]
+    assert runs["soap:asteria"]["tuned_as"] == "soap:native"
+    finals = runs["adamw"]["final_val_loss"]["per_seed"]
+    assert list(finals) == ["1", "2", "3"]  # evaluated on seeds the tuning never saw
+    assert nano["target"] == pytest.approx(statistics.fmean(finals.values()))
+    for r in runs.values():
+        f = r["final_val_loss"]
+        assert f["min"] <= f["mean"] <= f["max"] and f["std"] >= 0
+        assert set(r["seconds_to_target"]) == set(r["steps_to_target"]) == {"1", "2", "3"}
+        assert set(r["ratio_to_reference"]) >= {"median", "min", "max", "per_seed"}
+    assert set(nano["goals"]) >= {"best_asteria", "asteria_ahead_of_native"}
+    assert Path(nano["plot"]).read_bytes()[:8] == PNG
+    # --cache: a second invocation reuses every run (4 + 4 tuning, 3 x 3 evaluation)
+    assert len(cache.read_text().splitlines()) == 17
+    again = bench.main(argv)
+    assert len(cache.read_text().splitlines()) == 17
+    assert again["presets"]["nano"]["target"] == nano["target"]
+    assert "cached" in capsys.readouterr().out
