@@ -2,7 +2,8 @@
 
 Owns: how every benchmark under bench/ reports (an environment header first, a readable table,
 and as the LAST line of output one JSON object with absolute figures and ratios against named
-baselines). Must not: know what is being benchmarked.
+baselines), and what every such JSON records of its run (``recorded``: Note [Recorded runs]).
+Must not: know what is being benchmarked.
 
 Ratios are ``ours / theirs`` of a time, so a value below 1 means ours is faster.
 """
@@ -11,16 +12,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from asteria.train.env import environment
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def set_threads(threads: int) -> None:
@@ -96,8 +103,57 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def git_commit() -> str | None:
+    """The commit the code ran at, ``+dirty`` when tracked files differ from it; ``ASTERIA_COMMIT``
+    where set (a copy of the tree without its ``.git``); None where neither tells."""
+    if os.environ.get("ASTERIA_COMMIT"):
+        return os.environ["ASTERIA_COMMIT"]
+    try:
+        git = ["git", "-C", str(ROOT)]
+        head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def recorded() -> dict[str, Any]:
+    """When, at which commit, with which torch and on what machine a run measured.
+
+    Note [Recorded runs]: every benchmark's JSON carries, under ``recorded``, the UTC date and
+    time of the run, the commit (``git_commit``), the torch version, and the machine (CPU model
+    and count, memory, accelerator, platform): ``emit_json`` adds it, so no bench can leave it
+    out, and bench/results/*.json are those lines. The files committed before this existed got
+    the date and commit of the commit that added their figures from git history, the torch
+    version from their own ``env``, and the machine as README.md records it (``"source"`` says
+    so)."""
+    try:
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        memory_gib = None
+    env = environment()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "machine": {
+            "cpu": env["cpu"],
+            "cpu_count": env["cpu_count"],
+            "memory_gib": memory_gib,
+            "accelerator": env["cuda"],
+            "platform": env["platform"],
+        },
+    }
+
+
 def emit_json(payload: dict[str, Any]) -> None:
-    """Print ``payload`` as one JSON line (non-finite floats become null). Call it last."""
+    """Print ``payload`` with ``recorded`` (Note [Recorded runs]) as one JSON line (non-finite
+    floats become null). Call it last."""
+    payload = {**payload, "recorded": recorded()}
 
     def clean(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):

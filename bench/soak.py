@@ -28,8 +28,8 @@ The last line of output is one JSON object with those figures.
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import random
 import sys
 import time
@@ -38,11 +38,14 @@ from collections import Counter
 
 import torch
 
-from asteria._ext import load_extension
-from asteria.optim import SOAP
-from asteria.runtime import RefreshFailedError, Runtime, RuntimeConfig
-from asteria.train.data import load_corpus, train_batches
-from asteria.train.models import build_model, get_preset
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from asteria._ext import load_extension  # noqa: E402
+from asteria.optim import SOAP  # noqa: E402
+from asteria.runtime import RefreshFailedError, Runtime, RuntimeConfig  # noqa: E402
+from asteria.train.data import load_corpus, train_batches  # noqa: E402
+from asteria.train.models import build_model, get_preset  # noqa: E402
+from bench._common import emit_json  # noqa: E402
 
 KINDS = ("nan_batch", "inf_grad", "corrupt_snapshot", "lapack_error", "slow_worker")
 
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
             "trims"
         ),  # Note [Returning freed memory] (refresh_pool.cpp)
     }
-    print(json.dumps(result), flush=True)
+    emit_json(result)  # with ``recorded`` (Note [Recorded runs] in bench/_common.py)
     return result
 
 
