@@ -324,6 +324,7 @@ class KroneckerOptimizer(Optimizer):
                 out = result
         return out
 
+    @torch.compiler.disable  # as torch.optim's own (Note [torch.compile])
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim``'s ``zero_grad``; zeroing in place first lets deferred statistics
         updates, which read this step's gradients, finish."""
@@ -438,6 +439,7 @@ class KroneckerOptimizer(Optimizer):
 
     # -- the step skeleton ---------------------------------------------------------------------
 
+    @torch.compiler.disable  # runs eagerly inside a compiled function (Note [torch.compile])
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimization step; ``closure`` re-evaluates the model and returns the loss."""
@@ -666,6 +668,18 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     "_nonfinite_warned": False,
     "_resumed_refreshes": None,
 }
+
+# Note [torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~
+# A model compiled with ``torch.compile`` trains under these optimizers, with a runtime attached
+# or not, and its compiled forward and backward have no graph break of Asteria's: the runtime's
+# module hooks are not traced (Note [Signals under torch.compile] in asteria/runtime/hooks.py).
+# ``step()`` and ``zero_grad()`` are ``torch.compiler.disable``d: called from a compiled
+# function, each breaks the graph there and runs eagerly, as it would outside (the step holds
+# host-side decisions, C++ worker calls and LAPACK refreshes that dynamo cannot trace: traced,
+# the first step of SOAP broke the graph 20 times). torch.optim's own ``zero_grad`` is disabled
+# the same way. docs/compile.md lists the graph breaks of a compiled training step;
+# tests/unit/test_compile.py counts them.
 
 # Note [torch.optim conventions]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

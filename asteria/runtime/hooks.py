@@ -46,6 +46,17 @@ under ``no_grad``, a frozen module) registers nothing: no backward will run thro
 whose output holds several tensors signals on the first one that needs a gradient. A hook
 registered on an output lives as long as that output's graph, so ``remove()`` cannot take it
 back; after ``close()`` it calls a runtime that ignores it.
+
+Note [Signals under torch.compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A signal calls into the runtime (a weak reference, its lock, its pending refreshes), which dynamo
+cannot trace: traced, each module's forward pre-hook broke the compiled graph once (2 breaks on a
+model of two Linears). Both module hooks therefore return at once while dynamo traces
+(``torch.compiler.is_compiling()``), so the compiled forward and backward hold nothing of
+Asteria's and the module signals are off there. That changes only when a ready refresh is
+installed (at the optimizer's block boundaries, as with ``RuntimeConfig(hooks=False)``), never
+what is computed. Modules that run eagerly still signal. The gradient guards are tensor hooks
+on the parameters, which run in the eager autograd engine after a compiled backward, as before.
 """
 
 from __future__ import annotations
@@ -80,6 +91,8 @@ class ModuleSignals:
     @staticmethod
     def _forward(signal: Signal, ids: tuple[int, ...]):
         def hook(module, args):
+            if torch.compiler.is_compiling():
+                return  # Note [Signals under torch.compile]
             signal(ids, "forward")
 
         return hook
@@ -90,6 +103,8 @@ class ModuleSignals:
             signal(ids, "backward")  # returns None: the gradient passes unchanged
 
         def hook(module, args, output):
+            if torch.compiler.is_compiling():
+                return  # Note [Signals under torch.compile]
             out = _first_differentiable(output)
             if out is not None:
                 out.register_hook(on_grad)
