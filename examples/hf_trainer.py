@@ -1,9 +1,10 @@
-"""Asteria's optimizers inside the Hugging Face ``Trainer``.
+"""Asteria's optimizers inside the Hugging Face ``Trainer``, through ``asteria.integrations.hf``.
 
 The Trainer takes any ``torch.optim.Optimizer`` through ``optimizers=(optimizer, scheduler)``;
 Asteria's SOAP / KLShampoo / Shampoo are ordinary optimizers, so native mode needs nothing more.
-For Asteria mode (refreshes on the C++ workers, off the critical path) a small callback attaches
-an ``asteria.Runtime`` when training begins and detaches it when training ends.
+For Asteria mode (refreshes on the C++ workers, off the critical path) the integration's
+callback attaches an ``asteria.Runtime`` when training begins and detaches it when training ends;
+``asteria.integrations.hf.trainer_kwargs`` gives both.
 
     python examples/hf_trainer.py --optimizer soap --mode asteria --steps 30
 
@@ -17,31 +18,19 @@ import argparse
 import tempfile
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import asteria
+from asteria.integrations.hf import AsteriaRuntimeCallback, trainer_kwargs
 from asteria.train.data import VOCAB_SIZE, load_corpus, train_batches
 from asteria.train.models import build_model, get_preset
 
-
-class AsteriaRuntimeCallback(TrainerCallback):
-    """Run an Asteria optimizer in Asteria mode for the length of ``trainer.train()``."""
-
-    def __init__(self, config: asteria.RuntimeConfig | None = None) -> None:
-        self.config = config
-        self.runtime: asteria.Runtime | None = None
-        self.stats: dict | None = None
-
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        # The Trainer hands over Accelerate's wrapper; the Asteria optimizer is inside it.
-        inner = getattr(optimizer, "optimizer", optimizer)
-        self.runtime = asteria.Runtime(model, inner, self.config)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.runtime is not None:
-            self.stats = self.runtime.stats()
-            self.runtime.close()
-            self.runtime = None
+#: Each optimizer's options here (the rest are its defaults).
+OPTIONS = {
+    "soap": {"betas": (0.95, 0.95), "weight_decay": 0.01},
+    "kl-shampoo": {"shampoo_beta": 0.9, "weight_decay": 0.01},
+    "shampoo": {"grafting": "adam"},
+}
 
 
 class ByteWindows(torch.utils.data.Dataset):
@@ -59,15 +48,8 @@ class ByteWindows(torch.utils.data.Dataset):
         return {"input_ids": self.windows[i], "labels": self.windows[i]}
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "soap":
-        return asteria.optim.SOAP(params, lr=lr, betas=(0.95, 0.95), weight_decay=0.01)
-    if name == "kl-shampoo":
-        return asteria.optim.KLShampoo(params, lr=lr, shampoo_beta=0.9, weight_decay=0.01)
-    if name == "shampoo":
-        return asteria.optim.Shampoo(params, lr=lr, grafting="adam")
-    raise ValueError(f"unknown optimizer {name!r}; choose from soap, kl-shampoo, shampoo")
+def _warmup(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
 
 
 def run(
@@ -79,11 +61,18 @@ def run(
     model_name: str = "nano",
 ) -> tuple[list[float], AsteriaRuntimeCallback | None]:
     """Train ``steps`` steps; returns the logged training losses and the runtime callback."""
+    if optimizer not in OPTIONS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIONS)}")
     torch.manual_seed(0)
     model = build_model(get_preset(model_name), vocab_size=VOCAB_SIZE, max_seq_len=64, seed=0)
-    opt = make_optimizer(optimizer, model, lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    callback = AsteriaRuntimeCallback(asteria.RuntimeConfig(staleness=2, workers=1))
+    asteria_kwargs = trainer_kwargs(
+        model,
+        optimizer,
+        runtime=asteria.RuntimeConfig(staleness=2, workers=1) if mode == "asteria" else False,
+        scheduler=_warmup,
+        lr=lr,
+        **OPTIONS[optimizer],
+    )
     args = TrainingArguments(
         output_dir=output_dir or tempfile.mkdtemp(prefix="asteria-hf-"),
         max_steps=steps,
@@ -101,12 +90,12 @@ def run(
         model=model,
         args=args,
         train_dataset=ByteWindows(size=8 * steps, seq_len=64),
-        optimizers=(opt, sched),
-        callbacks=[callback] if mode == "asteria" else [],
+        **asteria_kwargs,
     )
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    return losses, callback if mode == "asteria" else None
+    callbacks = asteria_kwargs.get("callbacks", [None])
+    return losses, callbacks[0]
 
 
 def main() -> None:

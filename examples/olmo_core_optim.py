@@ -1,11 +1,10 @@
-"""Asteria's optimizers inside OLMo-core's trainer: ``OptimConfig`` subclasses and a callback.
+"""Asteria's optimizers inside OLMo-core's trainer, through ``asteria.integrations.olmo_core``.
 
-OLMo-core builds its optimizer from an ``OptimConfig`` (``TransformerTrainModuleConfig(optim=...)``
-calls ``optim.build(model)``); every field of the config but ``group_overrides``, ``compile`` and
-``fixed_fields`` becomes a keyword of the optimizer class that ``optimizer()`` returns. So an
-Asteria optimizer in OLMo-core is a dataclass with its hyperparameters, and Asteria mode
-(refreshes on the C++ workers) is a trainer callback that attaches an ``asteria.Runtime`` for the
-length of ``trainer.fit()``; without it the optimizer runs in native mode.
+OLMo-core builds its optimizer from an ``OptimConfig``; the integration's ``AsteriaSOAPConfig``
+(and the KL-Shampoo and Shampoo ones) are such configs, and Asteria mode (refreshes on the C++
+workers) is its trainer callback, ``AsteriaRuntimeCallback``, which attaches an
+``asteria.Runtime`` for the length of ``trainer.fit()``; without it the optimizer runs in native
+mode.
 
     python examples/olmo_core_optim.py --optimizer soap --mode asteria --steps 20
     python examples/olmo_core_optim.py --work-dir /tmp/olmo --stop-at 10  # then again, without
@@ -35,125 +34,19 @@ import argparse
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.nn.transformer import TransformerConfig
-from olmo_core.optim import CosWithWarmup, OptimConfig
+from olmo_core.optim import CosWithWarmup
 from olmo_core.train import Duration, Trainer, TrainerConfig, seed_all
 from olmo_core.train.callbacks import Callback
 from olmo_core.train.common import TRAIN_CE_LOSS_METRIC
 from olmo_core.train.train_module import TransformerTrainModuleConfig
 
-import asteria
-from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.integrations.olmo_core import CONFIGS, AsteriaRuntimeCallback
 from asteria.train.data import EOD, VOCAB_SIZE, load_corpus
-
-
-@dataclass
-class AsteriaSOAPConfig(OptimConfig):
-    """``asteria.optim.SOAP`` as an OLMo-core optimizer config."""
-
-    lr: float = 3e-3
-    betas: tuple[float, float] = (0.95, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    precondition_frequency: int = 10
-
-    @classmethod
-    def optimizer(cls) -> type[SOAP]:
-        return SOAP
-
-
-@dataclass
-class AsteriaKLShampooConfig(OptimConfig):
-    """``asteria.optim.KLShampoo`` as an OLMo-core optimizer config."""
-
-    lr: float = 1e-2
-    betas: tuple[float, float] = (0.9, 0.98)
-    shampoo_beta: float = 0.9
-    weight_decay: float = 0.01
-    precondition_frequency: int = 10
-
-    @classmethod
-    def optimizer(cls) -> type[KLShampoo]:
-        return KLShampoo
-
-
-@dataclass
-class AsteriaShampooConfig(OptimConfig):
-    """``asteria.optim.Shampoo`` (Adam grafting) as an OLMo-core optimizer config."""
-
-    lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 1.0)
-    precondition_frequency: int = 10
-    grafting: str = "adam"
-
-    @classmethod
-    def optimizer(cls) -> type[Shampoo]:
-        return Shampoo
-
-
-CONFIGS: dict[str, type[OptimConfig]] = {
-    "soap": AsteriaSOAPConfig,
-    "kl-shampoo": AsteriaKLShampooConfig,
-    "shampoo": AsteriaShampooConfig,
-}
-
-
-@dataclass
-class AsteriaRuntimeCallback(Callback):
-    """Attach an ``asteria.Runtime`` to the train module's optimizer before training, detach it
-    after (``staleness``/``fixed_delay``/``workers``: ``asteria.RuntimeConfig``'s, None for the
-    default). ``stats`` holds the runtime's ``stats()`` from the moment it was detached.
-
-    Its ``state_dict`` (part of OLMo-core's trainer state) is the runtime's refreshes in flight;
-    a resumed trainer loads it before ``pre_train``, so it is kept until the runtime is attached.
-    """
-
-    staleness: int | None = None
-    fixed_delay: int | None = None
-    workers: int | None = None
-
-    def __post_init__(self) -> None:
-        self.runtime: asteria.Runtime | None = None
-        self.stats: dict[str, Any] | None = None
-        self._loaded: dict[str, Any] | None = None
-
-    def runtime_config(self) -> asteria.RuntimeConfig:
-        given: dict[str, Any] = {
-            "staleness": self.staleness,
-            "fixed_delay": self.fixed_delay,
-            "workers": self.workers,
-        }
-        return asteria.RuntimeConfig(**{k: v for k, v in given.items() if v is not None})
-
-    def attach(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.runtime = asteria.Runtime(model, optim, self.runtime_config())
-        if self._loaded is not None:
-            self.runtime.load_state_dict(self._loaded)
-            self._loaded = None
-
-    def detach(self) -> None:
-        if self.runtime is not None:
-            self.stats = self.runtime.stats()
-            self.runtime.close()
-            self.runtime = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {} if self.runtime is None else {"runtime": self.runtime.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = state_dict.get("runtime")
-
-    def pre_train(self) -> None:
-        module = self.trainer.train_module
-        self.attach(module.model, module.optim)
-
-    def post_train(self) -> None:
-        self.detach()
 
 
 @dataclass

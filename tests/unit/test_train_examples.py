@@ -1,4 +1,5 @@
-"""examples/: Asteria's optimizers inside the Hugging Face Trainer and OLMo-core's trainer."""
+"""examples/: Asteria's optimizers inside the Hugging Face Trainer and OLMo-core's trainer,
+through ``asteria.integrations.hf`` and ``asteria.integrations.olmo_core``, end to end."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_olmo_core_trainer_trains_with_soap(mode: str, olmo_core_runs) -> None:
 
 
 def test_olmo_core_asteria_mode_matches_native_before_the_first_refresh(olmo_core_runs) -> None:
-    from examples.olmo_core_optim import AsteriaSOAPConfig
+    from asteria.integrations.olmo_core import AsteriaSOAPConfig
 
     # Same seed and data order; the modes differ only in when a refresh is installed.
     first = AsteriaSOAPConfig.precondition_frequency
@@ -99,13 +100,13 @@ def test_olmo_core_checkpoint_resumes_bit_for_bit(mode: str, olmo_core_runs) -> 
 def test_olmo_core_optim_configs_build_asteria_optimizers() -> None:
     from olmo_core.optim import OptimGroupOverride
 
-    from asteria.optim import SOAP, KLShampoo, Shampoo
-    from examples.olmo_core_optim import (
+    from asteria.integrations.olmo_core import (
         AsteriaKLShampooConfig,
         AsteriaRuntimeCallback,
         AsteriaShampooConfig,
         AsteriaSOAPConfig,
     )
+    from asteria.optim import SOAP, KLShampoo, Shampoo
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     no_decay = [OptimGroupOverride(params=["*.bias"], opts={"weight_decay": 0.0})]

@@ -1,0 +1,153 @@
+"""Asteria's optimizers and runtime in OLMo-core's trainer: ``OptimConfig`` subclasses and a
+runtime callback.
+
+OLMo-core builds its optimizer from an ``OptimConfig`` (``TransformerTrainModuleConfig(optim=...)``
+calls ``optim.build(model)``); every field of the config but ``group_overrides``, ``compile`` and
+``fixed_fields`` becomes a keyword of the optimizer class that ``optimizer()`` returns. So an
+Asteria optimizer in OLMo-core is a dataclass with its hyperparameters (``AsteriaSOAPConfig``,
+``AsteriaKLShampooConfig``, ``AsteriaShampooConfig``), and Asteria mode (refreshes on the C++
+workers) is a trainer callback, ``AsteriaRuntimeCallback``, that attaches an ``asteria.Runtime``
+for the length of ``trainer.fit()``; without it the optimizer runs in native mode::
+
+    train_module = TransformerTrainModuleConfig(optim=AsteriaSOAPConfig(lr=3e-3), ...)
+    trainer = TrainerConfig(callbacks={"asteria": AsteriaRuntimeCallback()}, ...)
+
+Checkpoints are OLMo-core's own, through ``torch.distributed.checkpoint.state_dict`` with
+OLMo-core's defaults (``flatten_optimizer_state_dict=True``, ``cpu_offload=True``; Note [Flat
+optimizer state] in asteria/optim/state_format.py); the callback's ``state_dict`` (part of the
+trainer state) carries the runtime's refreshes in flight and puts them back after attaching
+(Note [Checkpoints with work in flight] in asteria/runtime/state.py). Single-process and DDP
+only: under FSDP2 the optimizer state is per local shard, which torch's state-dict API cannot
+carry (Asteria refuses it; use ``asteria.checkpoint``). examples/olmo_core_optim.py trains with
+these, and resumes bit for bit (tests/unit/test_train_examples.py).
+
+Owns: the configs and the callback. Must not: import OLMo-core before this module is imported
+(asteria.integrations, asteria do not), or hold optimizer or runtime logic of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asteria.integrations._frameworks import require
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.runtime import Runtime, RuntimeConfig
+
+_optim = require("olmo_core.optim", "asteria.integrations.olmo_core", "ai2-olmo-core")
+_callbacks = require("olmo_core.train.callbacks", "asteria.integrations.olmo_core", "ai2-olmo-core")
+
+__all__ = [
+    "CONFIGS",
+    "AsteriaKLShampooConfig",
+    "AsteriaRuntimeCallback",
+    "AsteriaSOAPConfig",
+    "AsteriaShampooConfig",
+]
+
+
+@dataclass
+class AsteriaSOAPConfig(_optim.OptimConfig):
+    """``asteria.optim.SOAP`` as an OLMo-core optimizer config."""
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.95, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    precondition_frequency: int = 10
+
+    @classmethod
+    def optimizer(cls) -> type[SOAP]:
+        return SOAP
+
+
+@dataclass
+class AsteriaKLShampooConfig(_optim.OptimConfig):
+    """``asteria.optim.KLShampoo`` as an OLMo-core optimizer config."""
+
+    lr: float = 1e-2
+    betas: tuple[float, float] = (0.9, 0.98)
+    shampoo_beta: float = 0.9
+    weight_decay: float = 0.01
+    precondition_frequency: int = 10
+
+    @classmethod
+    def optimizer(cls) -> type[KLShampoo]:
+        return KLShampoo
+
+
+@dataclass
+class AsteriaShampooConfig(_optim.OptimConfig):
+    """``asteria.optim.Shampoo`` (Adam grafting) as an OLMo-core optimizer config."""
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 1.0)
+    precondition_frequency: int = 10
+    grafting: str = "adam"
+
+    @classmethod
+    def optimizer(cls) -> type[Shampoo]:
+        return Shampoo
+
+
+#: The configs by optimizer name.
+CONFIGS: dict[str, type[_optim.OptimConfig]] = {
+    "soap": AsteriaSOAPConfig,
+    "kl-shampoo": AsteriaKLShampooConfig,
+    "shampoo": AsteriaShampooConfig,
+}
+
+
+@dataclass
+class AsteriaRuntimeCallback(_callbacks.Callback):
+    """Attach an ``asteria.Runtime`` to the train module's optimizer before training, detach it
+    after (``staleness``/``fixed_delay``/``workers``: ``asteria.RuntimeConfig``'s, None for the
+    default). ``stats`` holds the runtime's ``stats()`` from the moment it was detached.
+
+    Its ``state_dict`` (part of OLMo-core's trainer state) is the runtime's refreshes in flight;
+    a resumed trainer loads it before ``pre_train``, so it is kept until the runtime is attached.
+    """
+
+    staleness: int | None = None
+    fixed_delay: int | None = None
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        self.runtime: Runtime | None = None
+        self.stats: dict[str, Any] | None = None
+        self._loaded: dict[str, Any] | None = None
+
+    def runtime_config(self) -> RuntimeConfig:
+        given: dict[str, Any] = {
+            "staleness": self.staleness,
+            "fixed_delay": self.fixed_delay,
+            "workers": self.workers,
+        }
+        return RuntimeConfig(**{k: v for k, v in given.items() if v is not None})
+
+    def attach(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.runtime = Runtime(model, optim, self.runtime_config())
+        if self._loaded is not None:
+            self.runtime.load_state_dict(self._loaded)
+            self._loaded = None
+
+    def detach(self) -> None:
+        if self.runtime is not None:
+            self.stats = self.runtime.stats()
+            self.runtime.close()
+            self.runtime = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.runtime is None else {"runtime": self.runtime.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict.get("runtime")
+
+    def pre_train(self) -> None:
+        module = self.trainer.train_module
+        self.attach(module.model, module.optim)
+
+    def post_train(self) -> None:
+        self.detach()
