@@ -15,8 +15,7 @@ import torch
 
 from asteria.memory import host_empty, is_host_tensor
 from asteria.memory.accounting import detect_arch
-from asteria.memory.copies import CudaCopies
-from asteria.memory.window import BasesWindow
+from asteria.memory.window import BasesWindow, CudaCopies
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
 
