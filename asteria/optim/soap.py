@@ -10,7 +10,14 @@ Where Asteria differs from the authors' code (same math, different arithmetic):
     step; Asteria rotates it only when a basis actually changes (``m <- R_L^T m R_R`` with
     ``R = Q_old^T Q_new``), which is the same in exact arithmetic and saves four matmuls a step;
   * a dim larger than ``max_preconditioner_dim`` is split into blocks (Distributed Shampoo's
-    rule) instead of being left unrotated; ``block_large_dims=False`` restores the authors' rule;
+    rule) instead of being left unrotated; ``block_large_dims=False`` restores the authors' rule.
+    Blocking preconditions both dims of an embedding (the authors' rule leaves the vocab dim to
+    Adam) and is the layout Asteria's memory tiers and benchmarks assume; at the authors' default
+    ``max_preconditioner_dim=10000`` it costs a 10000 x 10000 factor and basis per block (a 50k-row
+    embedding: five, 4 GB in fp32, and five such QRs per refresh), so large models set 2048 or
+    ``block_large_dims=False`` (docs/fidelity.md);
+  * ``normalize_grads`` rescales the update of the whole parameter to unit RMS, as the authors
+    do, also when the parameter is split into blocks;
   * the refresh runs in ``refresh_dtype`` (float32 as the authors; float64 on request).
 
 Must not: know about runtimes, pools or memory tiers.
@@ -210,8 +217,18 @@ class SOAP(KroneckerOptimizer):
             for bi, (b, g, w) in enumerate(zip(u.state["blocks"], grads, weights)):
                 work.append(_BlockStep((u.pid, bi), b, g, w, step_size, t))
 
+        if group["normalize_grads"]:
+            # a parameter split into blocks is normalized as a whole (the authors' rule)
+            split = {u.pid for u in updates if len(u.state["blocks"]) > 1}
+            if split:
+                _update_normalized(self, [c for c in work if c.key[0] in split], group)
+                work_fused = [c for c in work if c.key[0] not in split]
+            else:
+                work_fused = work
+        else:
+            work_fused = work
         stable = self._refresher.bases_stable
-        for chunk in _chunks(work, FUSED_ELEMENTS if stable else 0):
+        for chunk in _chunks(work_fused, FUSED_ELEMENTS if stable else 0):
             native: Chunk = []
             python: Chunk = []
             for c in chunk:
@@ -358,6 +375,26 @@ def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
         if group["normalize_grads"]:
             update = update / (1e-30 + torch.mean(update**2) ** 0.5)
         c.weight.add_(update, alpha=-c.step_size)
+
+
+def _update_normalized(opt: SOAP, blocks: list[_BlockStep], group: dict[str, Any]) -> None:
+    """Steps 3-4 for parameters split into blocks, with ``normalize_grads``: each block's
+    update as ``_update_fused`` computes it, then every block of a parameter divided by
+    ``1e-30 + RMS`` of the parameter's whole update (the authors normalize per parameter)."""
+    beta1, beta2 = group["betas"]
+    by_param: dict[int, list[tuple[_BlockStep, torch.Tensor]]] = {}
+    for c in blocks:
+        q = opt.refresher.bases(opt, c.key, c.block)
+        g_rot = mode_products(c.grad, q, transpose=True)
+        c.block["exp_avg"].mul_(beta1).add_(g_rot, alpha=1 - beta1)
+        c.block["exp_avg_sq"].mul_(beta2).add_(g_rot.pow(2), alpha=1 - beta2)
+        ratio = c.block["exp_avg"] / c.block["exp_avg_sq"].sqrt().add_(group["eps"])
+        by_param.setdefault(c.key[0], []).append((c, mode_products(ratio, q, transpose=False)))
+    for parts in by_param.values():
+        numel = sum(u.numel() for _, u in parts)
+        rms = (torch.stack([u.square().sum() for _, u in parts]).sum() / numel) ** 0.5
+        for c, u in parts:
+            c.weight.add_(u / (1e-30 + rms), alpha=-c.step_size)
 
 
 # Note [Fused elementwise steps]

@@ -180,3 +180,33 @@ def test_kl_shampoo_matches_the_authors_within_the_nudge_floor(case):
     floor = max_rel_diff(ours, nudged.run(lambda ps: KLShampoo(ps, **kw)))
     assert max_rel_diff(ours, ref) <= max(4 * floor, 1e-15), (max_rel_diff(ours, ref), floor)
     assert max_rel_diff(ours, problem.init) > 1e-2, "the run must move"
+
+
+def test_soap_normalizes_a_split_parameter_as_a_whole():
+    """normalize_grads: the authors divide a parameter's whole update by its RMS; a parameter
+    split into blocks (block_large_dims) is normalized the same, not block by block."""
+    problem = StochasticQuartic([(9, 4)], 12, torch.float64)
+    params = problem.params()
+    opt = SOAP(
+        params,
+        lr=1e-2,
+        weight_decay=0.0,
+        correct_bias=False,
+        normalize_grads=True,
+        max_preconditioner_dim=4,
+        block_large_dims=True,
+        precondition_frequency=3,
+    )
+    assert len(opt.layout(params[0], opt.param_groups[0]).blocks) == 3
+    block_rms = []
+    for t in range(12):
+        before = params[0].detach().clone()
+        opt.zero_grad()
+        problem.loss(params, t).backward()
+        opt.step()
+        if t == 0:
+            continue  # the first step only initialises
+        delta = (before - params[0].detach()) / 1e-2
+        assert abs(float(delta.square().mean().sqrt()) - 1.0) < 1e-12
+        block_rms.append(float(delta[:4].square().mean().sqrt()))
+    assert max(abs(r - 1.0) for r in block_rms) > 1e-3, "the blocks are not normalized apart"
