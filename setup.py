@@ -17,6 +17,7 @@ extension; asteria/_ext.py compares it with the running torch at import.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -29,6 +30,27 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).resolve().parent
+
+
+def _check_torch() -> None:
+    """Refuse a torch outside the supported range (Note [Supported torch] in
+    asteria/_supported.py, read without importing asteria), unless ASTERIA_UNSUPPORTED_TORCH=1."""
+    spec = importlib.util.spec_from_file_location(
+        "_asteria_supported", ROOT / "asteria/_supported.py"
+    )
+    supported = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(supported)
+    message = supported.refusal(torch.__version__)
+    if message is None:
+        return
+    if os.environ.get(supported.OVERRIDE, "") in ("", "0"):
+        sys.exit(f"setup.py: {message}")
+    print(
+        f"setup.py: WARNING, building anyway ({supported.OVERRIDE}=1): {message}", file=sys.stderr
+    )
+
+
+_check_torch()
 # -g0 drops the debug info Python's own CFLAGS ask for: with torch's headers it nearly doubles the
 # compile time of every file and makes a 19 MB library. ASTERIA_DEBUG=1 keeps it (and -O0).
 DEBUG = os.environ.get("ASTERIA_DEBUG", "") not in ("", "0")
