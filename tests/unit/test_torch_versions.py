@@ -54,7 +54,7 @@ def _setup_py(fake_version: str, **env: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
         cwd=ROOT,
-        env={**os.environ, **env},
+        env={**{k: v for k, v in os.environ.items() if k != _supported.OVERRIDE}, **env},
     )
 
 
