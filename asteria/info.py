@@ -62,7 +62,7 @@ def verdict(info: dict[str, Any]) -> str:
     ImportError that says how to rebuild (asteria/_ext.py).
     """
     if info["cuda_available"] and not info["cuda_extension"]:
-        return "OK (CPU-only build on a CUDA machine: rebuild with CUDA for the shadow stream)"
+        return "OK (CPU-only build on a CUDA machine: rebuild with CUDA for the GPU paths)"
     if info["cuda_extension"]:
         return "OK: CUDA build"
     return "OK: CPU build (CUDA off)"

@@ -163,10 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for i in range(40):
                     name = f"soak-hog{i}"
                     hogs.append((name, rt.pool.submit_eigh(name, 0, 0, hog, torch.float64)))
-            # the hogs' results are garbage: the pool forgets them once done, as the runtime
-            # does with a result it no longer needs (WorkerPool.release)
+            # the hogs' results are garbage: a finished future dropped frees its result
             while hogs and hogs[0][1].done():
-                rt.pool.release(hogs.pop(0)[0], 0)
+                hogs.pop(0)
 
             x = next(batches)
             opt.zero_grad(set_to_none=True)

@@ -1,8 +1,9 @@
 """Asteria's memory tiers below the device: host memory it owns (aligned, pinned and mapped where a
-GPU is visible) with the staging ring and device views (host.py), host staging for snapshots
-(staging.py), and the NVMe spill store (nvme.py). The placement policy is tiers.py (pure) and the
-state sizes it is fed come from accounting.py; the device window the runtime reads host bases
-through on discrete GPUs is window.py; import them from there."""
+GPU is visible) with the staging ring that device snapshots go through and device views
+(host.py), and the NVMe spill store (nvme.py). The placement policy is tiers.py (pure) and the
+state sizes it is fed come from accounting.py; the low-priority copy stream is copies.py and the
+device window the runtime reads host bases through on discrete GPUs is window.py; import them
+from there."""
 
 from asteria.memory.host import (
     StagingRing,
@@ -16,7 +17,6 @@ from asteria.memory.host import (
     is_host_tensor,
 )
 from asteria.memory.nvme import SpillChecksumError, SpillFuture, SpillIOError, SpillStore
-from asteria.memory.staging import StagingSlots
 
 __all__ = [
     "SpillChecksumError",
@@ -25,7 +25,6 @@ __all__ = [
     "SpillStore",
     "StagingRing",
     "StagingSlot",
-    "StagingSlots",
     "device_view",
     "host_copy",
     "host_empty",

@@ -1,12 +1,12 @@
 """State sizes of Asteria's optimizers, from shapes alone: what the tier policy is fed.
 
 Owns: ``estimate_blocks``, the bytes each preconditioner block of an optimizer will hold, by kind
-(``tiers.BlockSizes``), in the order a step touches them, computed from the parameters' shapes
-and the groups' options through the optimizer's own blocking (``optimizer.layout``); nothing is
-allocated, so it works on parameters on the ``meta`` device (bench/memory.py sizes OLMo-2 1B and
-7B that way). ``detect_arch``: the architecture facts of a device. The runtime's
-``memory_report()`` measures the same kinds on the tensors actually allocated, and
-tests/unit/test_tiers.py checks that the two agree to the byte.
+(``tiers.BlockSizes``), in the order a step touches them, computed from the optimizer's own
+description of its state (``state_template``, made on the ``meta`` device) and of its refresh jobs,
+never from which optimizer it is; nothing is allocated, so it works on parameters on the ``meta``
+device (bench/memory.py sizes OLMo-2 1B and 7B that way). ``detect_arch``: the architecture facts of
+a device. The runtime's ``memory_report()`` measures the same kinds on the tensors actually
+allocated, and tests/unit/test_tiers.py checks that the two agree to the byte.
 
 Must not: place anything (``tiers.py``) or allocate.
 """
@@ -18,12 +18,9 @@ from collections.abc import Callable
 import torch
 
 from asteria.memory.tiers import Arch, BlockSizes
-from asteria.optim.base import KroneckerOptimizer, local_tensor, state_dtype
-from asteria.optim.kl_shampoo import KLShampoo
-from asteria.optim.shampoo import Shampoo
-from asteria.optim.soap import SOAP
+from asteria.optim.base import KroneckerOptimizer
 
-__all__ = ["detect_arch", "estimate_blocks"]
+__all__ = ["detect_arch", "estimate_blocks", "snapshot_tensors"]
 
 #: GPUs that read host memory coherently over NVLink-C2C (Grace Hopper / Grace Blackwell).
 UNIFIED_MEMORY_GPUS = ("GH200", "GB200", "GB10", "GH100 Grace", "Grace")
@@ -42,31 +39,25 @@ def detect_arch(device: torch.device | str) -> Arch:
     return Arch(cuda=True, unified_memory=unified)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def estimate_blocks(
     optimizer: KroneckerOptimizer,
     name: Callable[[int, int], str] | None = None,
 ) -> list[BlockSizes]:
     """Per block of ``optimizer`` (parameters that require grad), the state bytes by kind.
 
-    Counted: ``factors`` (one ``d x d`` factor per factored dim), ``moments`` (SOAP: ``m``, ``v``
-    per block; KL-Shampoo: ``m`` and the eigenvalue estimates per block, AdamW's ``m``, ``v``
-    for vectors; Shampoo: the first moment, the grafting second moment and the momentum buffer
-    per parameter), ``bases`` (one ``d x d`` basis or inverse root per factored dim, in the state
-    dtype), ``results`` (a finished refresh: the basis/root in ``refresh_dtype``, plus SOAP's
-    int64 permutation) and ``snapshots`` (a refresh's inputs: factor, and basis where the job
-    takes one). Parameters that are not preconditioned appear as blocks with only moments.
-    ``name(pid, block_index)`` names a block (default ``param{pid}[{bi}]``; -1 for
-    parameter-level state).
+    Sized from the optimizer's own state template (``KroneckerOptimizer.state_template``, on the
+    ``meta`` device) and refresh jobs (``refresh_jobs`` of that template), so every optimizer
+    that describes its state is sized by the same rule: ``factors`` (a block's ``"factors"``),
+    ``bases`` (its ``bases_field``: bases or inverse roots, in the state dtype), ``moments``
+    (every other tensor of a block, and the parameter-level state outside its blocks, such as
+    Shampoo's first moment and grafting state or AdamW's for KL-Shampoo's vectors), ``results``
+    (what a finished refresh holds: ``RefreshJob.result_bytes``, the basis or root in
+    ``refresh_dtype`` and SOAP's int64 permutation) and ``snapshots`` (a refresh's inputs:
+    ``RefreshJob.input_bytes``, the factor and the basis it starts from). Parameters that are
+    not preconditioned appear as blocks with only moments; parameter-level state is a block of
+    index -1. ``name(pid, block_index)`` names a block (default ``param{pid}[{bi}]``).
+    ``ValueError``: an optimizer without a state template or refresh jobs.
     """
-    if not isinstance(optimizer, (SOAP, KLShampoo, Shampoo)):
-        raise ValueError(
-            f"no state-size model for {type(optimizer).__name__}; the tier policy knows SOAP, "
-            "KLShampoo and Shampoo"
-        )
     if name is None:
 
         def name(pid: int, bi: int) -> str:
@@ -75,50 +66,68 @@ def estimate_blocks(
     out: list[BlockSizes] = []
     pid = -1
     for group in optimizer.param_groups:
-        refresh_item = _itemsize(group["refresh_dtype"])
         for p in group["params"]:
             pid += 1
             if not p.requires_grad:
                 continue
-            item = _itemsize(state_dtype(p))
-            layout = optimizer.layout(p, group)
-            numel = local_tensor(p).numel()  # a DTensor's local shard (FSDP2 / HSDP)
-            if isinstance(optimizer, Shampoo):
-                moments = numel * (
-                    1
-                    + (group["grafting"] in ("adam", "rmsprop", "adagrad"))
-                    + (group["momentum"] > 0)
-                )
-                out.append(BlockSizes(name(pid, -1), pid, moments=moments * item))
-                if not layout.blocks[0].factored[0]:
-                    continue
-            if isinstance(optimizer, KLShampoo) and not layout.blocks[0].factored[0]:
-                out.append(BlockSizes(name(pid, -1), pid, moments=2 * numel * item))
-                continue
-            for bi, spec in enumerate(layout.blocks):
-                dims = [d for d, f in zip(spec.shape, spec.factored) if f]
-                square = sum(d * d for d in dims)
-                if isinstance(optimizer, SOAP):
-                    moments = 2 * spec.numel
-                    results = square * refresh_item + 8 * sum(dims)  # Q, int64 permutation
-                    snapshots = 2 * square * item
-                elif isinstance(optimizer, KLShampoo):
-                    moments = spec.numel + sum(spec.shape)
-                    results = square * refresh_item
-                    snapshots = 2 * square * item
-                else:  # Shampoo: moments are per parameter (above)
-                    moments = 0
-                    results = square * refresh_item
-                    snapshots = square * item
-                out.append(
-                    BlockSizes(
-                        name(pid, bi),
-                        pid,
-                        factors=square * item,
-                        moments=moments * item,
-                        bases=square * item,
-                        results=results,
-                        snapshots=snapshots,
-                    )
-                )
+            try:
+                template = optimizer.state_template(p, group, device="meta")
+                moments = sum(_nbytes(v) for k, v in template.items() if k != "blocks")
+                if moments:
+                    out.append(BlockSizes(name(pid, -1), pid, moments=moments))
+                for bi, block in enumerate(template.get("blocks", ())):
+                    out.append(_block_sizes(optimizer, group, block, name(pid, bi), pid))
+            except NotImplementedError:
+                raise ValueError(
+                    f"no state-size model for {type(optimizer).__name__}: it describes no state "
+                    "template or refresh jobs (KroneckerOptimizer._state_template, refresh_jobs)"
+                ) from None
     return out
+
+
+def snapshot_tensors(optimizer: KroneckerOptimizer) -> list[int]:
+    """The bytes of every tensor a refresh of ``optimizer``'s blocks snapshots (each job's
+    factor, and the basis it starts from), from the same templates as ``estimate_blocks``: what
+    the runtime's staging ring holds on a GPU. ``ValueError`` as ``estimate_blocks``."""
+    out: list[int] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            try:
+                template = optimizer.state_template(p, group, device="meta")
+                for block in template.get("blocks", ()):
+                    for job in optimizer.refresh_jobs(block, group):
+                        if job is not None:
+                            out.extend(t.nbytes for t in (job.factor, job.basis) if t is not None)
+            except NotImplementedError:
+                raise ValueError(
+                    f"no state-size model for {type(optimizer).__name__}: it describes no state "
+                    "template or refresh jobs (KroneckerOptimizer._state_template, refresh_jobs)"
+                ) from None
+    return out
+
+
+def _block_sizes(
+    optimizer: KroneckerOptimizer, group: dict, block: dict, name: str, pid: int
+) -> BlockSizes:
+    field = optimizer.bases_field
+    jobs = [j for j in optimizer.refresh_jobs(block, group) if j is not None]
+    return BlockSizes(
+        name,
+        pid,
+        factors=_nbytes(block["factors"]),
+        moments=sum(_nbytes(v) for k, v in block.items() if k not in ("factors", field)),
+        bases=_nbytes(block[field]),
+        results=sum(j.result_bytes() for j in jobs),
+        snapshots=sum(j.input_bytes() for j in jobs),
+    )
+
+
+def _nbytes(value: object) -> int:
+    """Bytes of a tensor, or of the tensors in a list or tuple (None counts nothing)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0

@@ -121,9 +121,9 @@ class StagingSlot:
     """A lease on one slot of a ``StagingRing``: the right to fill and read the slot until
     ``release()`` (or the end of a ``with`` block).
 
-    The slot is handed out again only after every copy recorded on it (``record``,
-    ``copy_to_host``) completed and every tensor from ``view`` and ``copy_to_host`` is gone, so
-    releasing early is safe.
+    The slot is handed out again only after every copy recorded on it (``record``) completed and
+    every tensor from ``view`` is gone, so releasing early is safe. The runtime fills its slots
+    on the low-priority copy stream (``asteria.memory.copies``) and records each copy there.
     """
 
     def __init__(self, lease: _C.StagingSlot) -> None:
@@ -145,11 +145,6 @@ class StagingSlot:
         """A contiguous CPU tensor over the start of the slot (ValueError if it does not fit).
         The slot stays busy while this tensor or any view of it is alive."""
         return self._lease.view(_sizes(shape), dtype)
-
-    def copy_to_host(self, src: torch.Tensor, shadow: _C.ShadowStream) -> torch.Tensor:
-        """Copy ``src`` into the slot on the shadow stream (asynchronous for a CUDA ``src`` and a
-        pinned ring); returns the destination view. Read it after ``wait()``/``query()``."""
-        return self._lease.copy_to_host(src, shadow)
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
         """Fence the slot with the work queued so far on ``stream``: call it after issuing a

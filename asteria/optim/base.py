@@ -48,14 +48,26 @@ from asteria.optim.checks import (
     check_shampoo_beta,
     finite_flags,
 )
-from asteria.optim.refresher import BlockKey, NativeRefresher, Refresher, RefreshJob, Update
+from asteria.optim.refresher import (
+    BlockEnd,
+    BlockKey,
+    NativeRefresher,
+    QRRefresh,
+    Refresher,
+    RefreshJob,
+    RootRefresh,
+    Update,
+)
 
 __all__ = [
+    "BlockEnd",
     "BlockKey",
     "KroneckerOptimizer",
     "NativeRefresher",
     "PLACEHOLDER_STEP",
+    "QRRefresh",
     "RefreshJob",
+    "RootRefresh",
     "Refresher",
     "Update",
     "adamw_update",
@@ -132,7 +144,7 @@ class KroneckerOptimizer(Optimizer):
         check_lr(defaults["lr"])  # first, as torch.optim does (Note [torch.optim conventions])
         params = _param_list(type(self).__name__, params)
         self._layouts: dict[int, tuple[tuple, ParamLayout]] = {}
-        self._refresher: Refresher = NativeRefresher()
+        self._refresher: Refresher = NativeRefresher(self)
         #: A block whose refresh fails this many times in a row raises ``RefreshFailedError`` at
         #: the end of the step (Note [Refresh failures] in refresher.py); ``RuntimeConfig`` has
         #: the runtime's own.
@@ -172,7 +184,7 @@ class KroneckerOptimizer(Optimizer):
 
     def detach_refresher(self) -> None:
         """Back to native mode: refreshes are computed in the step again."""
-        self._refresher = NativeRefresher()
+        self._refresher = NativeRefresher(self)
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob | None]:
         """The refresh of every dim of ``block`` (``None`` where a dim has no factor)."""
@@ -186,7 +198,7 @@ class KroneckerOptimizer(Optimizer):
         """About how many flops ``install_refresh(block, ...)`` computes on the training's
         critical path; ``0`` where an install is a pointer swap. A runtime spreads costly
         installs over the steps its staleness budget allows (Note [Paced installs] in
-        asteria/runtime/runtime.py)."""
+        asteria/runtime/schedule.py)."""
         return 0.0
 
     def blocks(self) -> Iterable[tuple[BlockKey, torch.Tensor, dict[str, Any], dict[str, Any]]]:
@@ -209,7 +221,7 @@ class KroneckerOptimizer(Optimizer):
         run; a runtime's refreshes in flight go along as a loaded checkpoint's would, for the
         runtime the copy attaches. Not kept, as in torch: the hooks; not kept either: the
         refresher (a copy steps natively) and the layouts (cached by parameter identity)."""
-        self._refresher.sync(self)
+        self._refresher.sync()
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
         if not isinstance(self._refresher, NativeRefresher):
             state["_resumed_refreshes"] = _refresher_state(self._refresher)
@@ -224,7 +236,7 @@ class KroneckerOptimizer(Optimizer):
             if name not in self.__dict__:
                 setattr(self, name, copy.copy(value))
         self._layouts = {}
-        self._refresher = NativeRefresher()
+        self._refresher = NativeRefresher(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyperparameters (given or inherited) are validated first. Its
@@ -294,7 +306,7 @@ class KroneckerOptimizer(Optimizer):
         conventions]): the pre-hooks first, the post-hooks last, on the whole dict."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._refresher.sync(self)
+        self._refresher.sync()
         state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
         # Parameters are saved by their position in the groups, a repeated one by its first.
         index: dict[int, int] = {}
@@ -329,7 +341,7 @@ class KroneckerOptimizer(Optimizer):
         """``torch.optim``'s ``zero_grad``; zeroing in place first lets deferred statistics
         updates, which read this step's gradients, finish."""
         if not set_to_none:
-            self._refresher.sync(self)
+            self._refresher.sync()
         super().zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -351,7 +363,7 @@ class KroneckerOptimizer(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._refresher.sync(self)
+        self._refresher.sync()
         state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
@@ -427,15 +439,22 @@ class KroneckerOptimizer(Optimizer):
                         results[i] = None  # zeros stand for a refresh not computed yet
         return state
 
+    def state_template(
+        self, p: torch.Tensor, group: dict[str, Any], device: torch.device | str | None = None
+    ) -> dict[str, Any]:
+        """The state ``p`` takes once initialised, less ``"step"``, in zeros on ``device``
+        (default: its local shard's; ``"meta"`` allocates nothing): every key, shape, dtype and
+        layout (``_state_template``). ``asteria.memory.accounting`` sizes state from it."""
+        local = local_tensor(p)
+        like = local if device is None else torch.empty_like(local, device=device)
+        return self._state_template(like, group, self.layout(p, group))
+
     def _placeholder(
         self, p: torch.Tensor, group: dict[str, Any], device: torch.device | None = None
     ) -> dict[str, Any]:
         """A placeholder state of ``p`` (Note [State-initialisation probe]): the structure of
         its state once initialised, in zeros, on ``device`` (default: its local shard's)."""
-        local = local_tensor(p)
-        like = local if device is None else torch.empty_like(local, device=device)
-        template = self._state_template(like, group, self.layout(p, group))
-        return {"step": PLACEHOLDER_STEP, **template}
+        return {"step": PLACEHOLDER_STEP, **self.state_template(p, group, device)}
 
     # -- the step skeleton ---------------------------------------------------------------------
 
@@ -469,7 +488,7 @@ class KroneckerOptimizer(Optimizer):
         if self._resumed_refreshes is not None and isinstance(self._refresher, NativeRefresher):
             # a native step computes its own refreshes: the saved ones have no one to install
             self._resumed_refreshes = None
-        self._refresher.step_begin(self)
+        self._refresher.step_begin()
         # Updates of one group run together (``_update_params``: SOAP fuses its elementwise
         # math across blocks); a parameter updated through a working copy runs alone, so that
         # only one such copy is alive at a time.
@@ -507,7 +526,7 @@ class KroneckerOptimizer(Optimizer):
             if work is not local:
                 local.copy_(work)
         self._flush_updates(batch_group, batch)
-        self._refresher.step_end(self)
+        self._refresher.step_end()
         return loss
 
     def _flush_updates(self, group: dict[str, Any] | None, batch: list[Update]) -> None:
@@ -617,16 +636,28 @@ class KroneckerOptimizer(Optimizer):
     ) -> None:
         """``fn(items, *args)``; where the refresher has a thread beside this one, as two calls
         on halves of ``items`` of about equal ``cost``, one on each thread (Note [Split
-        updates] in asteria/runtime/runtime.py)."""
+        updates] in asteria/runtime/lane.py)."""
         if len(items) < 2 or not self._refresher.splits_updates:
             fn(items, *args)
             return
         mine, theirs = _halves(items, [cost(x) for x in items])
-        wait = self._refresher.beside(self, fn, theirs, *args)
+        wait = self._refresher.beside(fn, theirs, *args)
         try:
             fn(mine, *args)
         finally:
             wait()  # also when this half raised: the other half must not outlive the step
+
+    def _end_blocks(self, group: dict[str, Any], ends: Iterable[BlockEnd]) -> None:
+        """The end of each block's step, in order: its statistics update handed to the
+        refresher (``accumulate``: now, or on its lane), then the refresher's decision at the
+        block's boundary (``block_boundary``: install, request). Every optimizer ends its blocks
+        here; ``ends`` may be a generator that updates each block as it yields its end, so that
+        a block ends before the next one is updated."""
+        refresher = self._refresher
+        for end in ends:
+            if end.statistics is not None:
+                refresher.accumulate(end.key, end.statistics, *end.args)
+            refresher.block_boundary(end.key, end.block, group, end.step, end.due)
 
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
         """Update the parameters of one group; ``_update_param`` on each, unless overridden."""
@@ -715,7 +746,7 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 # ``optimizer.state_dict()`` and know nothing of a runtime. So, with a runtime attached and
 # refreshes in flight, ``optimizer.state_dict()`` carries the runtime's part under
 # ``"asteria_runtime"`` (``Runtime.state_dict()``: each refresh finished first, with its request
-# step and results; Note [Checkpoints with work in flight] in asteria/runtime/runtime.py).
+# step and results; Note [Checkpoints with work in flight] in asteria/runtime/state.py).
 # ``load_state_dict`` hands it to the runtime attached at the time, or keeps it for the runtime
 # attached next (``attach_refresher``), which installs each refresh at the step it would have
 # been installed at: the plain torch pattern (save both, load both in a fresh process, attach a

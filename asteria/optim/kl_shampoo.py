@@ -42,9 +42,11 @@ import torch
 
 from asteria.optim import matrix_functions as mf
 from asteria.optim.base import (
+    BlockEnd,
     BlockKey,
     KroneckerOptimizer,
     ParamsT,
+    QRRefresh,
     RefreshJob,
     Update,
     adamw_update,
@@ -180,7 +182,7 @@ class KLShampoo(KroneckerOptimizer):
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
         """The group's updates in three phases, so that the refresher may run half of the
         blocks' arithmetic on another thread (Note [Split updates] in
-        asteria/runtime/runtime.py): the waits for each block's statistics and bases (in the
+        asteria/runtime/lane.py): the waits for each block's statistics and bases (in the
         training thread), the blocks' updates (split by flops), then each block's statistics and
         refresh decision, in the per-parameter path's block order. Per block, the same ops on
         the same tensors as ``_update_param``; where bases are valid only until the next
@@ -204,32 +206,25 @@ class KLShampoo(KroneckerOptimizer):
                 )
             ):
                 key = (u.pid, bi)
-                self._refresher.block_begin(self, key, b)  # the last step's statistics are in
-                bases = list(self._refresher.bases(self, key, b))
+                self._refresher.block_begin(key, b)  # the last step's statistics are in
+                bases = list(self._refresher.bases(key, b))
                 work.append(_KLBlock(key, b, g, w, bases, spec.numel, u))
         self._run_split(_update_blocks, work, _update_flops, beta1, lr, group["eps"])
-        beta = shampoo_beta(group)
-        for k in work:
-            step = k.update.state["step"]
-            # The statistics read this step's bases (the list taken above): a refresh
-            # installed at the boundary below cannot change what they read.
-            self._refresher.accumulate(
-                self,
-                k.key,
-                self._update_statistics,
-                k.block,
-                k.bases,
-                k.grad,
-                k.numel,
-                beta,
-                group["max_clamp_value"],
-            )
-            refresh = step % group["precondition_frequency"] == 0
-            self._refresher.block_boundary(self, k.key, k.block, group, step, refresh)
+        beta, clamp = shampoo_beta(group), group["max_clamp_value"]
+        freq = group["precondition_frequency"]
+        # The statistics read this step's bases (the lists taken above): a refresh installed at
+        # a block's boundary cannot change what they read.
+        self._end_blocks(group, (self._block_end(k, beta, clamp, freq) for k in work))
         if group["weight_decay"] > 0.0:
             for u in updates:
                 if "blocks" in u.state:
                     u.p.add_(u.p, alpha=-lr * group["weight_decay"])
+
+    def _block_end(self, k: _KLBlock, beta: float, clamp: float, freq: int) -> BlockEnd:
+        """A block's statistics (with the bases its update read) and refresh decision."""
+        step = k.update.state["step"]
+        args = (k.block, k.bases, k.grad, k.numel, beta, clamp)
+        return BlockEnd(k.key, k.block, step, step % freq == 0, self._update_statistics, args)
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         if "blocks" not in state:
@@ -241,27 +236,22 @@ class KLShampoo(KroneckerOptimizer):
         beta = shampoo_beta(group)
         state["step"] += 1
         refresh = state["step"] % group["precondition_frequency"] == 0
-        for bi, (spec, b, g, w) in enumerate(
-            zip(layout.blocks, state["blocks"], block_views(grad, layout), block_views(p, layout))
-        ):
-            key = (pid, bi)
-            self._refresher.block_begin(self, key, b)  # the last step's statistics are in
-            bases = self._refresher.bases(self, key, b)  # b["bases"], or device copies
-            _update_block(b, g, w, bases, beta1, group["lr"], group["eps"])
-            # The statistics read this step's bases: a list of them travels with the update, so
-            # a refresh installed at the boundary below cannot change what they read.
-            self._refresher.accumulate(
-                self,
-                key,
-                self._update_statistics,
-                b,
-                list(bases),
-                g,
-                spec.numel,
-                beta,
-                group["max_clamp_value"],
-            )
-            self._refresher.block_boundary(self, key, b, group, state["step"], refresh)
+        views = zip(
+            layout.blocks, state["blocks"], block_views(grad, layout), block_views(p, layout)
+        )
+
+        def ends():  # each block is updated, then ended, before the next one is updated
+            for bi, (spec, b, g, w) in enumerate(views):
+                key = (pid, bi)
+                self._refresher.block_begin(key, b)  # the last step's statistics are in
+                bases = self._refresher.bases(key, b)  # b["bases"], or device copies
+                _update_block(b, g, w, bases, beta1, group["lr"], group["eps"])
+                # The statistics read this step's bases: a list of them travels with the
+                # update, so a refresh installed at the boundary cannot change what they read.
+                args = (b, list(bases), g, spec.numel, beta, group["max_clamp_value"])
+                yield BlockEnd(key, b, state["step"], refresh, self._update_statistics, args)
+
+        self._end_blocks(group, ends())
         if group["weight_decay"] > 0.0:
             p.add_(p, alpha=-group["lr"] * group["weight_decay"])
 
@@ -313,7 +303,7 @@ class KLShampoo(KroneckerOptimizer):
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """New bases: one power iteration + QR per factor, no sorting (the authors' rule)."""
         return [
-            RefreshJob("qr", f, q, sort=False, dtype=group["refresh_dtype"])
+            QRRefresh(f, q, sort=False, dtype=group["refresh_dtype"])
             for f, q in zip(block["factors"], block["bases"])
         ]
 

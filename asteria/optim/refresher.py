@@ -1,18 +1,23 @@
 """The seam between an optimizer's step and whoever computes its refreshes.
 
-Owns: ``RefreshJob`` (one factor's refresh, described so that it can run here or on the worker
-pool), ``Update`` (one parameter's update of a step), the ``Refresher`` protocol the optimizers
-call during a step, and ``NativeRefresher``, the synchronous algorithm (a due refresh computed and
-installed inside the step). ``asteria.Runtime`` is the other refresher.
+Owns: the refresh jobs (``RefreshJob``: one factor's refresh, described so that it can run here
+or on the worker pool; its kinds are types, ``QRRefresh`` and ``RootRefresh``, each of which
+knows how it runs, how it is submitted to the pool, what its result holds and how it is
+written in a checkpoint), ``Update`` (one parameter's update of a step), ``BlockEnd`` (what a
+block hands its refresher at the end of its step), the ``Refresher`` protocol the optimizers
+call during a step, and ``NativeRefresher``, the synchronous algorithm (a due refresh computed
+and installed inside the step). ``asteria.Runtime`` is the other refresher. A refresher is bound
+to its optimizer when it is made or attached, so its methods do not take the optimizer.
 
 Must not: hold any algorithm's math beyond running a job's matrix function.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -22,36 +27,164 @@ from asteria.optim.blocking import ParamLayout
 if TYPE_CHECKING:
     from asteria.optim.base import KroneckerOptimizer
 
-__all__ = ["BlockKey", "NativeRefresher", "RefreshJob", "Refresher", "Update"]
+__all__ = [
+    "BlockEnd",
+    "BlockKey",
+    "JOB_KINDS",
+    "NativeRefresher",
+    "QRRefresh",
+    "RefreshJob",
+    "Refresher",
+    "RootRefresh",
+    "Update",
+]
 
 #: A block's identity inside one optimizer: (index of its parameter in the flattened param
 #: groups, the order ``state_dict`` uses; index of the block in the parameter's layout).
 BlockKey = tuple[int, int]
 
 
-@dataclass
 class RefreshJob:
-    """One factor's refresh, described so that it can run here or on Asteria's worker pool.
+    """One factor's refresh (``factor``, and the ``basis`` it starts from where it takes one),
+    computed in ``dtype``, described so that it can run here (``run``) or on Asteria's worker
+    pool (``submit``). A job without its tensors (``without_tensors``) still describes the
+    refresh: what a pending refresh, a sync or a checkpoint keeps."""
 
-    ``kind`` is ``"qr"`` (one warm-started power iteration + QR of ``factor @ basis``, columns
-    sorted first when ``sort``) or ``"root"`` (``factor^{-1/root}`` with ``epsilon``). The result
-    of :meth:`run` is ``(basis, permutation or None)`` for ``"qr"`` and a matrix for ``"root"``.
-    """
+    #: The kind's name in a checkpoint (``options``; ``JOB_KINDS`` maps it back).
+    kind: ClassVar[str]
+    factor: torch.Tensor | None
+    basis: torch.Tensor | None
+    dtype: torch.dtype
 
-    kind: str
-    factor: torch.Tensor
-    basis: torch.Tensor | None = None
+    def run(self) -> Any:
+        """The refresh, computed here (asteria.optim.matrix_functions)."""
+        raise NotImplementedError
+
+    def submit(
+        self,
+        pool: Any,
+        name: str,
+        version: int,
+        deadline: int,
+        factor: torch.Tensor,
+        basis: torch.Tensor | None,
+    ) -> Any:
+        """The refresh of ``factor`` (and ``basis``) on ``pool`` (``asteria._C.WorkerPool``,
+        which copies them at submission): its future."""
+        raise NotImplementedError
+
+    @property
+    def permutes(self) -> bool:
+        """Whether the result carries a permutation (an int64 vector of the factor's dim)."""
+        return False
+
+    def parts(self, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``result`` (of ``run`` or the pool) as its matrix and permutation (or None)."""
+        return result, None
+
+    def from_parts(self, matrix: torch.Tensor, perm: torch.Tensor | None) -> Any:
+        """The result made of ``parts``' two pieces (a result sent between ranks)."""
+        return matrix
+
+    def result_bytes(self) -> int:
+        """Bytes of the result: the ``d x d`` matrix in ``dtype``, and the permutation."""
+        d = int(self.factor.shape[0])
+        item = torch.empty((), dtype=self.dtype, device="meta").element_size()
+        return d * d * item + (8 * d if self.permutes else 0)
+
+    def input_bytes(self) -> int:
+        """Bytes of the job's inputs (its snapshot): the factor, and the basis it starts from."""
+        return sum(t.nbytes for t in (self.factor, self.basis) if t is not None)
+
+    def without_tensors(self) -> RefreshJob:
+        return replace(self, factor=None, basis=None)
+
+    def options(self) -> dict[str, Any]:
+        """The job's options as plain values (a checkpoint's), ``kind`` first."""
+        raise NotImplementedError
+
+    @staticmethod
+    def from_options(options: dict[str, Any]) -> RefreshJob:
+        """The job (without tensors) of ``options``."""
+        o = dict(options)
+        return JOB_KINDS[o.pop("kind")].from_plain(o)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class QRRefresh(RefreshJob):
+    """One warm-started power iteration + QR of ``factor @ basis``, columns sorted first when
+    ``sort``; the result is ``(basis, permutation or None)``."""
+
+    kind: ClassVar[str] = "qr"
+    factor: torch.Tensor | None
+    basis: torch.Tensor | None
     sort: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def run(self) -> Any:
+        return mf.qr_refresh(self.factor, self.basis, sort=self.sort, dtype=self.dtype)
+
+    def submit(self, pool, name, version, deadline, factor, basis):
+        return pool.submit_qr_refresh(name, version, deadline, factor, basis, self.sort, self.dtype)
+
+    @property
+    def permutes(self) -> bool:
+        return self.sort
+
+    def parts(self, result):
+        return result[0], result[1]
+
+    def from_parts(self, matrix, perm):
+        return matrix, perm
+
+    def options(self) -> dict[str, Any]:
+        # root and epsilon: the keys every format-1 checkpoint has
+        return {"kind": self.kind, "sort": self.sort, "root": 0.0, "epsilon": 0.0,
+                "dtype": _dtype_name(self.dtype)}  # fmt: skip
+
+    @classmethod
+    def from_plain(cls, o: dict[str, Any]) -> QRRefresh:
+        return cls(None, None, sort=bool(o["sort"]), dtype=getattr(torch, o["dtype"]))
+
+
+@dataclass
+class RootRefresh(RefreshJob):
+    """``factor^{-1/root}`` with ``epsilon`` added to its eigenvalues; the result is a matrix."""
+
+    kind: ClassVar[str] = "root"
+    basis: ClassVar[None] = None  # a root starts from the factor alone
+    factor: torch.Tensor | None
     root: float = 0.0
     epsilon: float = 0.0
     dtype: torch.dtype = torch.float32
 
     def run(self) -> Any:
-        if self.kind == "qr":
-            return mf.qr_refresh(self.factor, self.basis, sort=self.sort, dtype=self.dtype)
-        if self.kind == "root":
-            return mf.inverse_root(self.factor, self.root, self.epsilon, dtype=self.dtype)
-        raise ValueError(f"unknown refresh kind {self.kind!r}")
+        return mf.inverse_root(self.factor, self.root, self.epsilon, dtype=self.dtype)
+
+    def submit(self, pool, name, version, deadline, factor, basis):
+        return pool.submit_inverse_root(
+            name, version, deadline, factor, self.root, self.epsilon, self.dtype
+        )
+
+    def without_tensors(self) -> RefreshJob:
+        return replace(self, factor=None)
+
+    def options(self) -> dict[str, Any]:
+        return {"kind": self.kind, "sort": False, "root": self.root, "epsilon": self.epsilon,
+                "dtype": _dtype_name(self.dtype)}  # fmt: skip
+
+    @classmethod
+    def from_plain(cls, o: dict[str, Any]) -> RootRefresh:
+        return cls(None, root=float(o["root"]), epsilon=float(o["epsilon"]),
+                   dtype=getattr(torch, o["dtype"]))  # fmt: skip
+
+
+#: Checkpoint names of the job kinds (``RefreshJob.from_options``).
+JOB_KINDS: dict[str, Any] = {QRRefresh.kind: QRRefresh, RootRefresh.kind: RootRefresh}
 
 
 class Update(NamedTuple):
@@ -65,33 +198,41 @@ class Update(NamedTuple):
     layout: ParamLayout
 
 
-class Refresher(Protocol):
-    """Decides when a block's refresh is computed and installed (see ``NativeRefresher``)."""
+class BlockEnd(NamedTuple):
+    """What block ``key`` hands its refresher at the end of its step (``KroneckerOptimizer.
+    _end_blocks``): its statistics update ``statistics(*args)`` (None: it has none), then its
+    boundary at optimizer step ``step``, where a refresh is ``due``."""
 
-    def step_begin(self, opt: KroneckerOptimizer) -> None: ...
+    key: BlockKey
+    block: dict[str, Any]
+    step: int
+    due: bool
+    statistics: Callable[..., None] | None
+    args: tuple
+
+
+class Refresher(Protocol):
+    """Decides when a block's refresh is computed and installed (see ``NativeRefresher``); bound
+    to one optimizer (the one it was made for, or attached to)."""
+
+    def step_begin(self) -> None: ...
 
     def block_boundary(
-        self,
-        opt: KroneckerOptimizer,
-        key: BlockKey,
-        block: dict,
-        group: dict,
-        step: int,
-        due: bool,
+        self, key: BlockKey, block: dict, group: dict, step: int, due: bool
     ) -> None: ...
 
-    def step_end(self, opt: KroneckerOptimizer) -> None: ...
+    def step_end(self) -> None: ...
 
-    def accumulate(self, opt: KroneckerOptimizer, key: BlockKey, fn: Callable, *args: Any) -> None:
+    def accumulate(self, key: BlockKey, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)``, the block's statistics update of this step, now or later: nothing
         the step reads afterwards depends on it before ``block_begin``/a refresh of ``key``."""
         ...
 
-    def block_begin(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> None:
+    def block_begin(self, key: BlockKey, block: dict) -> None:
         """Called before an update reads state that ``accumulate`` writes (KL-Shampoo)."""
         ...
 
-    def bases(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> list:
+    def bases(self, key: BlockKey, block: dict) -> list:
         """The tensors to read as ``block``'s bases (``block[opt.bases_field]``) in the update
         that follows: the block's own, or device copies of them (Note [Bases window] in
         asteria/memory/window.py). Called right before the update's first read, once per block
@@ -105,7 +246,7 @@ class Refresher(Protocol):
         several blocks' bases at once), not only until the next call."""
         ...
 
-    def sync(self, opt: KroneckerOptimizer) -> None:
+    def sync(self) -> None:
         """Finish every deferred statistics update (before ``state_dict`` and the like)."""
         ...
 
@@ -118,12 +259,10 @@ class Refresher(Protocol):
     def lead(self) -> int:
         """How many steps before the step that uses it an optimizer whose update uses the
         refresh of its own step (``refresh_precedes_update``) requests a refresh: 0 in the
-        synchronous algorithm (Note [Refresh lead] in asteria/runtime/runtime.py)."""
+        synchronous algorithm (Note [Refresh lead] in asteria/runtime/schedule.py)."""
         ...
 
-    def beside(
-        self, opt: KroneckerOptimizer, fn: Callable[..., None], *args: Any
-    ) -> Callable[[], None]:
+    def beside(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
         """Start ``fn(*args)``, part of the step's update, on another thread, concurrently with
         the caller, and return the function that waits for it (and raises its error). Only
         called where ``splits_updates``. ``fn`` runs after everything the refresher queued
@@ -144,40 +283,43 @@ class NativeRefresher:
     keeps, counts and raises after ``RuntimeConfig.max_consecutive_failures`` the same way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, opt: KroneckerOptimizer) -> None:
+        self._opt = weakref.ref(opt)  # the optimizer holds its refresher
+        self._field = opt.bases_field
         #: Consecutive failed refreshes per block (blocks absent have none).
         self.failures: dict[BlockKey, int] = {}
         #: Failed refreshes since this refresher was attached.
         self.failed = 0
         self._error: BaseException | None = None
 
-    def step_begin(self, opt: KroneckerOptimizer) -> None:
+    def step_begin(self) -> None:
         pass
 
-    def accumulate(self, opt, key, fn, *args) -> None:
+    def accumulate(self, key, fn, *args) -> None:
         fn(*args)
 
-    def block_begin(self, opt, key, block) -> None:
+    def block_begin(self, key, block) -> None:
         pass
 
-    def bases(self, opt, key, block) -> list:
-        return block[opt.bases_field]
+    def bases(self, key, block) -> list:
+        return block[self._field]
 
     bases_stable = True  # the blocks' own tensors
 
-    def sync(self, opt) -> None:
+    def sync(self) -> None:
         pass
 
     splits_updates = False  # everything in the step's own thread
 
     lead = 0  # a due refresh is computed in the step that uses it
 
-    def beside(self, opt, fn, *args):
+    def beside(self, fn, *args):
         raise RuntimeError("NativeRefresher runs the whole update in the step's thread")
 
-    def block_boundary(self, opt, key, block, group, step, due) -> None:
+    def block_boundary(self, key, block, group, step, due) -> None:
         if not due:
             return
+        opt = self._opt()
         jobs = opt.refresh_jobs(block, group)
         try:
             results = [None if j is None else j.run() for j in jobs]
@@ -204,7 +346,7 @@ class NativeRefresher:
             error.__cause__ = err
             self._error = error
 
-    def step_end(self, opt: KroneckerOptimizer) -> None:
+    def step_end(self) -> None:
         error, self._error = self._error, None
         if error is not None:
             raise error

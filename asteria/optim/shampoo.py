@@ -62,9 +62,11 @@ from typing import Any
 import torch
 
 from asteria.optim.base import (
+    BlockEnd,
     KroneckerOptimizer,
     ParamsT,
     RefreshJob,
+    RootRefresh,
     block_views,
     check_betas,
     check_range,
@@ -244,9 +246,14 @@ class Shampoo(KroneckerOptimizer):
         if blocks is not None:
             # a runtime may request the refresh of step t + lead now (Note [Refresh lead])
             due = self._refresh_due(state, group, next_step=self._refresher.lead > 0)
-            for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout))):
-                self._refresher.accumulate(self, (pid, bi), self._update_factors, b, g, group, t)
-                self._refresher.block_boundary(self, (pid, bi), b, group, t, due)
+            stats = self._update_factors
+            self._end_blocks(
+                group,
+                (
+                    BlockEnd((pid, bi), b, t, due, stats, (b, g, group, t))
+                    for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout)))
+                ),
+            )
         preconditioning = blocks is not None and t >= self._start(group)
 
         if not preconditioning and group["momentum"] == 0:
@@ -271,7 +278,7 @@ class Shampoo(KroneckerOptimizer):
                     block_views(direction, layout),
                 )
             ):
-                roots = self._refresher.bases(self, (pid, bi), b)  # b["roots"], or device copies
+                roots = self._refresher.bases((pid, bi), b)  # b["roots"], or device copies
                 if all(r is None for r in roots):
                     out.copy_(g_b)  # no roots yet: the grafting direction, as before the start
                     continue
@@ -334,7 +341,7 @@ class Shampoo(KroneckerOptimizer):
         """``L_i^{-1/(2k)}`` for every factor of an order-k block (``1/2`` for 1-D blocks)."""
         root = 2 * len(block["factors"])
         return [
-            RefreshJob("root", f, root=root, epsilon=group["epsilon"], dtype=group["refresh_dtype"])
+            RootRefresh(f, root=root, epsilon=group["epsilon"], dtype=group["refresh_dtype"])
             for f in block["factors"]
         ]
 

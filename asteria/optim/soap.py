@@ -32,9 +32,11 @@ import torch
 from asteria._C import soap_accumulate, soap_update_blocks
 from asteria.optim import matrix_functions as mf
 from asteria.optim.base import (
+    BlockEnd,
     BlockKey,
     KroneckerOptimizer,
     ParamsT,
+    QRRefresh,
     RefreshJob,
     Update,
     basis_zeros,
@@ -221,8 +223,9 @@ class SOAP(KroneckerOptimizer):
             # a parameter split into blocks is normalized as a whole (the authors' rule)
             split = {u.pid for u in updates if len(u.state["blocks"]) > 1}
             if split:
-                _update_normalized(self, [c for c in work if c.key[0] in split], group)
+                whole = [c for c in work if c.key[0] in split]
                 work_fused = [c for c in work if c.key[0] not in split]
+                _update_normalized(self._refresher, whole, group)
             else:
                 work_fused = work
         else:
@@ -232,7 +235,7 @@ class SOAP(KroneckerOptimizer):
             native: Chunk = []
             python: Chunk = []
             for c in chunk:
-                q = self._refresher.bases(self, c.key, c.block)
+                q = self._refresher.bases(c.key, c.block)
                 (native if _native_block(c.grad, q) else python).append((c, q))
             if native:
                 self._run_split(_update_native, native, _chunk_flops, group)
@@ -244,19 +247,14 @@ class SOAP(KroneckerOptimizer):
 
         beta = shampoo_beta(group)
         freq = group["precondition_frequency"]
-        for c in work:
-            factors = c.block["factors"]
-            if any(f is not None for f in factors):
-                fn = soap_accumulate if c.grad.dim() == 2 else _accumulate_factors
-                self._refresher.accumulate(self, c.key, fn, factors, c.grad, beta)
-            self._refresher.block_boundary(self, c.key, c.block, group, c.step, c.step % freq == 0)
+        self._end_blocks(group, (_block_end(c, beta, freq) for c in work))
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob | None]:
         """Per factored dim: sort the basis by estimated eigenvalue, one power iteration + QR."""
         return [
-            None if f is None else RefreshJob("qr", f, q, sort=True, dtype=group["refresh_dtype"])
+            None if f is None else QRRefresh(f, q, sort=True, dtype=group["refresh_dtype"])
             for f, q in zip(block["factors"], block["bases"])
         ]
 
@@ -300,6 +298,15 @@ class SOAP(KroneckerOptimizer):
                 d = f.shape[0]
                 cost += min(d**3 + numel * d, 2 * numel * d) + numel
         return float(cost)
+
+
+def _block_end(c: _BlockStep, beta: float, freq: int) -> BlockEnd:
+    """A block's factor statistics (none for an unfactored block) and refresh decision."""
+    factors = c.block["factors"]
+    fn = None
+    if any(f is not None for f in factors):
+        fn = soap_accumulate if c.grad.dim() == 2 else _accumulate_factors
+    return BlockEnd(c.key, c.block, c.step, c.step % freq == 0, fn, (factors, c.grad, beta))
 
 
 def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, beta: float) -> None:
@@ -377,14 +384,14 @@ def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
         c.weight.add_(update, alpha=-c.step_size)
 
 
-def _update_normalized(opt: SOAP, blocks: list[_BlockStep], group: dict[str, Any]) -> None:
+def _update_normalized(refresher, blocks: list[_BlockStep], group: dict[str, Any]) -> None:
     """Steps 3-4 for parameters split into blocks, with ``normalize_grads``: each block's
     update as ``_update_fused`` computes it, then every block of a parameter divided by
     ``1e-30 + RMS`` of the parameter's whole update (the authors normalize per parameter)."""
     beta1, beta2 = group["betas"]
     by_param: dict[int, list[tuple[_BlockStep, torch.Tensor]]] = {}
     for c in blocks:
-        q = opt.refresher.bases(opt, c.key, c.block)
+        q = refresher.bases(c.key, c.block)
         g_rot = mode_products(c.grad, q, transpose=True)
         c.block["exp_avg"].mul_(beta1).add_(g_rot, alpha=1 - beta1)
         c.block["exp_avg_sq"].mul_(beta2).add_(g_rot.pow(2), alpha=1 - beta2)

@@ -3,9 +3,10 @@
 Owns: every choice that depends only on the optimizer's parameters, the config and the machine,
 made here at attach time so that nothing later tests what a block or a pending refresh holds
 to find out: the placement of the state (the tier policy, ``asteria.memory.tiers.plan``, over
-the optimizer's state sizes, ``asteria.memory.accounting``), whether the statistics lane runs,
-the pool workers' priority, the snapshot strategy (snapshots.py) and the bases strategy
-(bases.py), and the parameters' names in messages.
+the optimizer's state sizes, ``asteria.memory.accounting``), the staging ring's size, whether
+the statistics lane runs, the pool workers' priority, the snapshot strategy (snapshots.py) and
+the bases strategy (bases.py), which share the device's one copy stream
+(``asteria.memory.copies``), and the parameters' names in messages.
 
 Must not: create threads, pools, hooks or files (the facade, runtime.py, does, from these
 choices), or decide anything per step.
@@ -20,11 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from asteria._ext import load_extension
-from asteria.memory.accounting import detect_arch, estimate_blocks
-from asteria.memory.staging import StagingSlots
+from asteria.memory.accounting import detect_arch, estimate_blocks, snapshot_tensors
+from asteria.memory.copies import Copies, copies_for
+from asteria.memory.host import StagingRing
 from asteria.memory.tiers import Arch, BlockSizes, Placement, plan
-from asteria.memory.window import WINDOW_BLOCKS, BasesWindow, CudaCopies, HostCopies
+from asteria.memory.window import WINDOW_BLOCKS, BasesWindow
 from asteria.optim.base import BlockKey, KroneckerOptimizer
 from asteria.runtime import testing
 from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases, WindowBases
@@ -32,11 +33,20 @@ from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.lane import StatisticsLane
 from asteria.runtime.snapshots import LaneSnapshots, Snapshots, StagedSnapshots
 
+#: The staging ring's slot granularity (csrc/memory/host_block.h's kHostAlignment).
+_HOST_ALIGNMENT = 4096
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
 __all__ = [
     "Attachment",
     "choose",
     "choose_bases",
     "choose_snapshots",
+    "copy_stream",
     "distributed_mode",
     "namer",
     "param_names",
@@ -53,6 +63,8 @@ class Attachment:
     placement: Placement
     nice: int  # added to the pool workers' nice value (Note [Worker priority])
     lane: bool  # whether the statistics lane runs
+    staged: bool  # whether snapshots are staged (device parameters)
+    ring: tuple[int, int]  # the staging ring's slots and slot bytes (Note [Staged snapshots])
 
 
 def params_of(optimizer: KroneckerOptimizer) -> list[torch.Tensor]:
@@ -98,7 +110,15 @@ def choose(
 ) -> Attachment:
     """Every attach-time choice (ValueError: what to change, for a placement that cannot be)."""
     params = params_of(optimizer)
-    arch, sizes, placement = _placement(optimizer, config, params, block_name)
+    staged = any(p.is_cuda for p in params) or testing.staged_snapshots_forced()
+    ring = (0, 0)
+    if staged:
+        try:
+            tensors = snapshot_tensors(optimizer)
+        except ValueError:
+            tensors = []  # an optimizer without a size model: every snapshot unstaged
+        ring = (len(tensors), _round_up(max(tensors, default=0), _HOST_ALIGNMENT))
+    arch, sizes, placement = _placement(optimizer, config, params, block_name, ring)
     # Whether torch's intra-op threads leave a core free; under torchrun, the threads of every
     # process on this machine (LOCAL_WORLD_SIZE) count.
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if distributed else 1
@@ -118,7 +138,7 @@ def choose(
         config.statistics_lane is None and not sharded and spare_core
     )
     lane = cpu_only and bool(lane_on) and placement.bases_access != "window"
-    return Attachment(arch, sizes, placement, nice, lane)
+    return Attachment(arch, sizes, placement, nice, lane, staged, ring)
 
 
 def _placement(
@@ -126,6 +146,7 @@ def _placement(
     config: RuntimeConfig,
     params: list[torch.Tensor],
     block_name: Callable[[BlockKey], str],
+    ring: tuple[int, int],
 ) -> tuple[Arch, list[BlockSizes], Placement]:
     """The tier policy's placement for this optimizer's state."""
     device = params[0].device if params else torch.device("cpu")
@@ -136,7 +157,7 @@ def _placement(
         if config.device_budget_bytes is not None or config.host_budget_bytes is not None:
             raise
         sizes = []  # an optimizer without a size model: no budgets to check
-    staging = sum(b.snapshots for b in sizes) if arch.cuda else 0
+    staging = ring[0] * ring[1] if arch.cuda else 0
     placement = plan(
         sizes,
         arch,
@@ -151,12 +172,23 @@ def _placement(
     return arch, sizes, placement
 
 
+def copy_stream(optimizer: KroneckerOptimizer) -> Copies:
+    """The copy stream of the parameters' device (the one the runtime's parts share)."""
+    params = params_of(optimizer)
+    return copies_for(params[0].device if params else torch.device("cpu"))
+
+
 def choose_snapshots(
-    optimizer: KroneckerOptimizer, pool: object, lane: StatisticsLane | None
+    choices: Attachment,
+    pool: object,
+    lane: StatisticsLane | None,
+    copies: Callable[[], Copies],
 ) -> Snapshots:
     """Device parameters: staged copies; CPU ones: on the lane where it runs, else direct."""
-    if any(p.is_cuda for p in params_of(optimizer)) or testing.staged_snapshots_forced():
-        return StagedSnapshots(StagingSlots(load_extension().ShadowStream()))
+    if choices.staged:
+        slots, slot_bytes = choices.ring
+        ring = StagingRing(slots, slot_bytes) if slots else None
+        return StagedSnapshots(copies(), ring)
     if lane is not None:
         return LaneSnapshots(lane, pool)
     return Snapshots()
@@ -169,6 +201,7 @@ def choose_bases(
     lane: StatisticsLane | None,
     install_flops: Callable[[BlockKey, dict | None], float],
     block_name: Callable[[BlockKey], str],
+    copies: Callable[[], Copies],
 ) -> BasesAccess:
     """The bases strategy of the placement's ``bases_access``."""
     access = placement.bases_access
@@ -176,13 +209,10 @@ def choose_bases(
         return MappedBases(optimizer)
     if access != "window":
         return DeviceBases(optimizer, lane, install_flops)
-    params = params_of(optimizer)
-    device = params[0].device if params else torch.device("cpu")
-    # CUDA parameters; else the CPU stand-in, used where a test makes the CPU look like a
-    # discrete GPU (asteria.runtime.testing.pretend_arch)
-    copies = CudaCopies(device) if device.type == "cuda" else HostCopies()
+    # (on CPU parameters the copy stream is the stand-in: a test that makes the CPU look like a
+    # discrete GPU, asteria.runtime.testing.pretend_arch)
     slots = testing.window_blocks(WINDOW_BLOCKS)
-    window = BasesWindow(copies, slots, placement.window_bytes // slots)
+    window = BasesWindow(copies(), slots, placement.window_bytes // slots)
 
     def fit(key: BlockKey, need: int, window: BasesWindow) -> None:
         """Grow the window's slots when a block's bases outgrow them (a parameter added after

@@ -433,7 +433,7 @@ class Coherence:
         self, jobs: list[Any], dims: list[int], dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n_float = 1 + len(jobs) + sum(d * d for j, d in zip(jobs, dims) if j is not None)
-        n_int = sum(d for j, d in zip(jobs, dims) if j is not None and _has_perm(j))
+        n_int = sum(d for j, d in zip(jobs, dims) if j is not None and j.permutes)
         floats = torch.zeros(n_float, dtype=dtype, device=self.wire_device)
         ints = torch.zeros(n_int, dtype=torch.int64, device=self.wire_device) if n_int else None
         return floats, ints
@@ -447,15 +447,15 @@ class Coherence:
         for k, (job, d, r) in enumerate(zip(jobs, dims, results)):
             if job is None:
                 continue
-            q = r[0] if isinstance(r, (tuple, list)) else r
+            q, perm = job.parts(r)
             # the matrix travels in its memory order (LAPACK's bases are column-major), so that
             # every rank installs a tensor with the owner's strides, hence the owner's bits
             column_major = d > 1 and q.T.is_contiguous() and not q.is_contiguous()
             floats[1 + k] = 1.0 if column_major else 0.0
             floats[fo : fo + d * d].copy_((q.T if column_major else q).reshape(-1))
             fo += d * d
-            if _has_perm(job):
-                ints[io : io + d].copy_(r[1].reshape(-1))
+            if job.permutes:
+                ints[io : io + d].copy_(perm.reshape(-1))
                 io += d
 
     @staticmethod
@@ -470,14 +470,11 @@ class Coherence:
             if floats[1 + k].item() == 1.0:
                 q = q.T
             fo += d * d
-            if job.kind == "root":
-                out.append(q)
-                continue
             perm = None
-            if _has_perm(job):
+            if job.permutes:
                 perm = ints[io : io + d].clone()
                 io += d
-            out.append((q, perm))
+            out.append(job.from_parts(q, perm))
         return out
 
     def _broadcast(self, rep: _Replicas, tensors: list[torch.Tensor], src: int) -> None:
@@ -534,10 +531,6 @@ class Coherence:
             "replicated_blocks": len(self.owners),
             "delay": self.delay,
         }
-
-
-def _has_perm(job: Any) -> bool:
-    return job.kind == "qr" and bool(job.sort)
 
 
 def describe(optimizer: KroneckerOptimizer, config: Any, ranks_per_node: int) -> dict[str, Any]:

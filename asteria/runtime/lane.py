@@ -77,9 +77,9 @@ class StatisticsLaneError(RuntimeError):
 
 
 class LaneWork:
-    """Work queued on the lane behind a block's statistics (a refresh's submission), with the
-    event interface of the CUDA staging copies (``query``, ``synchronize``) so the runtime
-    handles both kinds of snapshot alike; ``value`` is what the work returned."""
+    """Work queued on the lane behind a block's statistics (a refresh's submission: the
+    ``LaneSnapshots`` of snapshots.py): ``query`` whether it ran, ``synchronize`` to wait for it
+    (raising its block's error); ``value`` is what the work returned."""
 
     def __init__(self, lane: StatisticsLane, key: Hashable) -> None:
         self._lane, self._key = lane, key

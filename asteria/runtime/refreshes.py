@@ -89,7 +89,6 @@ class Refreshes:
         self.timeout_error = timeout_error
         self.submitted = self.failed = self.cancelled = 0
         self.wait_s = 0.0
-        self.pool_names: set[str] = set()  # names of every job submitted (the pool's slots)
 
     # -- where a block is --------------------------------------------------------------------
 
@@ -120,7 +119,7 @@ class Refreshes:
         pending = e.pending = PendingRefresh(
             requested=step,
             futures=[None] * len(jobs),
-            jobs=[None if j is None else _options_only(j) for j in jobs],
+            jobs=[None if j is None else j.without_tensors() for j in jobs],
             group=group,
         )
         coherence = self.coherence
@@ -162,13 +161,11 @@ class Refreshes:
         if pending.snapshots is not None and pending is e.pending:
             self.spill.keep_inputs(pending, dim, factor, basis)
         self.submitted += 1
-        name = f"{e.name}.dim{dim}"
-        self.pool_names.add(name)
         if future is not None:
             return future
         version = pending.requested
         deadline = version + self.config.staleness
-        return pool_submit(self.pool, name, version, deadline, job, factor, basis)
+        return pool_submit(self.pool, f"{e.name}.dim{dim}", version, deadline, job, factor, basis)
 
     def collect(self, e: BlockEntry, wait: bool) -> None:
         """Submit the jobs whose snapshots have landed (all of them when ``wait``)."""
@@ -196,13 +193,9 @@ class Refreshes:
 
     def maybe_spill(self, e: BlockEntry) -> None:
         """A finished refresh waiting for its install step goes to the spill store if the
-        policy spills its block; the pool's copy of its results is released then."""
-        pending = e.pending
-        if self.spill is None or not self.spill.maybe_spill(e.name, pending):
-            return
-        for dim, job in enumerate(pending.jobs):  # the pool's copy: host memory no more
-            if job is not None:
-                self.pool.release(f"{e.name}.dim{dim}", pending.requested)
+        policy spills its block (its futures, the only owners of its results, are dropped)."""
+        if self.spill is not None:
+            self.spill.maybe_spill(e.name, e.pending)
 
     # -- the barrier and the results ---------------------------------------------------------
 
@@ -389,12 +382,6 @@ class Refreshes:
         for e in self.registry.entries.values():
             if e.pending is not None:
                 self.drop(e)
-
-
-def _options_only(job: RefreshJob) -> RefreshJob:
-    """``job`` without its tensors: what a pending refresh keeps (a sync, a recompute, a
-    checkpoint need the options only)."""
-    return RefreshJob(job.kind, None, None, job.sort, job.root, job.epsilon, job.dtype)
 
 
 class Restored:

@@ -129,11 +129,7 @@ def memory_report(
             for kind, (stored, paged) in spill.stored_bytes(pending).items():
                 report["nvme"][kind] += stored
                 report["host"][kind] += paged
-    for name in sorted(refreshes.pool_names):
-        latest = refreshes.pool.latest(name)
-        if latest is not None:
-            add("host", "results", latest[1])
-    add("host", "staging", refreshes.snapshots.buffers())
+    report["host"]["staging"] += refreshes.snapshots.staging_bytes()  # the staging ring
     add("device", "bases", bases.buffers())
     report["planned"] = {tier: dict(kinds) for tier, kinds in placement.bytes.items()}
     report["placement"] = {

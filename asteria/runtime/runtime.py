@@ -115,8 +115,10 @@ class Runtime:
                 attach.params_of(optimizer), self._lane, always=self._coherence is not None
             )
         costs = InstallCosts(optimizer.install_cost, functools.partial(block_state, optimizer))
+        # one low-priority copy stream, made once, for the window and the staged snapshots
+        copies = functools.cache(functools.partial(attach.copy_stream, optimizer))
         self._bases = attach.choose_bases(
-            optimizer, c, choices.placement, self._lane, costs, self.block_name
+            optimizer, c, choices.placement, self._lane, costs, self.block_name, copies
         )
         thread_cost = _free if self._bases.installs_off_thread else costs
         self._pacer = Pacer(c.pace_installs, c.staleness, self.registry.entries, thread_cost)
@@ -125,7 +127,7 @@ class Runtime:
             c,
             self.registry,
             self._pool,
-            attach.choose_snapshots(optimizer, self._pool, self._lane),
+            attach.choose_snapshots(choices, self._pool, self._lane, copies),
             self._bases,
             self._pacer,
             self.block_name,
@@ -215,21 +217,22 @@ class Runtime:
 
     # -- the Refresher protocol (called by the optimizer's step) ------------------------------
 
-    def step_begin(self, opt: KroneckerOptimizer) -> None:
+    def step_begin(self) -> None:
         self._step_t0 = time.perf_counter()
         self._refreshes.wait_s = 0.0
+        self._refreshes.snapshots.step_begin()
 
-    def accumulate(self, opt: KroneckerOptimizer, key: BlockKey, fn: Any, *args: Any) -> None:
+    def accumulate(self, key: BlockKey, fn: Any, *args: Any) -> None:
         if self._lane is None:
             fn(*args)
         else:
             self._lane.submit(key, fn, *args)
 
-    def block_begin(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> None:
+    def block_begin(self, key: BlockKey, block: dict) -> None:
         if self._lane is not None:
             self._lane.wait(key)
 
-    def bases(self, opt: KroneckerOptimizer, key: BlockKey, block: dict) -> list:
+    def bases(self, key: BlockKey, block: dict) -> list:
         if self._bases.stable:
             return self._bases.read(key, block)
         with self._lock:  # the window's ring is shared with installs from hooks
@@ -247,24 +250,16 @@ class Runtime:
     def lead(self) -> int:
         return self.schedule.lead  # Note [Refresh lead] in schedule.py
 
-    def beside(self, opt: KroneckerOptimizer, fn: Any, *args: Any) -> Any:
+    def beside(self, fn: Any, *args: Any) -> Any:
         """Part of the step's update on the statistics lane (Note [Split updates] in lane.py)."""
         return self._lane.beside(fn, *args)
 
-    def sync(self, opt: KroneckerOptimizer | None = None) -> None:
+    def sync(self) -> None:
         """Wait for the statistics lane (everything queued there has run)."""
         if self._lane is not None:
             self._lane.wait_all()
 
-    def block_boundary(
-        self,
-        opt: KroneckerOptimizer,
-        key: BlockKey,
-        block: dict,
-        group: dict,
-        step: int,
-        due: bool,
-    ) -> None:
+    def block_boundary(self, key: BlockKey, block: dict, group: dict, step: int, due: bool) -> None:
         """Note [Staleness contract] (schedule.py): install what is due, then request or
         coalesce; measure the age of the basis this step's update reads."""
         schedule, refreshes = self.schedule, self._refreshes
@@ -294,7 +289,7 @@ class Runtime:
             if schedule.precedes_update:
                 schedule.record_age(e, step, freq)  # installed above, read by this step
 
-    def step_end(self, opt: KroneckerOptimizer) -> None:
+    def step_end(self) -> None:
         with self._lock:
             self._refreshes.step_end()
             self._bases.step_end()

@@ -9,14 +9,29 @@ runtime attaches (``attach.choose_snapshots``) from where the parameters live:
 * ``LaneSnapshots`` (CPU parameters with the statistics lane): the submission is queued on the
   lane behind the block's statistics of this step, which it must see (Note [Statistics lane] in
   lane.py); the training thread never waits for the lane at a refresh step;
-* ``StagedSnapshots`` (device parameters): an asynchronous copy into a pinned host staging slot
-  on the low-priority copy stream (``asteria.memory.staging``), submitted once it has landed.
+* ``StagedSnapshots`` (device parameters): an asynchronous copy into a slot of the pinned
+  staging ring (``asteria.memory.StagingRing``) on the low-priority copy stream
+  (``asteria.memory.copies``, the one the bases window uses too), submitted once it has landed
+  (Note [Staged snapshots]).
 
 A strategy turns a job into a *ticket* (``take``); ``ready(ticket)`` says whether the snapshot
 can be submitted without waiting, and ``finish(ticket)`` waits for it and returns either the
 future of a job it already submitted (the lane's) or the host tensors the pool is to copy. The
 runtime keeps tickets in ``PendingRefresh.copies`` while they are ``deferred`` and never looks
 inside one.
+
+Note [Staged snapshots]: the ring has one slot per tensor a refresh of the attach-time blocks
+copies (a factor, and the basis a QR refresh starts from), each as large as the largest, so a
+snapshot never waits for a slot: a block has at most one refresh in flight, and its slots are
+free again once its jobs are submitted (the pool copies them at submission; the views that pin
+the slots are dropped then). A copy waits (on the device) for an event the main stream records
+at the request, so it sees every statistics update issued before it; the main stream never waits
+for it then. The factors are written again by the next step's statistics, so the next step
+begins by making the main stream wait for this step's copies (a device-side wait, long satisfied
+by then): a copy never reads a factor the next step already overwrites. Each slot's fence is the
+copy's completion on the copy stream, so a slot is never refilled under a copy still writing it,
+even when a refresh is dropped. A tensor with no slot (a parameter added after attaching, a
+larger state) is handed to the pool as it is, which copies it synchronously (``unstaged``).
 
 Must not: decide when a refresh is requested or submitted (schedule.py, refreshes.py), count
 or name jobs (refreshes.py), or keep a reference to the runtime or the optimizer in what it
@@ -27,12 +42,13 @@ tests/unit/test_shutdown.py).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from asteria._ext import load_extension
-from asteria.memory.staging import StagingSlots
+from asteria.memory.copies import Copies
+from asteria.memory.host import StagingRing
 from asteria.optim.base import RefreshJob
 from asteria.runtime import testing
 from asteria.runtime.lane import StatisticsLane
@@ -54,12 +70,7 @@ def pool_submit(
 ) -> Any:
     """One job on the pool (it copies ``factor`` and ``basis`` at submission); slower under
     ``asteria.runtime.testing.slow_pool``."""
-    if job.kind == "qr":
-        future = pool.submit_qr_refresh(name, version, deadline, factor, basis, job.sort, job.dtype)
-    else:
-        future = pool.submit_inverse_root(
-            name, version, deadline, factor, job.root, job.epsilon, job.dtype
-        )
+    future = job.submit(pool, name, version, deadline, factor, basis)
     return testing.delayed(future, load_extension().FutureTimeoutError)
 
 
@@ -93,9 +104,12 @@ class Snapshots:
         factor, basis = ticket
         return None, factor, basis
 
-    def buffers(self) -> list[torch.Tensor]:
+    def staging_bytes(self) -> int:
         """Host memory the strategy holds for snapshots (``memory_report``'s staging)."""
-        return []
+        return 0
+
+    def step_begin(self) -> None:
+        """A step begins (before it writes any factor)."""
 
     def stats(self) -> dict[str, Any]:
         return {"strategy": self.name}
@@ -147,37 +161,84 @@ def _lane_submit(
 
 
 class StagedSnapshots(Snapshots):
-    """Asynchronous device-to-host copies into reused staging slots (``StagingSlots``)."""
+    """Device-to-host copies into slots of a staging ring on the copy stream (Note [Staged
+    snapshots]); ``ring`` None: every tensor is unstaged."""
 
     name = "staged"
     deferred = True
 
-    def __init__(self, staging: StagingSlots) -> None:
-        self.staging = staging
+    def __init__(self, copies: Copies, ring: StagingRing | None) -> None:
+        self._copies = copies
+        self._ring = ring
+        self._issued: list[Any] = []  # this step's copies (``step_begin`` of the next)
+        self.staged = 0
+        self.unstaged = 0
+        self._timeout = load_extension().WaitTimeoutError
 
     def take(self, key, dim, name, version, deadline, job, keep):
-        copies = [self.staging.copy((key, dim, "factor"), job.factor)]
-        if job.basis is not None:
-            copies.append(self.staging.copy((key, dim, "basis"), job.basis))
-        return copies
+        srcs = [t for t in (job.factor, job.basis) if t is not None]
+        leases = self._leases(srcs)
+        if leases is None:
+            self.unstaged += len(srcs)
+            return _Staged(None, job.factor, job.basis)
+        ready = self._copies.record()  # after every kernel that wrote them
+        dsts = [lease.view(t.shape, t.dtype) for lease, t in zip(leases, srcs)]
+        done = self._copies.copy(dsts, srcs, [ready])
+        for lease in leases:
+            lease.record(self._copies.stream)  # the slot's fence: the copy's completion
+            lease.release()  # free again once the copy is done and ``dsts`` are gone
+        self._issued.append(done)
+        self.staged += len(srcs)
+        return _Staged(done, dsts[0], dsts[1] if len(dsts) > 1 else None)
+
+    def _leases(self, srcs: list[torch.Tensor]) -> list[Any] | None:
+        """A free slot for each tensor, or None (then none is held)."""
+        ring = self._ring
+        if ring is None or any(t.nbytes > ring.slot_bytes for t in srcs):
+            return None
+        leases: list[Any] = []
+        try:
+            for _ in srcs:
+                leases.append(ring.acquire(timeout=0.0))
+        except self._timeout:
+            for lease in leases:
+                lease.release()
+            return None
+        return leases
 
     def ready(self, ticket: Any) -> bool:
-        return all(copy.query() for copy in ticket)
+        return ticket.done is None or ticket.done.query()
 
     def finish(self, ticket: Any) -> Finished:
-        for copy in ticket:
-            copy.synchronize()  # (done already unless waited for) raises a failed copy's error
-        return None, ticket[0].host, ticket[1].host if len(ticket) > 1 else None
+        if ticket.done is not None:
+            ticket.done.synchronize()  # (done already unless waited for)
+        return None, ticket.factor, ticket.basis
 
-    def buffers(self) -> list[torch.Tensor]:
-        return self.staging.buffers()
+    def step_begin(self) -> None:
+        for done in self._issued:
+            self._copies.wait(done)  # on the device: no copy reads what this step writes
+        self._issued.clear()
+
+    def staging_bytes(self) -> int:
+        return 0 if self._ring is None else self._ring.slots * self._ring.slot_bytes
 
     def stats(self) -> dict[str, Any]:
         return {
             "strategy": self.name,
-            "allocations": self.staging.allocations,
-            "reuses": self.staging.reuses,
+            "staged": self.staged,
+            "unstaged": self.unstaged,
+            "ring": None if self._ring is None else self._ring.stats(),
         }
 
     def clear(self) -> None:
-        self.staging.clear()
+        self._issued.clear()
+        self._copies.synchronize()
+        self._ring = None
+
+
+class _Staged(NamedTuple):
+    """A snapshot in flight: the copy's event (None: not staged) and the host tensors."""
+
+    done: Any
+    factor: torch.Tensor | None
+    basis: torch.Tensor | None

@@ -328,7 +328,7 @@ class SpillTier:
     def maybe_spill(self, name: str, pending: Any) -> bool:
         """Write a finished refresh that waits for its install step to the store when the
         policy spills its block; a failed job stays put (its install reports it). True when it
-        was spilled (its futures are dropped; their host memory goes with them)."""
+        was spilled (its futures, the only owners of the results' host memory, are dropped)."""
         if pending.spilled is not None or not self.spills(name) or not pending.done():
             return False
         try:

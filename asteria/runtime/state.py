@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from asteria.optim.base import RefreshJob
 from asteria.runtime.refreshes import Refreshes, Restored
 from asteria.runtime.registry import PendingRefresh
@@ -51,7 +49,7 @@ def save(refreshes: Refreshes) -> dict[str, Any]:
             "requested": p.requested,
             "results": None,
             "error": None,
-            "jobs": [None if j is None else _job_options(j) for j in p.jobs],
+            "jobs": [None if j is None else j.options() for j in p.jobs],
             "owner": p.owner,
         }
         if p.owner is None:  # computed here (a local block, or this rank owns it)
@@ -78,7 +76,7 @@ def load(refreshes: Refreshes, state: dict[str, Any]) -> None:
                 "optimizer does not have: load the optimizer's state_dict first"
             )
         e = refreshes.entry(key)
-        jobs = [None if j is None else _job_from_options(j) for j in item.get("jobs", [])]
+        jobs = [None if j is None else RefreshJob.from_options(j) for j in item.get("jobs", [])]
         owner = item.get("owner")
         if owner is not None and (coherence is None or coherence.owner(key) != owner):
             raise ValueError(
@@ -94,21 +92,3 @@ def load(refreshes: Refreshes, state: dict[str, Any]) -> None:
         e.pending = PendingRefresh(
             requested=int(item["requested"]), futures=futures, jobs=jobs, owner=owner
         )
-
-
-def _job_options(job: RefreshJob) -> dict[str, Any]:
-    """A job's options without its tensors, as plain values (a checkpoint's)."""
-    return {
-        "kind": job.kind,
-        "sort": job.sort,
-        "root": job.root,
-        "epsilon": job.epsilon,
-        "dtype": str(job.dtype).removeprefix("torch."),
-    }
-
-
-def _job_from_options(options: dict[str, Any]) -> RefreshJob:
-    o = dict(options)
-    return RefreshJob(
-        o["kind"], None, None, o["sort"], o["root"], o["epsilon"], getattr(torch, o["dtype"])
-    )

@@ -10,8 +10,8 @@ computes:
   discrete GPU on a CPU-only machine: the bases go to host memory behind a device window, run
   on its CPU stand-in), and optionally a window of another number of slots.
 * ``staged_snapshots``: runtimes attached while it is active take their snapshots through the
-  staging slots of the device path (on CPU, the shadow stream's stand-in) instead of the CPU
-  paths.
+  staging ring of the device path (on CPU, with the stand-ins of the copy stream and of the
+  ring's fences) instead of the CPU paths.
 
 Must not: be used outside tests and benchmarks of the runtime.
 """

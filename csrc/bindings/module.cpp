@@ -10,7 +10,7 @@
 #include "core/refresh_pool.h"
 #include "core/soap_step.h"
 #include "core/worker_pool.h"
-#include "cuda/shadow_stream.h"
+#include "cuda/device.h"
 #include "io/spill_tensor.h"
 #include "memory/fence.h"
 #include "memory/host_tensor.h"
@@ -144,11 +144,6 @@ void register_pool(py::module_& m) {
       .def("shutdown", &asteria::RefreshPool::shutdown, py::arg("wait") = true, ReleaseGil())
       .def("is_shutdown", &asteria::RefreshPool::is_shutdown)
       .def("stats", &asteria::RefreshPool::stats, ReleaseGil())
-      .def("latest", &asteria::RefreshPool::latest, py::arg("block"), ReleaseGil())
-      .def("release", &asteria::RefreshPool::release, py::arg("block"), py::arg("version"),
-           ReleaseGil())
-      .def("published_version", &asteria::RefreshPool::published_version, py::arg("block"),
-           ReleaseGil())
       .def_property_readonly("workers", &asteria::RefreshPool::workers)
       .def_property_readonly("lapack_threads", &asteria::RefreshPool::lapack_threads);
 
@@ -161,21 +156,6 @@ void register_cuda(py::module_& m) {
   m.def("cuda_enabled", &asteria::cuda::cuda_enabled, "Whether _C was compiled with CUDA.");
   m.def("count_nonfinite", &asteria::cuda::count_nonfinite, py::arg("tensor"),
         "Number of NaN/Inf entries as a 0-dim int64 tensor on the tensor's device (no sync).");
-
-  py::class_<asteria::cuda::CopyEvent>(m, "CopyEvent")
-      .def("query", &asteria::cuda::CopyEvent::query)
-      .def("synchronize", &asteria::cuda::CopyEvent::synchronize, ReleaseGil())
-      .def_property_readonly("host", &asteria::cuda::CopyEvent::host);
-
-  py::class_<asteria::cuda::ShadowStream>(m, "ShadowStream")
-      .def(py::init<int>(), py::arg("device") = -1)
-      .def("copy_to_host", &asteria::cuda::ShadowStream::copy_to_host, py::arg("src"),
-           py::arg("dst"), ReleaseGil())
-      .def("host_buffer_like", &asteria::cuda::ShadowStream::host_buffer_like, py::arg("src"))
-      .def("synchronize", &asteria::cuda::ShadowStream::synchronize, ReleaseGil())
-      .def_property_readonly("is_cuda", &asteria::cuda::ShadowStream::is_cuda)
-      .def_property_readonly("device", &asteria::cuda::ShadowStream::device)
-      .def_property_readonly("priority", &asteria::cuda::ShadowStream::priority);
 }
 
 void register_host_memory(py::module_& m) {
@@ -217,7 +197,6 @@ void register_host_memory(py::module_& m) {
       .def_property_readonly("nbytes", &mem::SlotLease::bytes)
       .def_property_readonly("released", &mem::SlotLease::released)
       .def("view", &mem::slot_view, py::arg("sizes"), py::arg("dtype"))
-      .def("copy_to_host", &mem::slot_copy_to_host, py::arg("src"), py::arg("shadow"), ReleaseGil())
       .def("record", &mem::slot_record, py::arg("stream"), py::arg("device"))
       .def("query", &mem::SlotLease::query)
       .def("wait", &mem::wait_slot, py::arg("timeout_s") = py::none(), ReleaseGil())
@@ -271,8 +250,8 @@ void register_spill(py::module_& m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
-      "Asteria's C++ core: matrix functions, the refresh worker pool, the shadow stream, host "
-      "memory and the staging ring, the NVMe spill store.";
+      "Asteria's C++ core: matrix functions, the refresh worker pool, host memory and the "
+      "staging ring, the NVMe spill store.";
   m.def("build_info", &asteria::build_info, "How this extension was built (a dict).");
   register_errors(m);
   register_memory_errors(m);

@@ -4,7 +4,7 @@
 
 #include "core/lapack_backend.h"
 #include "core/worker_pool.h"
-#include "cuda/shadow_stream.h"
+#include "cuda/device.h"
 
 namespace asteria {
 

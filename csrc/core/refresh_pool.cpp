@@ -186,10 +186,9 @@ void RefreshPool::on_idle() {
 
 RefreshFuture RefreshPool::submit(core::JobSpec spec, Compute compute) {
   auto out = std::make_shared<RefreshValue>();
-  auto job = [this, out, block = spec.block, version = spec.version, compute = std::move(compute)] {
+  auto job = [this, out, compute = std::move(compute)] {
     *out = run_refresh(compute);
     churn_bytes_.fetch_add(value_bytes(*out));
-    slots_.publish(block, version, out);
   };
   try {
     return RefreshFuture(pool_->submit(std::move(spec), std::move(job)), out);
@@ -234,21 +233,6 @@ std::map<std::string, int64_t> RefreshPool::stats() const {
   return {{"submitted", s.submitted}, {"completed", s.completed}, {"cancelled", s.cancelled},
           {"failed", s.failed},       {"queued", s.queued},       {"running", s.running},
           {"trims", trims_.load()}};
-}
-
-std::optional<std::tuple<int64_t, RefreshValue>> RefreshPool::latest(
-    const std::string& block) const {
-  auto entry = slots_.latest(block);
-  if (!entry) return std::nullopt;
-  return std::make_tuple(entry->version, *entry->value);
-}
-
-bool RefreshPool::release(const std::string& block, int64_t version) {
-  return slots_.erase(block, version);
-}
-
-std::optional<int64_t> RefreshPool::published_version(const std::string& block) const {
-  return slots_.version(block);
 }
 
 }  // namespace asteria

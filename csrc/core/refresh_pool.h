@@ -7,17 +7,18 @@
 //   the caller may mutate or free its tensors at once (copy=false hands a CPU tensor over
 //   instead: the job reads it in place and the caller must not write it before the future
 //   resolves); a CUDA tensor is copied synchronously here
-//   (the asynchronous path is the shadow stream, csrc/cuda/shadow_stream.h). A job's result is
-//   owned by its future and, once published, by the pool's versioned slot for its block.
+//   (the asynchronous path is the runtime's staged snapshots, asteria/runtime/snapshots.py). A
+//   job's result is owned by its future alone: it is freed once the future and every tensor
+//   handed out by result() are gone.
 // * Threads: every member may be called from any thread. Jobs run on the pool's workers with
 //   autograd off and `lapack_threads` LAPACK/OpenMP threads each (a per-thread setting; torch's
 //   process-wide thread count is untouched). Nothing here takes the GIL: the bindings release it
 //   around every call that can block (submit when the queue is full, result, shutdown).
 // * Scheduling: as core::WorkerPool (deadline order, a newer submission for a block cancels its
 //   queued predecessor, bounded queue).
-// * Results: a successful job publishes into VersionedSlots (newest version per block wins), then
-//   resolves its future. The future, the slot and every result()/latest() call share the same
-//   result tensors: treat them as read-only (clone before writing in place). Errors resolve the
+// * Results: a successful job writes its result, then resolves its future. The future and every
+//   result() call share the same result tensors: treat them as read-only (clone before writing
+//   in place). Errors resolve the
 //   future; result() rethrows them with the block name and version prepended and the original kind
 //   kept: MatrixFunctionError stays MatrixFunctionError, invalid arguments become
 //   std::invalid_argument (ValueError in Python), anything else std::runtime_error. Cancellation
@@ -38,7 +39,6 @@
 #include <variant>
 #include <vector>
 
-#include "core/versioned_slots.h"
 #include "core/worker_pool.h"
 
 namespace asteria {
@@ -106,12 +106,6 @@ class RefreshPool {
   // submitted, completed, cancelled, failed, queued, running, trims (Note [Returning freed
   // memory]).
   std::map<std::string, int64_t> stats() const;
-  // The newest published result of `block` and its version, if any.
-  std::optional<std::tuple<int64_t, RefreshValue>> latest(const std::string& block) const;
-  std::optional<int64_t> published_version(const std::string& block) const;
-  // Forgets `block`'s published result if it is still `version` (e.g. once it was spilled to
-  // disk), so that the pool no longer keeps it in host memory; true when it was dropped.
-  bool release(const std::string& block, int64_t version);
   int workers() const { return pool_->workers(); }
   int lapack_threads() const { return lapack_threads_; }
   int64_t trims() const { return trims_.load(); }
@@ -126,7 +120,6 @@ class RefreshPool {
   const int64_t trim_bytes_;
   std::atomic<int64_t> churn_bytes_{0};  // bytes moved by jobs since the last trim
   std::atomic<int64_t> trims_{0};
-  core::VersionedSlots<RefreshValue> slots_;  // declared before pool_: outlives every job
   std::unique_ptr<core::WorkerPool> pool_;
 };
 

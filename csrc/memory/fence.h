@@ -6,9 +6,9 @@
 //   returning true.
 // * Fence::wait_for(timeout) blocks the calling thread at most `timeout` (std::nullopt: without a
 //   limit) and returns query(). Nothing here takes the GIL; callers release it before waiting.
-// * Kinds: a CUDA event recorded on a stream (cuda/host_memory.h, CUDA build), a shadow-stream
-//   CopyEvent (memory/host_tensor.cpp), and the CPU stand-in made by stand_in_fence(), which is
-//   complete at once. The staging ring (memory/staging_ring.h) treats them alike.
+// * Kinds: a CUDA event recorded on a stream (cuda/host_memory.h, CUDA build) and the CPU
+//   stand-in made by stand_in_fence(), which is complete at once. The staging ring
+//   (memory/staging_ring.h) treats them alike.
 // * Test hook: between testing_hold_fences() and testing_release_fences(), stand_in_fence() returns
 //   fences that stay pending until the release. CPU-only tests use it to exercise the ordering
 //   logic that real CUDA events drive on a GPU.

@@ -3,12 +3,11 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
-#include <atomic>
 #include <chrono>
-#include <mutex>
 #include <stdexcept>
 #include <utility>
 
+#include "cuda/device.h"
 #include "cuda/host_memory.h"
 
 namespace asteria::memory {
@@ -55,33 +54,6 @@ at::Tensor make(std::unique_ptr<HostContext> ctx, void* data, at::IntArrayRef si
       .make_tensor();
 }
 
-// A shadow-stream copy's event as a slot fence. CopyEvent is not for two threads at once.
-class CopyEventFence : public Fence {
- public:
-  explicit CopyEventFence(cuda::CopyEvent event) : event_(std::move(event)) {}
-
-  // Never blocks: while another thread synchronizes, the answer is "not yet".
-  bool query() override {
-    if (done_.load()) return true;
-    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-    if (lock.owns_lock() && event_.query()) done_.store(true);
-    return done_.load();
-  }
-
-  bool wait_for(Timeout timeout) override {
-    if (timeout) return poll_until([this] { return query(); }, timeout);
-    std::lock_guard<std::mutex> lock(mu_);
-    event_.synchronize();
-    done_.store(true);
-    return true;
-  }
-
- private:
-  std::mutex mu_;
-  cuda::CopyEvent event_;
-  std::atomic<bool> done_{false};
-};
-
 }  // namespace
 
 HostPinning pinning_from(std::optional<bool> pinned) {
@@ -121,13 +93,6 @@ at::Tensor slot_view(SlotLease& lease, at::IntArrayRef sizes, at::ScalarType dty
                     " tensor needs ", nbytes, " bytes; the slot has ", lease.bytes());
   std::shared_ptr<void> pin = lease.pin();  // throws once the lease was released
   return tensor_over_block(lease.block(), lease.offset(), sizes, dtype, std::move(pin));
-}
-
-at::Tensor slot_copy_to_host(SlotLease& lease, const at::Tensor& src, cuda::ShadowStream& shadow) {
-  at::Tensor view = slot_view(lease, src.sizes(), src.scalar_type());
-  cuda::CopyEvent event = shadow.copy_to_host(src, view);
-  lease.add_fence(std::make_shared<CopyEventFence>(std::move(event)));
-  return view;
 }
 
 void slot_record(SlotLease& lease, int64_t stream, int device) {

@@ -14,9 +14,6 @@
 // * slot_view(lease, sizes, dtype): a contiguous CPU tensor over the start of a leased slot; it
 //   pins the slot until the tensor and all its views are gone. std::invalid_argument when it does
 //   not fit the slot.
-// * slot_copy_to_host(lease, src, shadow): a slot view of src's shape and dtype, filled by the
-//   shadow stream (cuda/shadow_stream.h), and the copy's event recorded as the slot's fence. The
-//   caller reads the view only after lease.query() / wait_for().
 // * slot_record(lease, stream, device): records a fence on a raw CUDA stream handle of `device`
 //   (cuda/host_memory.h); device < 0 records the CPU stand-in fence.
 // * device_view(host, device): a CUDA tensor of host's sizes, strides and dtype that aliases its
@@ -39,7 +36,6 @@
 #include <optional>
 #include <string>
 
-#include "cuda/shadow_stream.h"
 #include "memory/host_block.h"
 #include "memory/staging_ring.h"
 
@@ -52,8 +48,6 @@ at::Tensor tensor_over_block(std::shared_ptr<HostBlock> block, size_t offset, at
                              at::ScalarType dtype, std::shared_ptr<void> pin = nullptr);
 
 at::Tensor slot_view(SlotLease& lease, at::IntArrayRef sizes, at::ScalarType dtype);
-
-at::Tensor slot_copy_to_host(SlotLease& lease, const at::Tensor& src, cuda::ShadowStream& shadow);
 
 void slot_record(SlotLease& lease, int64_t stream, int device);
 

@@ -57,8 +57,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // What a view's storage holds to keep its slot from being reused. It keeps the block alive, but
-// the ring's state only weakly: a fence that owns a view of its slot (a CopyEvent owns its
-// destination) would otherwise close a cycle state -> fence -> view -> pin -> state.
+// the ring's state only weakly: a fence that owns a view of its slot (one that keeps its copy's
+// destination alive) would otherwise close a cycle state -> fence -> view -> pin -> state.
 struct Pin {
   std::weak_ptr<detail::RingState> state;
   std::shared_ptr<HostBlock> block;

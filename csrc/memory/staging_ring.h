@@ -18,7 +18,7 @@
 //   new view; add_fence() records a copy that touches the slot. Both throw std::logic_error after
 //   release. Releasing does not wait: the slot becomes free once (b) and (c) hold.
 // * Fences are dropped, outside the ring's lock, as soon as they are seen complete. A fence may own
-//   tensors over its slot (a shadow-stream CopyEvent owns its destination), so dropping one can
+//   tensors over its slot (one that keeps a copy's destination alive), so dropping one can
 //   release pins; a pin held only by a completed fence never keeps a slot busy.
 // * Lifetimes: leases share ownership of the ring's state; pins keep the block alive but hold the
 //   state only weakly, so memory stays valid while any lease or view lives, even after the

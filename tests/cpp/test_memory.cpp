@@ -209,7 +209,7 @@ TEST(ring_waits_for_fences) {
 }
 
 TEST(ring_fence_holding_a_pin_does_not_deadlock) {
-  // A fence that owns a view of its slot, as a shadow-stream CopyEvent owns its destination.
+  // A fence that owns a view of its slot (one that keeps its copy's destination alive).
   struct OwningFence : ManualFence {
     std::shared_ptr<void> pin;
   };

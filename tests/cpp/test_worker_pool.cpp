@@ -1,4 +1,4 @@
-// Tests of the torch-free worker pool and versioned slots (csrc/core). Run by ctest, also under
+// Tests of the torch-free worker pool (csrc/core). Run by ctest, also under
 // ThreadSanitizer and AddressSanitizer (CMakeLists.txt option ASTERIA_SANITIZE).
 #include <algorithm>
 #include <atomic>
@@ -17,7 +17,6 @@
 #include <unistd.h>
 #endif
 
-#include "core/versioned_slots.h"
 #include "core/worker_pool.h"
 #include "harness.h"
 
@@ -27,7 +26,6 @@ using asteria::core::JobHandle;
 using asteria::core::JobSpec;
 using asteria::core::JobStatus;
 using asteria::core::PoolOptions;
-using asteria::core::VersionedSlots;
 using asteria::core::WorkerPool;
 using namespace std::chrono_literals;
 
@@ -357,31 +355,6 @@ TEST(shutdown_all_pools_stops_live_pools) {
   CHECK(a.is_shutdown());
   CHECK(b.is_shutdown());
   asteria::core::shutdown_all_pools();
-}
-
-TEST(versioned_slots_are_monotonic) {
-  VersionedSlots<int> slots;
-  CHECK(!slots.latest("L").has_value());
-  CHECK(slots.publish("L", 3, std::make_shared<const int>(30)));
-  CHECK(!slots.publish("L", 2, std::make_shared<const int>(20)));
-  CHECK(!slots.publish("L", 3, std::make_shared<const int>(31)));
-  CHECK(slots.publish("L", 5, std::make_shared<const int>(50)));
-  auto latest = slots.latest("L");
-  CHECK(latest.has_value() && latest->version == 5 && *latest->value == 50);
-  CHECK_EQ(slots.version("L").value_or(-1), int64_t{5});
-  CHECK_EQ(slots.size(), size_t{1});
-}
-
-TEST(slots_under_concurrent_publishers) {
-  VersionedSlots<int> slots;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&slots, t] {
-      for (int v = t; v < 400; v += 4) slots.publish("L", v, std::make_shared<const int>(v));
-    });
-  }
-  for (auto& t : threads) t.join();
-  CHECK_EQ(slots.version("L").value_or(-1), int64_t{399});
 }
 
 int main(int argc, char** argv) { return harness::run_tests(argc, argv); }

@@ -317,7 +317,7 @@ def scenario_slow(rank: int, world: int, out: dict) -> None:
             loss(net, x, y).backward()
             opt.step()  # the parameters' step count is now t (step 0 initialises)
             if slowed:
-                rt.sync(opt)  # a submission queued on the statistics lane is made slow too
+                rt.sync()  # a submission queued on the statistics lane is made slow too
         step_end.append(time.monotonic())
         stats = rt.stats()
         if stats["installs"] > installs:

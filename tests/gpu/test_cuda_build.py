@@ -1,5 +1,6 @@
-"""The CUDA build of asteria._C on a real GPU: the shadow stream's copies and event ordering, and
-the count_nonfinite kernel. Skipped where torch sees no CUDA device.
+"""The CUDA build of asteria._C on a real GPU, and the copy stream the runtime runs its copies on
+(asteria.memory.copies: device-to-host snapshots and their event ordering), and the
+count_nonfinite kernel. Skipped where torch sees no CUDA device.
 
 Build first: ``TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation --no-deps -e .``.
 """
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from asteria import _C
+from asteria.memory import host_empty
+from asteria.memory.copies import CudaCopies
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA: tests/conftest.py
 
@@ -24,60 +27,66 @@ def test_the_extension_was_built_with_cuda():
     assert info["cuda_version"].split(".")[0] == torch.version.cuda.split(".")[0]
 
 
-def test_shadow_stream_is_a_lowest_priority_cuda_stream():
-    stream = _C.ShadowStream()
-    assert stream.is_cuda and stream.device == torch.cuda.current_device()
-    least, _greatest = 0, -1  # CUDA: larger numbers are lower priorities, 0 is the lowest
-    assert stream.priority == least
-    assert stream.priority >= torch.cuda.current_stream().priority
+def test_the_copy_stream_is_a_lowest_priority_cuda_stream():
+    copies = CudaCopies("cuda")
+    least, _greatest = torch.cuda.Stream.priority_range()  # larger numbers are lower priorities
+    assert copies.stream.priority == least
+    assert copies.stream.priority >= torch.cuda.current_stream().priority
+
+
+def _to_host(copies: CudaCopies, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A device-to-host snapshot as the runtime takes one: after the current stream's work."""
+    dst = host_empty(src.shape, src.dtype, pinned=True)
+    return dst, copies.copy([dst], [src], [copies.record()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_copy_to_host_copies(dtype):
-    stream = _C.ShadowStream()
+def test_device_to_host_copies(dtype):
+    copies = CudaCopies("cuda")
     src = torch.randn(513, 257, device="cuda").to(dtype)
-    dst = stream.host_buffer_like(src)
+    dst, done = _to_host(copies, src)
     assert dst.is_pinned() and dst.device.type == "cpu" and dst.dtype == dtype
-    event = stream.copy_to_host(src, dst)
-    event.synchronize()
-    assert event.query()
+    done.synchronize()
+    assert done.query()
     assert torch.equal(dst, src.cpu())
-    assert event.host.data_ptr() == dst.data_ptr()
 
 
 def test_copy_of_a_non_contiguous_tensor():
-    stream = _C.ShadowStream()
+    copies = CudaCopies("cuda")
     src = torch.randn(64, 32, device="cuda").t()
-    dst = torch.empty(src.shape, pin_memory=True)
-    stream.copy_to_host(src, dst).synchronize()
+    dst, done = _to_host(copies, src)
+    done.synchronize()
     assert torch.equal(dst, src.cpu())
 
 
 def test_copy_waits_for_the_current_stream_but_not_the_host():
     """The copy sees a write queued on the current stream behind a long kernel, and the host is
     not blocked while that kernel runs."""
-    stream = _C.ShadowStream()
+    copies = CudaCopies("cuda")
     src = torch.zeros(1 << 20, device="cuda")
-    dst = stream.host_buffer_like(src)
     torch.cuda.synchronize()
     torch.cuda._sleep(10 * SLEEP_CYCLES)  # on the current stream: ~0.5-1 s
     src.fill_(7.0)  # queued behind the sleep
-    event = stream.copy_to_host(src, dst)
+    dst, done = _to_host(copies, src)
     # the host is back while the sleep still runs: the call queued the copy and returned
-    assert not torch.cuda.current_stream().query(), "copy_to_host waited for the current stream"
-    assert not event.query(), "the copy finished before the current stream's write could run"
-    event.synchronize()
+    assert not torch.cuda.current_stream().query(), "the copy waited for the current stream"
+    assert not done.query(), "the copy finished before the current stream's write could run"
+    done.synchronize()
     assert torch.all(dst == 7.0), "the copy did not wait for the current stream"
 
 
-def test_dropping_an_in_flight_event_is_safe():
-    stream = _C.ShadowStream()
-    src = torch.randn(1 << 22, device="cuda")
-    dst = stream.host_buffer_like(src)
+def test_a_source_freed_during_its_copy_is_not_reused_under_it():
+    """The copy stream records its use of device memory: the caching allocator does not hand a
+    source freed while its copy is queued to a new tensor before the copy ran."""
+    copies = CudaCopies("cuda")
+    src = torch.full((1 << 22,), 3.0, device="cuda")
     torch.cuda._sleep(SLEEP_CYCLES)
-    event = stream.copy_to_host(src, dst)
-    del event, src  # waits for the copy before releasing src (no use-after-free)
-    stream.synchronize()
+    dst, done = _to_host(copies, src)
+    del src
+    other = torch.zeros(1 << 22, device="cuda")  # may reuse src's block only after the copy
+    other.fill_(9.0)
+    done.synchronize()
+    assert torch.all(dst == 3.0)
     torch.cuda.synchronize()
 
 

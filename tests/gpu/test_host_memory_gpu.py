@@ -23,6 +23,7 @@ from asteria.memory import (
     host_memory_stats,
     host_tensor_info,
 )
+from asteria.memory.copies import CudaCopies
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA: tests/conftest.py
 
@@ -178,15 +179,18 @@ def test_record_on_a_side_stream():
         assert bool(torch.all(dst == 2.0))
 
 
-def test_copy_to_host_on_the_shadow_stream_fences_the_slot():
-    shadow = _C.ShadowStream()
+def test_a_copy_on_the_copy_stream_fences_the_slot():
+    """As the runtime's staged snapshots fill a slot (Note [Staged snapshots])."""
+    copies = CudaCopies("cuda")
     ring = StagingRing(1, 4 * MiB)
     src = torch.zeros(MiB, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     src.fill_(5.0)  # queued behind the sleep on the current stream
     with ring.acquire(0) as slot:
-        dst = slot.copy_to_host(src, shadow)
+        dst = slot.view(src.shape, src.dtype)
+        copies.copy([dst], [src], [copies.record()])
+        slot.record(copies.stream)
         assert not slot.query()
         with pytest.raises(TimeoutError):
             ring.acquire(0.001)

@@ -15,7 +15,8 @@ import torch
 
 from asteria.memory import host_empty, is_host_tensor
 from asteria.memory.accounting import detect_arch
-from asteria.memory.window import BasesWindow, CudaCopies
+from asteria.memory.copies import CudaCopies
+from asteria.memory.window import BasesWindow
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
 

@@ -1,5 +1,5 @@
 """The extension asteria._C as a whole: its build record and the import check, the info report,
-the refresh worker pool from Python, and the CPU stand-in of the shadow stream."""
+the refresh worker pool from Python, and the CPU build's count_nonfinite."""
 
 from __future__ import annotations
 
@@ -211,9 +211,6 @@ def test_pool_results_equal_the_pure_torch_functions(pool):
     assert (f_eigh.block, f_eigh.version, f_eigh.deadline) == ("L", 1, 3)
     assert f_eigh.done() and not f_eigh.cancelled() and f_eigh.status() == "succeeded"
     assert f_eigh.started_at <= f_eigh.finished_at <= time.monotonic()
-    assert pool.published_version("L") == 1 and pool.published_version("nope") is None
-    version, (latest_evals, _) = pool.latest("L")
-    assert version == 1 and torch.equal(latest_evals, evals)
     assert pool.stats()["completed"] == 4
 
 
@@ -264,7 +261,6 @@ def test_errors_carry_the_block_and_the_original_message(pool):
         _C.MatrixFunctionError, match=r"^block 'model.w/R' \(version 4\): inverse_r"
     ):
         bad.result()
-    assert pool.published_version("model.w/R") is None
     assert pool.stats()["failed"] == 2
 
 
@@ -386,9 +382,12 @@ def test_shutdown_while_jobs_run_does_not_hang(ending):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_an_idle_worker_returns_freed_memory_to_the_system():
-    """Note [Returning freed memory] (refresh_pool.cpp): after a burst of large jobs whose
-    results are then released, a pool that trims on going idle holds far less resident memory
-    than one that does not (measured: ~150 MiB against ~330 MiB over a fresh process)."""
+    """Note [Returning freed memory] (refresh_pool.cpp): after bursts of large jobs whose results
+    are then released, a pool that trims on going idle holds far less resident memory than one
+    that does not (measured: ~15 MiB against ~130-220 MiB over a fresh process). A result is
+    owned by its future alone, so it is freed when the future goes: each burst's results but the
+    last two are released while its last jobs still run, so that the trim on going idle finds
+    them free, and the measure waits for the last burst's trim."""
     script = """
         import sys, time, torch
         from asteria import _C
@@ -401,15 +400,18 @@ def test_an_idle_worker_returns_freed_memory_to_the_system():
         a = torch.randn(500, 500, dtype=torch.float64)
         a = a @ a.T
         start = rss()
+        trims = 0
         for _ in range(4):
+            trims = pool.stats()["trims"]
             futures = [pool.submit_eigh(f"hog{i}", 0, 0, a, torch.float64) for i in range(40)]
+            for f in futures[:-2]:
+                f.result()
+            del futures[:-2]  # released while the last jobs run
             for f in futures:
                 f.result()
             del futures
-        for i in range(40):
-            pool.release(f"hog{i}", 0)
         deadline = time.monotonic() + 60  # only a hang runs out of it
-        while int(sys.argv[1]) and pool.stats()["trims"] < 1 and time.monotonic() < deadline:
+        while int(sys.argv[1]) and pool.stats()["trims"] <= trims and time.monotonic() < deadline:
             time.sleep(0.01)
         print(rss() - start, pool.stats()["trims"])
         """
@@ -426,28 +428,10 @@ def test_an_idle_worker_returns_freed_memory_to_the_system():
         mib, trims = out.stdout.split()
         growth[trim_bytes] = float(mib)
         assert (int(trims) >= 1) == (trim_bytes > 0)
-    assert growth[64 << 20] < growth[0] - 100, growth
+    assert growth[64 << 20] < growth[0] / 3, growth
 
 
-# ---- shadow stream: the CPU stand-in ------------------------------------------------------------
-
-
-@pytest.mark.skipif(_C.cuda_enabled(), reason="checks the CPU build's stand-in")
-def test_shadow_stream_stand_in_copies_synchronously():
-    stream = _C.ShadowStream()
-    assert not stream.is_cuda and stream.device == -1 and stream.priority == 0
-    src = torch.randn(5, 7)
-    dst = stream.host_buffer_like(src)
-    assert dst.shape == src.shape and dst.dtype == src.dtype and not dst.is_pinned()
-    event = stream.copy_to_host(src, dst)
-    assert event.query()
-    event.synchronize()
-    stream.synchronize()
-    assert torch.equal(dst, src) and event.host.data_ptr() == dst.data_ptr()
-    with pytest.raises(RuntimeError, match="dst shape"):
-        stream.copy_to_host(src, torch.empty(3))
-    with pytest.raises(RuntimeError, match="no CUDA"):
-        _C.ShadowStream(0)
+# ---- count_nonfinite: the CPU build --------------------------------------------------------------
 
 
 def test_count_nonfinite_on_cpu():

@@ -39,7 +39,7 @@ class PerBlockSOAP(SOAP):
             for bi, (b, g) in enumerate(zip(blocks, block_views(u.grad, u.layout))):
                 soap._accumulate_factors(b["factors"], g, beta)
                 due = t % group["precondition_frequency"] == 0
-                self._refresher.block_boundary(self, (u.pid, bi), b, group, t, due)
+                self._refresher.block_boundary((u.pid, bi), b, group, t, due)
 
 
 def _model() -> torch.nn.Module:

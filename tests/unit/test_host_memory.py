@@ -25,6 +25,7 @@ from asteria.memory import (
     host_tensor_info,
     is_host_tensor,
 )
+from asteria.memory.copies import HostCopies
 
 
 def _live() -> tuple[int, int]:
@@ -234,15 +235,18 @@ def test_a_waiting_acquire_is_woken_by_a_view_dying_and_releases_the_gil():
     assert ring.stats()["waited"] == 1, "the waiter never got to wait before the view died"
 
 
-def test_copy_to_host_through_the_shadow_stream():
+def test_copies_into_a_slot_through_the_copy_stream():
+    """As the runtime's staged snapshots fill a slot (Note [Staged snapshots]), on the stand-in."""
     ring = StagingRing(2, 1 << 16)
-    shadow = _C.ShadowStream()
+    copies = HostCopies()
     src = torch.randn(64, 32)
     with ring.acquire(0) as slot:
-        dst = slot.copy_to_host(src, shadow)
-        assert slot.wait(5)
+        dst = slot.view(src.shape, src.dtype)
+        done = copies.copy([dst], [src], [copies.record()])
+        slot.record(copies.stream)
+        assert slot.wait(5) and done.query()
         assert torch.equal(dst, src) and host_tensor_info(dst)["staging_slot"]
-    # The copy's event held the destination too; once complete, only `dst` pins slot 0.
+    # once the copy completed, only `dst` pins slot 0
     held = ring.acquire(0)
     assert held.index == 1
     with pytest.raises(TimeoutError):
@@ -278,13 +282,16 @@ def test_ring_memory_outlives_the_ring():
     assert _live()[0] == blocks
 
 
-def test_a_dropped_ring_with_an_unreaped_copy_is_freed():
-    """The copy's event owns its destination view, which pins the slot; dropping everything
-    without another acquire must still free the block (no reference cycle)."""
+def test_a_dropped_ring_with_a_live_view_and_a_fence_is_freed():
+    """A released slot with a fence and a live view; dropping everything without another
+    acquire must still free the block (a fence that owns a view of its slot: C++,
+    dropped_ring_with_a_fence_owning_a_view_is_freed)."""
     blocks, nbytes = _live()
     ring = StagingRing(1, 1 << 16)
     slot = ring.acquire(0)
-    dst = slot.copy_to_host(torch.randn(100), _C.ShadowStream())
+    dst = slot.view((100,), torch.float32)
+    dst.copy_(torch.randn(100))
+    slot.record()
     slot.release()
     del ring, slot, dst
     assert _live() == (blocks, nbytes)

@@ -122,7 +122,7 @@ def test_native_and_runtime_fail_alike(name):
             for t in range(20):
                 if t == POISON_AT:
                     if rt is not None:
-                        rt.sync(opt)
+                        rt.sync()
                     _poison(opt, params)
                 try:
                     _step(opt, params, problem, t)

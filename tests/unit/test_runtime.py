@@ -53,8 +53,9 @@ def test_staleness_zero_is_native_bitwise(name, runtimes):
 
 
 def test_snapshots_through_staging_slots_keep_native_results(runtimes):
-    """The device path (shadow-stream copies into reused staging slots, deferred submission),
-    run here with the CPU stand-in of the shadow stream."""
+    """The device path (copies on the copy stream into slots of the staging ring, deferred
+    submission; Note [Staged snapshots]), run here with the CPU stand-ins of the copy stream and
+    the ring's fences."""
     from asteria.runtime.testing import staged_snapshots
 
     problem = StochasticQuartic(SHAPES, 60, torch.float32)
@@ -73,8 +74,11 @@ def test_snapshots_through_staging_slots_keep_native_results(runtimes):
         assert torch.equal(a, b)
     staging = runtimes[-1].stats()["snapshots"]
     assert staging["strategy"] == "staged"
-    # one slot per (block, dim, factor|basis): (2 + 2 + 3) dims x 2, reused at every later refresh
-    assert staging["allocations"] == 14 and staging["reuses"] == 14 * 10
+    # one slot per (block, dim, factor|basis): (2 + 2 + 3) dims x 2, reused at every later
+    # refresh (11 of them) without ever waiting for one
+    ring = staging["ring"]
+    assert ring["slots"] == 14 and ring["acquires"] == 14 * 11 and ring["waited"] == 0
+    assert staging["staged"] == 14 * 11 and staging["unstaged"] == 0
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -172,7 +176,7 @@ def test_refresh_failures_keep_the_previous_version_then_raise(runtimes):
         opt.zero_grad()
         problem.loss(params, t).backward()
         opt.step()
-    rt.sync(opt)  # finish the lane's work in flight (an install), as state_dict() does
+    rt.sync()  # finish the lane's work in flight (an install), as state_dict() does
     block = opt.state[params[0]]["blocks"][0]
     basis_before = [q.clone() for q in block["bases"]]
     block["factors"][0][0, 0] = float("nan")  # every later refresh fails in fp32 and in fp64
@@ -183,7 +187,7 @@ def test_refresh_failures_keep_the_previous_version_then_raise(runtimes):
         opt.step()
         t += 1
     assert rt.stats()["jobs"]["failed"] == 1 and t <= 6
-    rt.sync(opt)
+    rt.sync()
     assert all(torch.equal(a, b) for a, b in zip(block["bases"], basis_before))
     assert all(torch.isfinite(p).all() for p in params)
     with pytest.raises(RefreshFailedError, match=r"param0\[0\].*2 times in a row"):

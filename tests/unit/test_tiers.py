@@ -369,7 +369,7 @@ def test_memory_report_matches_the_tensors_allocated(name, tmp_path):
     assert report["nvme"]["snapshots"] == sum(v for k, v in slots.items() if "/s" in k)
     assert report["nvme"]["results"] == planned["nvme"]["results"] > 0
     assert report["nvme"]["snapshots"] == planned["nvme"]["snapshots"] > 0
-    # once written, a spilled result is not also kept in host memory by the pool (release())
+    # once written, a spilled result is not also kept in host memory (its futures were dropped)
     assert report["host"]["results"] == 0
 
 
@@ -398,6 +398,6 @@ def test_memory_report_without_spilling_counts_waiting_results_in_host():
             if t is not None
         )
     assert report["nvme"] == dict.fromkeys(report["nvme"], 0) and report["spill"] is None
-    # the pool's own copy of each newest result is the waiting one (the same tensors)
+    # the results waiting in their futures are all the host holds of them (the pool keeps none)
     assert report["host"]["results"] == waiting == report["planned"]["host"]["results"]
     assert report["device"]["factors"] == _state_bytes(opt)["factors"]

@@ -15,8 +15,9 @@ import torch
 
 from asteria.memory import is_host_tensor
 from asteria.memory.accounting import estimate_blocks
+from asteria.memory.copies import HostCopies
 from asteria.memory.tiers import Arch
-from asteria.memory.window import BasesWindow, HostCopies
+from asteria.memory.window import BasesWindow
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
@@ -232,4 +233,4 @@ def test_native_mode_hands_the_optimizer_its_own_bases():
         opt.step()
         opt.step()
         key, _, block, _ = next(iter(opt.blocks()))
-        assert opt.refresher.bases(opt, key, block) is block[opt.bases_field]
+        assert opt.refresher.bases(key, block) is block[opt.bases_field]

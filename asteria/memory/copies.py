@@ -1,0 +1,182 @@
+"""The low-priority copy stream: the one way Asteria copies between host and device memory.
+
+Owns: ``Copies``, what a copy stream offers (device buffers, events recorded on the main stream,
+copies on the copy stream that wait for such events, making the main stream wait for a copy),
+and its two implementations: ``CudaCopies`` (one lowest-priority ``torch.cuda.Stream`` per
+device, ``torch.cuda.Event``s, ``non_blocking`` copies to and from pinned host memory) and
+``HostCopies``, the CPU stand-in with the same interface (the "device" is the CPU, the copy
+stream a queue of plain copies run in order once the events they wait for completed; events
+record the order and can be completed by hand). The runtime makes one per device and runs both
+directions through it: device-to-host snapshots of a refresh's inputs (asteria/runtime/
+snapshots.py) and host-to-device copies of the bases window (window.py).
+
+Must not: decide what is copied or when, or own the memory it copies (the callers keep sources
+and destinations alive until the copy's event has completed).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Copies", "CudaCopies", "HostCopies", "HostEvent", "copies_for"]
+
+Tensors = Sequence[torch.Tensor | None]
+
+
+class Copies(Protocol):
+    """What a device's copy stream offers: buffers, copies, events on the main stream."""
+
+    #: The copy stream (a ``torch.cuda.Stream``), or None for the stand-in: what a fence of the
+    #: copies' completion is recorded on (``asteria.memory.StagingSlot.record``).
+    stream: Any
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A device buffer of ``nbytes`` bytes (uint8)."""
+        ...
+
+    def record(self) -> Any:
+        """An event recorded on the main (current) stream: after every kernel issued so far."""
+        ...
+
+    def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[Any]) -> Any:
+        """On the copy stream: wait for ``waits``, copy each src into its dst, record an event."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Make the main stream's later kernels wait for ``event``."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait on the host for everything issued on both streams."""
+        ...
+
+
+class CudaCopies:
+    """The CUDA backend: copies on a lowest-priority stream of ``device``, events on its current
+    stream. Host sources should be pinned (``asteria.memory.host_empty``) for the copies to be
+    asynchronous."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        least, _greatest = torch.cuda.Stream.priority_range()  # (lowest, highest) priority
+        self.stream = torch.cuda.Stream(self.device, priority=least)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[Any]) -> torch.cuda.Event:
+        with torch.cuda.stream(self.stream):
+            for event in waits:
+                self.stream.wait_event(event)
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src, non_blocking=True)
+                for t in (dst, src):  # device memory the caching allocator must not reuse
+                    if t.is_cuda:  # before the copy stream is done with it
+                        t.record_stream(self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+class HostEvent:
+    """A stand-in event: ``order`` says when it was recorded; complete once ``complete()``d."""
+
+    def __init__(self, order: int, done: bool = False) -> None:
+        self.order = order
+        self._done = done
+
+    def query(self) -> bool:
+        return self._done
+
+    def complete(self) -> None:
+        self._done = True
+
+    def synchronize(self) -> None:
+        """The stand-in cannot wait: a pending event here is a copy that never runs."""
+        if not self._done:
+            raise RuntimeError(f"stand-in: {self!r} is waited for but never completes")
+
+    def __repr__(self) -> str:
+        return f"HostEvent({self.order}, {'done' if self._done else 'pending'})"
+
+
+class HostCopies:
+    """The CPU stand-in of ``CudaCopies``: buffers are CPU tensors, and the copy stream is a
+    queue of plain copies, each run (in order) once every event it waits for has completed.
+
+    ``auto_complete``: events recorded on the "main stream" are complete at once (the CPU runs
+    the kernels before it returns; what the runtime uses). ``False``: they stay pending until a
+    test completes them by hand (``HostEvent.complete``) and calls ``run()``. ``log`` lists
+    ``("record", event)`` and ``("copy", event, waits)`` in the order they happened.
+    """
+
+    stream = None  # no stream: fences of its copies are the CPU stand-in's
+
+    def __init__(self, auto_complete: bool = True) -> None:
+        self.auto_complete = auto_complete
+        self._order = itertools.count()
+        self._queue: list[tuple[list, Tensors, Tensors, HostEvent]] = []
+        self.log: list[tuple] = []
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record(self) -> HostEvent:
+        event = HostEvent(next(self._order), done=self.auto_complete)
+        self.log.append(("record", event))
+        return event
+
+    def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[HostEvent]) -> HostEvent:
+        done = HostEvent(next(self._order))
+        self._queue.append((list(waits), dsts, srcs, done))
+        self.run()
+        return done
+
+    def run(self) -> None:
+        """Run queued copies, in order, until one waits for an event not yet complete."""
+        while self._queue and all(e.query() for e in self._queue[0][0]):
+            waits, dsts, srcs, done = self._queue.pop(0)
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src)
+            done.complete()
+            self.log.append(("copy", done, waits))
+
+    def pending(self) -> int:
+        """Copies queued behind an event that has not completed."""
+        return len(self._queue)
+
+    def wait(self, event: HostEvent) -> None:
+        self.run()
+        if not event.query():
+            raise RuntimeError(
+                f"stand-in: the main stream would wait for {event!r}, a copy queued behind a "
+                "reader event that is not complete (complete it, then run())"
+            )
+
+    def synchronize(self) -> None:
+        self.run()
+        if self._queue:
+            raise RuntimeError(
+                f"stand-in: {len(self._queue)} copies wait for events that are not complete"
+            )
+
+
+def copies_for(device: torch.device) -> Copies:
+    """The copy stream of ``device``: ``CudaCopies`` on a GPU, the stand-in on the CPU."""
+    return CudaCopies(device) if device.type == "cuda" else HostCopies()
