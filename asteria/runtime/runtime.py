@@ -36,7 +36,7 @@ import torch
 from asteria._ext import load_extension
 from asteria.optim.base import BlockKey, KroneckerOptimizer
 from asteria.optim.matrix_functions import MatrixFunctionError
-from asteria.runtime import attach, report, state
+from asteria.runtime import attach, report, state, testing
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import Coherence
 from asteria.runtime.hooks import GradientGuards, ModuleSignals
@@ -223,6 +223,7 @@ class Runtime:
         self._refreshes.snapshots.step_begin()
 
     def accumulate(self, key: BlockKey, fn: Any, *args: Any) -> None:
+        fn = testing.statistics_update(key, fn)
         if self._lane is None:
             fn(*args)
         else:

@@ -12,6 +12,9 @@ computes:
 * ``staged_snapshots``: runtimes attached while it is active take their snapshots through the
   staging ring of the device path (on CPU, with the stand-ins of the copy stream and of the
   ring's fences) instead of the CPU paths.
+* ``wrapped_statistics``: every block's statistics update that a runtime runs (on its
+  statistics lane or in the step) goes through a given wrapper, which may delay, hold or fail
+  it: the faults and races of the lane are tested through it.
 
 Must not: be used outside tests and benchmarks of the runtime.
 """
@@ -19,13 +22,20 @@ Must not: be used outside tests and benchmarks of the runtime.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["pretend_arch", "slow_pool", "staged_snapshots"]
+__all__ = ["pretend_arch", "slow_pool", "staged_snapshots", "wrapped_statistics"]
 
-_global: dict[str, Any] = {"seconds": 0.0, "arch": None, "window_blocks": None, "staged": False}
+_global: dict[str, Any] = {
+    "seconds": 0.0,
+    "arch": None,
+    "window_blocks": None,
+    "staged": False,
+    "statistics": None,
+}
 
 
 @contextlib.contextmanager
@@ -62,6 +72,23 @@ def staged_snapshots() -> Iterator[None]:
     """While active, runtimes attach with the device path's staged snapshots."""
     with _setting(staged=True):
         yield
+
+
+@contextlib.contextmanager
+def wrapped_statistics(wrap: Any) -> Iterator[None]:
+    """While active, each statistics update a runtime runs is ``wrap(key, update, *args)``
+    instead of ``update(*args)``: ``wrap`` calls ``update(*args)`` itself, or raises instead.
+    It is looked up when the update is handed to the runtime (each step), not at attach."""
+    if not callable(wrap):
+        raise TypeError(f"wrap must be callable, got {type(wrap).__name__}")
+    with _setting(statistics=wrap):
+        yield
+
+
+def statistics_update(key: Any, update: Any) -> Any:
+    """The statistics update of block ``key`` as a runtime runs it now."""
+    wrap = _global["statistics"]
+    return update if wrap is None else functools.partial(wrap, key, update)
 
 
 def arch_of(device: Any, detect: Any) -> Any:
@@ -110,3 +137,33 @@ class _Delayed:
             if timeout_s is not None:
                 timeout_s = max(timeout_s - left, 0.0)
         return self._future.result(timeout_s=timeout_s)
+
+    @property
+    def started_at(self) -> Any:
+        return self._future.started_at
+
+    @property
+    def finished_at(self) -> float | None:
+        """The pool's finishing time, or ``ready_at`` if later (``time.monotonic``): the
+        duration a placement measures is the slowed one."""
+        end = self._future.finished_at
+        if end is None or not self.done():
+            return None
+        ready = self._ready_at - time.perf_counter() + time.monotonic()
+        return max(end, ready)
+
+
+_global["device_stream"] = False  # device_stream_stand_in
+
+
+@contextlib.contextmanager
+def device_stream_stand_in() -> Iterator[None]:
+    """While active, runtimes attach with a device-stream executor that runs on the CPU (a
+    thread running the refreshes with torch, asteria/runtime/placement.py): on a machine
+    without CUDA, what refresh placement can move a job to."""
+    with _setting(device_stream=True):
+        yield
+
+
+def device_stream_forced() -> bool:
+    return bool(_global["device_stream"])

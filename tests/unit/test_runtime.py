@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -16,7 +17,7 @@ from asteria.runtime import (
     StalenessTimeoutError,
 )
 from asteria.runtime.hooks import ModuleSignals
-from asteria.runtime.testing import slow_pool
+from asteria.runtime.testing import slow_pool, wrapped_statistics
 from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
@@ -462,23 +463,20 @@ def test_statistics_lane_guards_gradients_accumulated_in_place(monkeypatch):
     (the lane is slowed down so that, unguarded, the backward would get there first)."""
     import time
 
-    original = KLShampoo._update_statistics
-
-    def slow(*args):
+    def slow(key, update, *args):
         time.sleep(0.01)
-        original(*args)
-
-    monkeypatch.setattr(KLShampoo, "_update_statistics", staticmethod(slow))
+        update(*args)
 
     def accumulate(opt):  # two micro-batches per step, .grad zeroed in place every other step
         accumulate.calls += 1
         if accumulate.calls % 2:
             opt.zero_grad(set_to_none=False)
 
-    accumulate.calls = 0
-    with_lane = _model_run(True, accumulate)
-    accumulate.calls = 0
-    without = _model_run(False, accumulate)
+    with wrapped_statistics(slow):
+        accumulate.calls = 0
+        with_lane = _model_run(True, accumulate)
+        accumulate.calls = 0
+        without = _model_run(False, accumulate)
     assert all(torch.equal(a, b) for a, b in zip(with_lane, without))
 
 
@@ -490,14 +488,13 @@ def test_backward_runs_beside_the_lane_unless_it_accumulates_into_grad(monkeypat
     another thread, 0.3 s on), whatever the machine's speed."""
     import threading
 
-    original = KLShampoo._update_statistics
     release, entered = threading.Event(), threading.Event()
     order: list[str] = []
 
-    def gated(*args):
+    def gated(key, update, *args):
         entered.set()
         assert release.wait(60)
-        original(*args)
+        update(*args)
 
     def open_gate():
         order.append("released")
@@ -514,10 +511,10 @@ def test_backward_runs_beside_the_lane_unless_it_accumulates_into_grad(monkeypat
         model(x).square().mean().backward()
 
     config = RuntimeConfig(staleness=2, workers=1, statistics_lane=True)
-    with Runtime(model, opt, config) as rt:
+    with Runtime(model, opt, config) as rt, contextlib.ExitStack() as later:
         backward()
         opt.step()  # the first step: factors and bases only
-        monkeypatch.setattr(KLShampoo, "_update_statistics", staticmethod(gated))
+        later.enter_context(wrapped_statistics(gated))
         for zero_grad in (True, False):
             release.clear()
             entered.clear()
@@ -542,60 +539,56 @@ def test_backward_runs_beside_the_lane_unless_it_accumulates_into_grad(monkeypat
             rt.sync()  # this step's statistics pass the gate before it closes again
 
 
-def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes, monkeypatch):
-    import asteria.optim.soap as soap_module
-
+def test_statistics_lane_error_reaches_the_step_with_the_block_name(runtimes):
     problem = StochasticQuartic([(6, 6)], 12, torch.float32)
 
-    def broken(factors, g, beta):
+    def broken(key, update, *args):
         raise FloatingPointError("injected statistics failure")
 
-    monkeypatch.setattr(soap_module, "_accumulate_factors", broken)  # blocks of order 3+
-    monkeypatch.setattr(soap_module, "soap_accumulate", broken)  # 2-D blocks
-    with pytest.raises(RuntimeError, match=r"statistics update of block 'param0\[0\]'.*injected"):
+    with (
+        wrapped_statistics(broken),
+        pytest.raises(RuntimeError, match=r"statistics update of block 'param0\[0\]'.*injected"),
+    ):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
 
 
-def test_refresh_step_does_not_wait_for_the_statistics_lane(runtimes, monkeypatch):
+def test_refresh_step_does_not_wait_for_the_statistics_lane(runtimes):
     """The snapshot of a due refresh is queued behind the step's statistics on the lane: the
     step returns while they still run, and the result is still bitwise native (staleness 0)."""
     import threading
 
-    import asteria.optim.soap as soap_module
-
     release, waited_out = threading.Event(), []
-    real = soap_module.soap_accumulate
 
-    def held(*args):
+    def held(key, update, *args):
         if held.armed:
             waited_out.append(not release.wait(timeout=30))
             held.armed = False
-        real(*args)
+        update(*args)
 
     held.armed = False
-    monkeypatch.setattr(soap_module, "soap_accumulate", held)
     problem = StochasticQuartic([(6, 6), (5, 6)], 12, torch.float32)
     native = problem.run(lambda ps: SOAP(ps, precondition_frequency=5))
     params = problem.params()
     opt = SOAP(params, precondition_frequency=5)
     rt = Runtime(None, opt, RuntimeConfig(staleness=0, workers=1, statistics_lane=True))
     runtimes.append(rt)
-    for t in range(12):
-        opt.zero_grad()
-        problem.loss(params, t).backward()
-        if t == 9:  # the backward ran beside the last step's statistics: let them finish
-            rt.sync()
-        if t != 9:
+    with wrapped_statistics(held):
+        for t in range(12):
+            opt.zero_grad()
+            problem.loss(params, t).backward()
+            if t == 9:  # the backward ran beside the last step's statistics: let them finish
+                rt.sync()
+            if t != 9:
+                opt.step()
+                continue
+            # step 10 refreshes: its statistics wait for the release below. Armed here and disarmed
+            # by the lane itself, whenever it gets to them: the lane thread may not have started
+            # them even at the next step (a loaded machine), and they must still be the held ones.
+            held.armed = True
+            rt.config = RuntimeConfig(staleness=5, workers=1)  # let step 10 not install at once
             opt.step()
-            continue
-        # step 10 refreshes: its statistics wait for the release below. Armed here and disarmed
-        # by the lane itself, whenever it gets to them: the lane thread may not have started
-        # them even at the next step (a loaded machine), and they must still be the held ones.
-        held.armed = True
-        rt.config = RuntimeConfig(staleness=5, workers=1)  # let step 10 not install at once
-        opt.step()
-        release.set()  # the step returned with its statistics still held on the lane
-        rt.config = RuntimeConfig(staleness=0, workers=1)
+            release.set()  # the step returned with its statistics still held on the lane
+            rt.config = RuntimeConfig(staleness=0, workers=1)
     assert waited_out == [False]
     rt.close()
     for a, b in zip(params, native):
