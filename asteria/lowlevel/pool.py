@@ -1,0 +1,304 @@
+"""The refresh worker pool for optimizers of your own: submit eigh, QR-refresh and inverse-root
+jobs, get futures.
+
+Owns: ``WorkerPool`` and ``RefreshFuture``, a typed face of the C++ pool (``asteria._C
+.WorkerPool``, csrc/core/refresh_pool.h) with keyword arguments, a context manager and explicit
+cancellation. The pool's contract is the C++ one: jobs run on its own threads, each with
+``lapack_threads`` LAPACK/BLAS threads of its own and ``nice`` added to its priority; the queue
+runs the job with the smallest ``deadline`` first (ties: submission order), so the deadline is a
+job's priority; a newer submission for the same ``block`` cancels the older one while it is still
+queued; inputs are copied at submission (``copy=False`` hands a CPU tensor over instead);
+``result`` waits with the GIL released; a result is owned by its future alone.
+
+Note [Cancelling a queued job]: the C++ pool cancels a queued job when a newer job for its block
+is submitted, and has no binding that cancels one by itself. ``RefreshFuture.cancel`` therefore
+supersedes the job with the smallest job there is (the eigendecomposition of a 1x1 matrix, at
+the largest deadline, so that it runs after every real job) and returns whether the job was
+cancelled: True when it was still queued, False when it was already running or done (a running
+job is never interrupted). The superseding job is counted in ``stats()`` (one more submitted and
+completed). Only the newest job of a block can be cancelled this way; an older one that is not
+done is running (its successor's submission cancelled it otherwise). Binding the C++
+``JobHandle::cancel`` as ``Future.cancel()`` would remove the extra job; that needs a rebuild.
+
+Must not: hold scheduling of its own (the C++ queue decides), or keep results (futures do).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Generic, TypeVar
+
+import torch
+
+from asteria import _C
+
+__all__ = [
+    "CancelledError",
+    "EighResult",
+    "FutureTimeoutError",
+    "MatrixFunctionError",
+    "QRResult",
+    "RefreshFuture",
+    "WorkerPool",
+]
+
+MatrixFunctionError = _C.MatrixFunctionError
+CancelledError = _C.CancelledError
+FutureTimeoutError = _C.FutureTimeoutError
+
+#: ``submit_eigh``'s result: eigenvalues (descending) and eigenvectors (columns).
+EighResult = tuple[torch.Tensor, torch.Tensor]
+#: ``submit_qr_refresh``'s result: the new basis and the permutation (None without ``sort``).
+QRResult = tuple[torch.Tensor, torch.Tensor | None]
+
+R = TypeVar("R", EighResult, QRResult, torch.Tensor)
+
+#: The deadline of the job that supersedes a cancelled one (Note [Cancelling a queued job]).
+_LAST = 2**62
+
+
+class RefreshFuture(Generic[R]):
+    """The pending result of one job. ``status()`` is 'queued', 'running', 'succeeded',
+    'failed' or 'cancelled'."""
+
+    def __init__(self, future: _C.Future, pool: WorkerPool, kind: str) -> None:
+        self._future = future
+        self._pool = pool
+        self.kind = kind  # 'eigh', 'qr_refresh' or 'inverse_root'
+
+    @property
+    def block(self) -> str:
+        return self._future.block
+
+    @property
+    def version(self) -> int:
+        return self._future.version
+
+    @property
+    def deadline(self) -> int:
+        return self._future.deadline
+
+    @property
+    def started_at(self) -> float | None:
+        """``time.monotonic()`` when a worker started the job; None until then."""
+        return self._future.started_at
+
+    @property
+    def finished_at(self) -> float | None:
+        """``time.monotonic()`` when the job succeeded or failed; None until then."""
+        return self._future.finished_at
+
+    def done(self) -> bool:
+        """Succeeded, failed or cancelled."""
+        return self._future.done()
+
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    def status(self) -> str:
+        return self._future.status()
+
+    def result(self, timeout: float | None = None) -> R:
+        """The job's result, waiting (GIL released) up to ``timeout`` seconds (None: no limit).
+
+        Raises ``FutureTimeoutError`` when the time runs out (the job goes on),
+        ``CancelledError`` for a cancelled job, and the job's own error with its block and
+        version prepended: ``MatrixFunctionError`` for a refresh that failed in its dtype and in
+        float64 or got a non-finite input, ``ValueError`` for a bad shape."""
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        """Cancel the job if it has not started: True if it is (now) cancelled, False when it
+        is running or finished (Note [Cancelling a queued job])."""
+        return self._pool._cancel(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"RefreshFuture({self.kind}, block={self.block!r}, version={self.version}, "
+            f"deadline={self.deadline}, {self.status()})"
+        )
+
+
+class WorkerPool:
+    """``workers`` C++ threads (default: the build's ``default_workers``) that compute refreshes.
+
+    ``lapack_threads``: LAPACK/BLAS threads per worker (per worker where the build has
+    thread-local MKL or OpenMP: ``capabilities().per_worker_lapack_threads``). ``nice``: 0-19,
+    added to the workers' nice value (Linux), so that they yield to the training threads.
+    ``affinity``: CPU cores the workers are pinned to, round robin. ``queue_capacity``: jobs
+    queued at most (a submission beyond it raises RuntimeError). ``trim_bytes``: a worker that
+    goes idle after results of at least this many bytes returns freed memory to the system
+    (``malloc_trim``; 0: never). ValueError names a value out of range.
+
+    The pool shuts down at ``shutdown()``, at the end of a ``with`` block, when it is garbage
+    collected, and at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        lapack_threads: int = 1,
+        nice: int = 0,
+        affinity: Sequence[int] | None = None,
+        queue_capacity: int = 1024,
+        trim_bytes: int = 64 << 20,
+    ) -> None:
+        if workers is None:
+            workers = int(_C.build_info()["default_workers"])
+        self._pool = _C.WorkerPool(
+            workers=workers,
+            lapack_threads=lapack_threads,
+            affinity=None if affinity is None else [int(c) for c in affinity],
+            queue_capacity=queue_capacity,
+            trim_bytes=trim_bytes,
+            nice=nice,
+        )
+        self._lock = threading.RLock()  # also taken by weakref callbacks, maybe inside it
+        # the newest job of each block, weakly: a result is owned by its future alone
+        self._newest: dict[str, weakref.ref[RefreshFuture]] = {}
+
+    # ---- submissions ---------------------------------------------------------------------------
+
+    def submit_eigh(
+        self,
+        block: str,
+        factor: torch.Tensor,
+        *,
+        dtype: torch.dtype = torch.float32,
+        deadline: int = 0,
+        version: int = 0,
+        copy: bool = True,
+    ) -> RefreshFuture[EighResult]:
+        """Eigenvalues (descending) and eigenvectors of a symmetric ``factor``, in ``dtype``
+        (as ``asteria.lowlevel.eigh_descending``)."""
+        return self._submit(
+            "eigh",
+            block,
+            lambda: self._pool.submit_eigh(block, version, deadline, factor, dtype, copy),
+        )
+
+    def submit_qr_refresh(
+        self,
+        block: str,
+        factor: torch.Tensor,
+        basis: torch.Tensor,
+        *,
+        sort: bool = True,
+        dtype: torch.dtype = torch.float32,
+        deadline: int = 0,
+        version: int = 0,
+        copy: bool = True,
+    ) -> RefreshFuture[QRResult]:
+        """One warm-started power iteration plus QR of ``factor @ basis`` (columns sorted by
+        their eigenvalue estimates with ``sort``), as ``asteria.lowlevel.qr_refresh``."""
+        return self._submit(
+            "qr_refresh",
+            block,
+            lambda: self._pool.submit_qr_refresh(
+                block, version, deadline, factor, basis, sort, dtype, copy
+            ),
+        )
+
+    def submit_inverse_root(
+        self,
+        block: str,
+        factor: torch.Tensor,
+        root: float,
+        *,
+        epsilon: float = 1e-12,
+        dtype: torch.dtype = torch.float32,
+        deadline: int = 0,
+        version: int = 0,
+        copy: bool = True,
+    ) -> RefreshFuture[torch.Tensor]:
+        """``factor^(-1/root)`` of a symmetric PSD ``factor``, eigenvalues clamped at 0 plus
+        ``epsilon``, as ``asteria.lowlevel.inverse_root``."""
+        return self._submit(
+            "inverse_root",
+            block,
+            lambda: self._pool.submit_inverse_root(
+                block, version, deadline, factor, float(root), float(epsilon), dtype, copy
+            ),
+        )
+
+    def _submit(self, kind: str, block: str, submit) -> RefreshFuture:
+        if not isinstance(block, str):
+            raise TypeError(f"block must be a str, got {type(block).__name__}: {block!r}")
+        with self._lock:
+            future = RefreshFuture(submit(), self, kind)
+            self._newest[block] = weakref.ref(future, self._forget(block))
+        return future
+
+    def _forget(self, block: str):
+        """A callback that drops ``block``'s entry once its newest future is gone."""
+        pool = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:
+            owner = pool()
+            if owner is not None:
+                with owner._lock:
+                    if owner._newest.get(block) is ref:
+                        del owner._newest[block]
+
+        return forget
+
+    def _cancel(self, future: RefreshFuture) -> bool:
+        with self._lock:
+            newest = self._newest.get(future.block)
+            if future.done() or newest is None or newest() is not future:
+                return future.cancelled()  # done, or running (Note [Cancelling a queued job])
+            if not self._pool.is_shutdown():
+                self._pool.submit_eigh(
+                    future.block, future.version, _LAST, torch.ones(1, 1), torch.float32, True
+                )
+                del self._newest[future.block]
+        return future.cancelled()
+
+    # ---- the rest ------------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> int:
+        return self._pool.workers
+
+    @property
+    def lapack_threads(self) -> int:
+        return self._pool.lapack_threads
+
+    @property
+    def trims(self) -> int:
+        """How often a worker returned freed memory to the system."""
+        return self._pool.trims
+
+    def stats(self) -> dict[str, int]:
+        """``submitted``, ``completed``, ``cancelled``, ``failed``, ``queued``, ``running``,
+        ``trims``."""
+        return dict(self._pool.stats())
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Cancel queued jobs, let running ones finish, and (``wait``) join the threads.
+        Idempotent; a submission afterwards raises RuntimeError."""
+        self._pool.shutdown(wait)
+        with self._lock:
+            self._newest.clear()
+
+    def is_shutdown(self) -> bool:
+        return self._pool.is_shutdown()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self.is_shutdown() else "running"
+        return f"WorkerPool(workers={self.workers}, lapack_threads={self.lapack_threads}, {state})"

@@ -1,0 +1,136 @@
+"""Snapshots of device tensors into the staging ring, on the copy stream, fenced.
+
+Owns: ``Snapshot`` and ``snapshot()``: host copies of a few tensors taken asynchronously on a
+copy stream (``asteria.memory.copies``) into slots of a ``StagingRing``, with the three fences a
+snapshot needs (Note [Snapshot fences]). This is the staging path of the runtime's staged
+snapshots (asteria/runtime/snapshots.py, Note [Staged snapshots]) for a caller of its own.
+
+Note [Snapshot fences]:
+* reader: the copies wait (on the device) for an event the main stream records when the snapshot
+  is taken, so they see every kernel issued before it; the main stream does not wait for them;
+* slot: each slot is fenced with the copy's completion on the copy stream, so the ring hands it
+  out again only once the copy has landed (and the snapshot's tensors are gone and its leases
+  released), never under a copy still writing it;
+* writer: ``fence()`` makes the main stream's later kernels wait for the copies: call it before
+  the sources are written again (the runtime does it at the start of the next step), so that a
+  copy never reads a value written after the snapshot.
+On the CPU stand-in (``HostCopies``) the copies run at once and every fence is complete.
+
+Must not: decide what to snapshot or when, or keep the sources alive past the copies (the
+copy stream's ``record_stream`` does that for device memory).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from asteria import _C
+from asteria.memory.copies import Copies
+from asteria.memory.host import StagingRing, StagingSlot
+
+__all__ = ["Snapshot", "snapshot"]
+
+
+class Snapshot:
+    """Host copies of tensors in flight on a copy stream (``snapshot()`` makes one).
+
+    ``tensors`` are CPU tensors over the ring's slots, with the sources' shapes and dtypes: read
+    them once ``ready()`` (or after ``wait()``). The slots stay leased until ``release()`` (or the
+    end of a ``with`` block) and busy while any of ``tensors`` or a view of them is alive."""
+
+    def __init__(
+        self,
+        copies: Copies,
+        done: Any,
+        leases: list[StagingSlot],
+        tensors: tuple[torch.Tensor, ...],
+    ) -> None:
+        self._copies = copies
+        self._done = done
+        self._leases = leases
+        self.tensors = tensors
+
+    def ready(self) -> bool:
+        """Whether every copy has landed (no wait)."""
+        return bool(self._done.query())
+
+    def wait(self, timeout: float | None = None) -> tuple[torch.Tensor, ...]:
+        """Wait (GIL released) for the copies and return ``tensors``; ``WaitTimeoutError`` (a
+        ``TimeoutError``) after ``timeout`` seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for lease in self._leases:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not lease.released and not lease.wait(left):
+                break
+        if not self._done.query():
+            raise _C.WaitTimeoutError(
+                f"snapshot: {len(self.tensors)} copies not landed after {timeout} s"
+            )
+        return self.tensors
+
+    def fence(self) -> None:
+        """Make the main stream's later kernels wait for the copies (the writer fence of Note
+        [Snapshot fences]): call it before writing the sources again."""
+        self._copies.wait(self._done)
+
+    def release(self) -> None:
+        """Give the slots back to the ring (idempotent): each is reused once its copy has landed
+        and ``tensors`` are gone."""
+        for lease in self._leases:
+            lease.release()
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "ready" if self.ready() else "in flight"
+        return f"Snapshot({len(self.tensors)} tensors, {state})"
+
+
+def snapshot(
+    tensors: Sequence[torch.Tensor],
+    ring: StagingRing,
+    copies: Copies,
+    timeout: float | None = None,
+) -> Snapshot:
+    """Start host copies of ``tensors`` (on ``copies``' device: CUDA tensors with
+    ``CudaCopies``, CPU ones with the stand-in) into one slot of ``ring`` each.
+
+    Waits up to ``timeout`` seconds (None: no limit) for free slots, then raises
+    ``WaitTimeoutError`` saying what holds them (no slot stays leased); ValueError for a tensor
+    larger than a slot. The copies wait for the work issued so far on the current stream
+    (Note [Snapshot fences])."""
+    srcs = list(tensors)
+    for i, t in enumerate(srcs):
+        if t.nbytes > ring.slot_bytes:
+            raise ValueError(
+                f"snapshot: tensor {i} has {t.nbytes} bytes, more than a slot of the ring "
+                f"({ring.slot_bytes} bytes)"
+            )
+    leases: list[StagingSlot] = []
+    try:
+        for _ in srcs:
+            leases.append(ring.acquire(timeout))
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    ready = copies.record()  # the reader fence: after every kernel that wrote the sources
+    dsts = tuple(lease.view(t.shape, t.dtype) for lease, t in zip(leases, srcs))
+    done = copies.copy(dsts, srcs, [ready])
+    for lease in leases:
+        lease.record(copies.stream)  # the slot fence: the copy's completion
+    return Snapshot(copies, done, leases, dsts)
