@@ -1,27 +1,44 @@
 """asteria.train: the main job. Train a small OLMo-2-style LM and compare optimizers.
 
-``python -m asteria.train`` (or ``asteria-train``) runs it; ``--help`` lists the options.
+``python -m asteria.train`` (or ``asteria-train``) runs it; ``--help`` lists the options. It needs
+the ``train`` extra (``pip install 'asteria[train]'``; Note [The train extra] in extra.py): the
+names below are imported on first use, after a check that names any missing package.
 Modules: data (byte-level corpus, token files and batches), models (presets), optimizers (name ->
 constructor and default learning rates, run specs like ``soap:asteria``), loop (the training loop),
 checkpoint (save and resume), distributed (FSDP2/HSDP under torchrun), energy (NVML and RAPL),
-report (output files and plots), env (machine facts), cli (arguments).
+report (output files and plots), env (machine facts), cli (arguments), extra (its packages).
 """
 
-from asteria.train.data import VOCAB_SIZE, Corpus, load_corpus
-from asteria.train.loop import RunResult, TrainConfig, train
-from asteria.train.models import PRESETS, build_model, get_preset
-from asteria.train.optimizers import OPTIMIZERS, build_optimizer
+from __future__ import annotations
 
-__all__ = [
-    "OPTIMIZERS",
-    "PRESETS",
-    "VOCAB_SIZE",
-    "Corpus",
-    "RunResult",
-    "TrainConfig",
-    "build_model",
-    "build_optimizer",
-    "get_preset",
-    "load_corpus",
-    "train",
-]
+import importlib
+from typing import Any
+
+from asteria.train.extra import require
+
+#: Public name -> the module of asteria.train that defines it.
+_EXPORTS = {
+    "VOCAB_SIZE": "data",
+    "Corpus": "data",
+    "load_corpus": "data",
+    "RunResult": "loop",
+    "TrainConfig": "loop",
+    "train": "loop",
+    "PRESETS": "models",
+    "build_model": "models",
+    "get_preset": "models",
+    "OPTIMIZERS": "optimizers",
+    "build_optimizer": "optimizers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asteria.train' has no attribute {name!r}")
+    require()  # MissingExtraError: which package is missing, and the extra to install
+    value = getattr(importlib.import_module(f"asteria.train.{module}"), name)
+    globals()[name] = value
+    return value
