@@ -2,7 +2,7 @@
 
 A small OLMo-2-style byte LM (2 layers, width 64) on the embedded corpus, batch 32 x 64 bytes,
 150 steps, the same initial weights and batches for every optimizer; compared on held-out
-validation windows. Each optimizer runs at its documented learning rate (README, "Learning
+validation windows. Each optimizer runs at its documented learning rate (docs/train.md, "Learning
 rates"): AdamW 3e-3 (its best of {3e-3, 1e-2} here), SOAP 1e-2, KL-Shampoo 1e-2 with
 ``shampoo_beta=0.9``. KL-Shampoo's eigenvalue estimates start at ``init_factor`` (0.1, far above
 a small LM's gradient scale) and follow an EMA with ``shampoo_beta``; at the authors' 0.98 they
