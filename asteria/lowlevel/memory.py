@@ -40,7 +40,9 @@ def host_copy(tensor: torch.Tensor, pinned: bool | None = None) -> torch.Tensor:
     return host_empty_like(tensor, pinned).copy_(tensor)
 
 
-def device_view(host_tensor: torch.Tensor, device: int | str | torch.device | None = None):
+def device_view(
+    host_tensor: torch.Tensor, device: int | str | torch.device | None = None
+) -> torch.Tensor:
     """A CUDA tensor aliasing the pinned host memory of ``host_tensor`` (zero-copy), which it
     keeps alive. ``CudaUnavailableError`` without CUDA; ValueError for memory that is not an
     Asteria host block or not pinned."""

@@ -12,13 +12,16 @@ queued; inputs are copied at submission (``copy=False`` hands a CPU tensor over 
 
 Note [Cancelling a queued job]: the C++ pool cancels a queued job when a newer job for its block
 is submitted, and has no binding that cancels one by itself. ``RefreshFuture.cancel`` therefore
-supersedes the job with the smallest job there is (the eigendecomposition of a 1x1 matrix, at
-the largest deadline, so that it runs after every real job) and returns whether the job was
-cancelled: True when it was still queued, False when it was already running or done (a running
-job is never interrupted). The superseding job is counted in ``stats()`` (one more submitted and
-completed). Only the newest job of a block can be cancelled this way; an older one that is not
-done is running (its successor's submission cancelled it otherwise). Binding the C++
-``JobHandle::cancel`` as ``Future.cancel()`` would remove the extra job; that needs a rebuild.
+supersedes the job with the smallest job there is (the eigendecomposition of a 1x1 matrix, with
+the job's version, at the earliest deadline, so that the next free worker runs it in
+microseconds and the block is clear again) and returns whether the job is cancelled: True when
+it was still queued (or already cancelled), False when it is running or finished (a running job
+is never interrupted). The superseding job is counted in ``stats()`` (one more submitted and
+completed). While it waits for a free worker, the block takes only versions at least the
+cancelled job's, as while any job of the block is queued. Only the newest job of a block can be
+cancelled this way; an older one that is not done is running (its successor's submission
+cancelled it otherwise). Binding the C++ ``JobHandle::cancel`` as ``Future.cancel()`` would
+remove the extra job; that needs a rebuild of the extension.
 
 Must not: hold scheduling of its own (the C++ queue decides), or keep results (futures do).
 """
@@ -57,7 +60,7 @@ QRResult = tuple[torch.Tensor, torch.Tensor | None]
 R = TypeVar("R", EighResult, QRResult, torch.Tensor)
 
 #: The deadline of the job that supersedes a cancelled one (Note [Cancelling a queued job]).
-_LAST = 2**62
+_FIRST = -(2**62)
 
 
 class RefreshFuture(Generic[R]):
@@ -111,8 +114,8 @@ class RefreshFuture(Generic[R]):
         return self._future.result(timeout)
 
     def cancel(self) -> bool:
-        """Cancel the job if it has not started: True if it is (now) cancelled, False when it
-        is running or finished (Note [Cancelling a queued job])."""
+        """Cancel the job if it has not started: True if it is (now or already) cancelled,
+        False when it is running or finished (Note [Cancelling a queued job])."""
         return self._pool._cancel(self)
 
     def __repr__(self) -> str:
@@ -253,7 +256,7 @@ class WorkerPool:
                 return future.cancelled()  # done, or running (Note [Cancelling a queued job])
             if not self._pool.is_shutdown():
                 self._pool.submit_eigh(
-                    future.block, future.version, _LAST, torch.ones(1, 1), torch.float32, True
+                    future.block, future.version, _FIRST, torch.ones(1, 1), torch.float32, True
                 )
                 del self._newest[future.block]
         return future.cancelled()
