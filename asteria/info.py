@@ -1,13 +1,19 @@
-"""``python -m asteria.info``: how the extension was built, what it found, and whether that fits.
+"""``python -m asteria.info``: how the extension was built, what it found, and whether that fits,
+and what the public low-level API can do here.
 
-Owns: the build report (xformers' ``python -m xformers.info`` idea). Reads only the extension's
-build record (``asteria/_build_info.py``), ``asteria._C.build_info()`` and torch's own config.
+Owns: the build report (xformers' ``python -m xformers.info`` idea). Reads the extension's build
+record (``asteria/_build_info.py``), ``asteria._C.build_info()``, torch's own config, and
+``asteria.lowlevel.capabilities()`` (CUDA, pinned and mapped memory, the CUDA copy stream,
+O_DIRECT in the spill directory, the LAPACK path, per-worker LAPACK threads, the custom ops).
+``--spill-dir DIR`` probes O_DIRECT there instead of the temporary directory.
 
-Must not: change any state (threads, devices) or build anything.
+Must not: change any state (threads, devices) or build anything; the O_DIRECT probe's 4 KiB
+scratch file is deleted before it returns.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import platform
 import re
@@ -18,6 +24,7 @@ import torch
 
 import asteria
 from asteria import _C
+from asteria.lowlevel import capabilities
 
 
 def _recorded_build() -> dict[str, Any]:
@@ -34,7 +41,7 @@ def _torch_lapack() -> str:
     return match.group(1) if match else "unknown"
 
 
-def collect() -> dict[str, Any]:
+def collect(spill_dir: str | None = None) -> dict[str, Any]:
     """Everything the report prints, as a dict (also handy in bug reports and tests)."""
     ext = _C.build_info()
     recorded = _recorded_build()
@@ -52,6 +59,7 @@ def collect() -> dict[str, Any]:
         "per_worker_lapack_threads": bool(ext["thread_local_mkl"] or ext["thread_local_openmp"]),
         "default_workers": int(ext["default_workers"]),
         "cxx_flags": recorded.get("CXX_FLAGS"),
+        "capabilities": capabilities(spill_dir).as_dict(),
     }
 
 
@@ -84,14 +92,42 @@ def format_report(info: dict[str, Any]) -> str:
         ("default worker count", str(info["default_workers"])),
         ("C++ flags", " ".join(info["cxx_flags"] or []) or "unknown"),
     ]
+    rows += _capability_rows(info["capabilities"])
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     lines.append(f"{'verdict':<{width}}  {verdict(info)}")
     return "\n".join(lines)
 
 
-def main() -> int:
-    print(format_report(collect()))
+def _yes(flag: bool | None) -> str:
+    return "not probed" if flag is None else ("yes" if flag else "no")
+
+
+def _capability_rows(caps: dict[str, Any]) -> list[tuple[str, str]]:
+    """What ``asteria.lowlevel`` can do on this build (docs/api.md, Capabilities)."""
+    gpu = caps["cuda_build"] and caps["cuda_device"]
+    gpu_only = "" if gpu else " (needs a CUDA build and a GPU)"
+    o_direct = _yes(caps["o_direct"])
+    if caps["o_direct"] is not None:
+        o_direct += f" in {caps['spill_dir']}: {caps['o_direct_reason']}"
+    return [
+        ("api: CUDA", _yes(gpu)),
+        ("api: pinned host memory", _yes(caps["pinned_memory"]) + gpu_only),
+        ("api: mapped memory (device_view)", _yes(caps["mapped_memory"]) + gpu_only),
+        ("api: CUDA copy stream", _yes(caps["cuda_copy_stream"]) + gpu_only),
+        ("api: O_DIRECT spill store", o_direct),
+        ("api: LAPACK path", f"{caps['lapack_backend']}, eigh via {caps['eigh_path']}"),
+        ("api: torch.ops", ", ".join(caps["custom_ops"]) or "none"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m asteria.info", description=__doc__)
+    parser.add_argument(
+        "--spill-dir", help="where to probe O_DIRECT (default: the temporary directory)"
+    )
+    args = parser.parse_args(argv)
+    print(format_report(collect(args.spill_dir)))
     return 0
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import inspect
 import re
+import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -388,3 +390,27 @@ def test_cuda_only_parts_say_so_on_a_cpu_build(call):
     with pytest.raises(ll.CudaUnavailableError, match="this asteria build has no CUDA"):
         call()
     assert issubclass(ll.CudaUnavailableError, RuntimeError)
+
+
+def test_info_lists_the_capabilities(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "asteria.info", "--spill-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = dict(
+        re.split(r"\s{2,}", line, maxsplit=1) for line in out.stdout.splitlines() if "  " in line
+    )
+    caps = ll.capabilities(spill_dir=tmp_path)
+    gpu = caps.cuda_build and caps.cuda_device
+    assert rows["api: CUDA"] == ("yes" if gpu else "no")
+    assert rows["api: mapped memory (device_view)"].startswith("yes" if gpu else "no")
+    assert rows["api: O_DIRECT spill store"].startswith(
+        f"{'yes' if caps.o_direct else 'no'} in {tmp_path}: {caps.o_direct_reason}"
+    )
+    assert rows["api: LAPACK path"] == f"{caps.lapack_backend}, eigh via {caps.eigh_path}"
+    assert rows["api: torch.ops"] == ", ".join(asteria.ops.OPS)
+    assert not any(tmp_path.iterdir())
