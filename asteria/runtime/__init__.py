@@ -4,6 +4,7 @@
 mode; ``close()`` (or leaving a ``with`` block) switches it back.
 """
 
+from asteria.runtime.attach import NoSpareCoreWarning
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import CoherenceTimeoutError
 from asteria.runtime.lane import StatisticsLaneError
@@ -12,6 +13,7 @@ from asteria.runtime.runtime import Runtime
 
 __all__ = [
     "CoherenceTimeoutError",
+    "NoSpareCoreWarning",
     "RefreshFailedError",
     "Runtime",
     "RuntimeConfig",

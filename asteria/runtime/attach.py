@@ -43,12 +43,14 @@ def _round_up(n: int, k: int) -> int:
 
 __all__ = [
     "Attachment",
+    "NoSpareCoreWarning",
     "choose",
     "choose_bases",
     "choose_snapshots",
     "copy_stream",
     "distributed_mode",
     "namer",
+    "no_spare_core",
     "param_names",
     "params_of",
 ]
@@ -65,6 +67,8 @@ class Attachment:
     lane: bool  # whether the statistics lane runs
     staged: bool  # whether snapshots are staged (device parameters)
     ring: tuple[int, int]  # the staging ring's slots and slot bytes (Note [Staged snapshots])
+    # why the refreshes have no core of their own, or None (Note [No spare core])
+    no_spare_core: str | None = None
 
 
 def params_of(optimizer: KroneckerOptimizer) -> list[torch.Tensor]:
@@ -138,7 +142,48 @@ def choose(
         config.statistics_lane is None and not sharded and spare_core
     )
     lane = cpu_only and bool(lane_on) and placement.bases_access != "window"
-    return Attachment(arch, sizes, placement, nice, lane, staged, ring)
+    no_core = no_spare_core(config.resolved_workers, local) if cpu_only else None
+    return Attachment(arch, sizes, placement, nice, lane, staged, ring, no_core)
+
+
+# Note [No spare core]: the runtime hides a refresh only where a core runs it beside the
+# training. On a CPU-only machine the training's intra-op threads stand for the GPU and the
+# other cores for its host; when the threads and the pool's workers together (under torchrun,
+# those of every process on the machine) outnumber the cores, a refresh takes its time from
+# the training and shows up as a slower step, as in native mode (issue 24: `make demo` at
+# torch's default of every core, the same refresh spikes one step later). The runtime still
+# works, so it does not refuse: it warns once, when it attaches, and says what to change;
+# Runtime.stats()["warnings"] keeps the text for reports (asteria-train's report.md). On a
+# GPU the training's work runs on the device, and no warning is given.
+
+
+class NoSpareCoreWarning(RuntimeWarning):
+    """The training's threads and the refresh workers outnumber the cores (Note [No spare
+    core])."""
+
+
+def no_spare_core(workers: int, processes: int = 1, cores: int | None = None) -> str | None:
+    """The warning for a CPU training whose ``torch.get_num_threads()`` intra-op threads and
+    ``workers`` refresh workers (times ``processes`` on this machine) outnumber ``cores``
+    (``os.cpu_count()``), or None where they fit (Note [No spare core])."""
+    threads = torch.get_num_threads()
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    if (threads + workers) * processes <= cores:
+        return None
+    each = f" in each of {processes} processes" if processes > 1 else ""
+    room = cores // processes - workers  # the threads that would leave the workers their cores
+    fix = (
+        f"torch.set_num_threads({room}) before attaching (asteria-train: --threads {room})"
+        if room >= 1
+        else f"fewer workers (RuntimeConfig(workers=...), below {max(1, cores // processes)})"
+    )
+    return (
+        f"Asteria: the training's {threads} intra-op thread{'s' if threads != 1 else ''} and "
+        f"the runtime's {workers} refresh "
+        f"worker{'s' if workers != 1 else ''}{each} outnumber this machine's {cores} CPU cores, "
+        "so there is no core to hide refreshes on: they take their time from the training "
+        f"steps, as in native mode. Leave the workers their cores: {fix}."
+    )
 
 
 def _placement(

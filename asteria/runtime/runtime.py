@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -97,6 +98,11 @@ class Runtime:
             self._coherence = Coherence(optimizer, c, ranks_per_node)
         choices = attach.choose(optimizer, c, distributed, self.block_name)
         self.arch, self.placement = choices.arch, choices.placement
+        # what the runtime warned about at attach, for reports (stats()["warnings"])
+        self._warnings: list[str] = []
+        if choices.no_spare_core is not None:  # Note [No spare core] in attach.py
+            self._warnings.append(choices.no_spare_core)
+            warnings.warn(choices.no_spare_core, attach.NoSpareCoreWarning, stacklevel=2)
         self._spill = open_spill(c.nvme_path, c.fixed_delay, choices.placement, choices.sizes)
         _C = load_extension()
         self._pool = _C.WorkerPool(
@@ -337,9 +343,11 @@ class Runtime:
         """Figures the benchmarks read: per-step times, barrier waits, jobs, staleness
         (docs/runtime.md, ``Runtime.stats()``)."""
         hooks = 0 if self._signals is None else len(self._signals)
-        return report.stats(
+        out = report.stats(
             self._refreshes, self.schedule, self.per_step, self._lane, self._coherence, hooks
         )
+        out["warnings"] = list(self._warnings)  # given at attach (Note [No spare core])
+        return out
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes per tier per state kind, measured on the tensors that exist now (report.py;

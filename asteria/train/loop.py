@@ -174,6 +174,8 @@ def runtime_summary(stats: dict[str, Any]) -> dict[str, Any]:
             **stats["basis_age"],
             "histogram": {str(k): v for k, v in stats["basis_age"]["histogram"].items()},
         },
+        # given at attach, e.g. no core left for the refreshes (Note [No spare core])
+        "warnings": list(stats.get("warnings", [])),
     }
 
 

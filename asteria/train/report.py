@@ -161,6 +161,19 @@ def time_to_target_lines(t: dict) -> list[str]:
     return lines
 
 
+def _runtime_warnings(runs: dict[str, dict]) -> list[str]:
+    """The runtime's attach-time warnings (Note [No spare core]), each once, with its runs."""
+    by_text: dict[str, list[str]] = {}
+    for name, s in runs.items():
+        for text in (s.get("runtime") or {}).get("warnings", ()):
+            by_text.setdefault(text, []).append(name)
+    return [
+        line
+        for text, names in by_text.items()
+        for line in (f"**Warning** ({', '.join(names)}): {text}", "")
+    ]
+
+
 def write_report(
     out: Path,
     env: dict,
@@ -188,6 +201,7 @@ def write_report(
         ),
         "",
         *([env["threads_note"], ""] if env.get("threads_note") else []),
+        *_runtime_warnings(runs),
         (
             "| run | lr | final loss (mean of last 10) | final val loss | median step ms "
             "| p95 step ms | max step ms | median opt ms | barrier wait s | tokens/s "
