@@ -34,11 +34,18 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+#: The job's modules, imported on first use as attributes too (``asteria.train.loop``).
+_MODULES = ("checkpoint", "cli", "data", "distributed", "energy", "env", "loop", "models",
+            "optimizers", "plots", "report", "targets")  # fmt: skip
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is None and name not in _MODULES:
         raise AttributeError(f"module 'asteria.train' has no attribute {name!r}")
     require()  # MissingExtraError: which package is missing, and the extra to install
+    if module is None:
+        return importlib.import_module(f"asteria.train.{name}")
     value = getattr(importlib.import_module(f"asteria.train.{module}"), name)
     globals()[name] = value
     return value
