@@ -31,6 +31,7 @@ from asteria.runtime import testing
 from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases, WindowBases
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.lane import StatisticsLane
+from asteria.runtime.placement import Executors, StreamExecutor
 from asteria.runtime.snapshots import LaneSnapshots, Snapshots, StagedSnapshots
 
 #: The staging ring's slot granularity (csrc/memory/host_block.h's kHostAlignment).
@@ -277,3 +278,28 @@ def choose_bases(
         window.resize(need)
 
     return WindowBases(optimizer, window, fit)
+
+
+def executors(
+    optimizer: KroneckerOptimizer, config: RuntimeConfig, pool: object, budget: int
+) -> Executors:
+    """Where refreshes run (Note [Refresh placement] in placement.py): the pool, and a device
+    stream where ``device_refresh`` allows one (default: the parameters are on a CUDA device;
+    under ``testing.device_stream_stand_in``, a CPU stand-in)."""
+    from asteria._ext import load_extension
+
+    timeout_error = load_extension().FutureTimeoutError
+    params = params_of(optimizer)
+    device = params[0].device if params else torch.device("cpu")
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    if config.device_refresh and not cuda and not testing.device_stream_forced():
+        raise ValueError(
+            "device_refresh=True needs parameters on a CUDA device; these are on "
+            f"{device} (device_refresh=None or False runs every refresh on the pool)"
+        )
+    stream = None
+    if testing.device_stream_forced():
+        stream = StreamExecutor(None, timeout_error)
+    elif cuda and config.device_refresh is not False:
+        stream = StreamExecutor(device, timeout_error)
+    return Executors(pool, stream, config.resolved_workers, budget, timeout_error)

@@ -17,6 +17,10 @@ from asteria.memory.tiers import explicit_tiers
 __all__ = ["RuntimeConfig", "default_workers"]
 
 
+#: How a block's refreshes are requested (Note [Continuous refresh] in schedule.py).
+REFRESH_MODES = ("interval", "continuous")
+
+
 def default_workers() -> int:
     """One pool worker per core, leaving one core to the training loop (at least one worker)."""
     return max(1, (os.cpu_count() or 2) - 1)
@@ -72,6 +76,16 @@ class RuntimeConfig:
         nvme_path: an existing writable directory (a local NVMe drive) for the spill file.
         placement: ``"auto"`` (docs/memory.md, "Placement") or a dict state kind -> tier, e.g.
             ``{"bases": "device"}`` or ``{"results": "nvme"}`` (asteria.memory.tiers.PLACEABLE).
+        refresh: ``"interval"`` (default): a block's refresh is requested every
+            ``precondition_frequency`` steps. ``"continuous"``: ``precondition_frequency`` is
+            the longest interval allowed, and a block is requested again as soon as its
+            previous refresh is installed and an executor has room for it, oldest blocks
+            first (Note [Continuous refresh] in schedule.py). No effect at a budget of 0
+            (native mode).
+        device_refresh: refreshes may run on a low-priority device stream when the CPU pool
+            cannot finish them before their deadline (Note [Refresh placement] in
+            placement.py). ``None`` (default): where the parameters are on a CUDA device;
+            ``True``: there too, a ``ValueError`` without one; ``False``: the pool only.
         statistics_lane: run the factor statistics of CPU-resident parameters on a background
             thread (Note [Statistics lane] in lane.py). ``None`` (default): on when every
             parameter is a plain CPU tensor and torch's intra-op threads leave a core free
@@ -96,9 +110,20 @@ class RuntimeConfig:
     nvme_path: str | os.PathLike[str] | None = None
     placement: str | Mapping[str, str] = "auto"
     statistics_lane: bool | None = None
+    refresh: str = "interval"
+    device_refresh: bool | None = None
 
     def __post_init__(self) -> None:
         _int("staleness", self.staleness, 0)
+        if self.refresh not in REFRESH_MODES:
+            raise ValueError(
+                f"refresh must be one of {', '.join(map(repr, REFRESH_MODES))}, "
+                f"got {self.refresh!r}"
+            )
+        if self.device_refresh is not None and not isinstance(self.device_refresh, bool):
+            raise ValueError(
+                f"device_refresh must be True, False or None, got {self.device_refresh!r}"
+            )
         if self.workers is not None:
             _int("workers", self.workers, 1)
         _int("lapack_threads", self.lapack_threads, 1)

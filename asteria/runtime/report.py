@@ -54,6 +54,10 @@ def stats(
         "max_staleness": max(hist) if hist else 0,
         # the age of the basis every step read (Note [Staleness contract] in schedule.py)
         "basis_age": schedule.report(list(registry.entries.values())),
+        # steps between each block's installs (Note [Continuous refresh] in schedule.py)
+        "refresh": schedule.interval_report(),
+        # where the refreshes ran (Note [Refresh placement] in placement.py)
+        "placement": refreshes.pool.report(),
         "installs": sum(hist.values()),
         "blocks": registry.snapshot(),
         # updates skipped for NaN/Inf gradients (Note [Non-finite gradients], optim/base.py)

@@ -87,7 +87,11 @@ class Runtime:
         self.registry = Registry(c.staleness)
         budget = c.staleness if c.fixed_delay is None else c.fixed_delay
         self.schedule = Schedule(
-            budget, c.fixed_delay is not None, optimizer.refresh_precedes_update, c.refresh_lead
+            budget,
+            c.fixed_delay is not None,
+            optimizer.refresh_precedes_update,
+            c.refresh_lead,
+            continuous=c.refresh == "continuous",
         )
         # Under torch.distributed: topology, owners and the sync of replicated blocks (Note
         # [Distributed coherence] in distributed.py). Its attach-time checks are collective and
@@ -111,6 +115,9 @@ class Runtime:
             affinity=list(c.affinity) if c.affinity else None,
             nice=choices.nice,
         )
+        # where each refresh runs: the pool, or a device stream (Note [Refresh placement])
+        self._executors = attach.executors(optimizer, c, self._pool, budget)
+        weakref.finalize(self, self._executors.shutdown)  # the device stream's thread
         self._lane: StatisticsLane | None = None
         self._grad_guards: GradientGuards | None = None
         if choices.lane:
@@ -132,8 +139,8 @@ class Runtime:
             optimizer,
             c,
             self.registry,
-            self._pool,
-            attach.choose_snapshots(choices, self._pool, self._lane, copies),
+            self._executors,
+            attach.choose_snapshots(choices, self._executors, self._lane, copies),
             self._bases,
             self._pacer,
             self.block_name,
@@ -200,6 +207,7 @@ class Runtime:
                     self._lane.close()
                 self._refreshes.drop_all()  # what was not installed is dropped
                 self._pool.shutdown(wait=False)
+                self._executors.shutdown()
                 self._refreshes.snapshots.clear()
                 if self._spill is not None:
                     self._spill.close()  # deletes the spill file
@@ -227,6 +235,11 @@ class Runtime:
         self._step_t0 = time.perf_counter()
         self._refreshes.wait_s = 0.0
         self._refreshes.snapshots.step_begin()
+        waits = self.per_step["barrier_wait_ms"]
+        self._executors.step_begin(waits[-1] / 1e3 if waits else 0.0)
+        if self.schedule.continuous:  # Note [Continuous refresh] in schedule.py
+            with self._lock:
+                self.schedule.pick(self._refresh_candidates(), self._executors.has_room)
 
     def accumulate(self, key: BlockKey, fn: Any, *args: Any) -> None:
         fn = testing.statistics_update(key, fn)
@@ -273,6 +286,7 @@ class Runtime:
         freq = group["precondition_frequency"]
         with self._lock:
             e = refreshes.entry(key)
+            due = schedule.due(e, step, freq, due)  # Note [Continuous refresh] in schedule.py
             if e.version is None and e.installs == 0 and _has_bases(block, self._bases.field):
                 e.version = schedule.initial_version(step, freq)  # a basis made before us
             if not schedule.precedes_update:
@@ -288,13 +302,27 @@ class Runtime:
                 if not e.owed:
                     schedule.coalesced += 1
                 e.owed = True  # requested where the refresh in flight is installed
-            elif due or (e.owed and e.pending is None):
+            elif (
+                due
+                or (e.owed and e.pending is None)
+                or schedule.wants(key, e, schedule.fixed or replicated)
+            ):
                 e.owed = False
                 refreshes.request(key, e, block, group, step)
                 if e.pending is not None and schedule.budget == 0:
                     refreshes.install_now(key, e, step, block, replicated)
             if schedule.precedes_update:
                 schedule.record_age(e, step, freq)  # installed above, read by this step
+
+    def _refresh_candidates(self) -> list[tuple[int, BlockKey]]:
+        """The blocks a continuous refresh may request this step, with the version they will
+        have: none in flight, or a finished one (installed at their boundary)."""
+        out = []
+        for key, e in self.registry.entries.items():
+            p = e.pending
+            if e.version is not None and (p is None or (p.owner is None and p.done())):
+                out.append((e.version if p is None else p.requested, key))
+        return out
 
     def step_end(self) -> None:
         with self._lock:

@@ -39,12 +39,35 @@ factors of step ``t``.
    ``t' = t + f`` when ``a <= f`` (the due step) and at ``t' = t + a`` otherwise (coalesced),
    so ``t' - t <= max(f, B)``; ``t'`` is in use by ``t' + B``.
 
+Under continuous refresh (Note [Continuous refresh]) the same bound holds: ``f`` is then the
+longest interval between a block's requests instead of the only one, and a request in between
+only makes the next version newer (the proof above, with ``t' - t <= max(f, B)`` still).
+
 Two things take a block outside the bound, and both are visible: a refresh that fails (the
 previous basis stays in use; counted, and ``max_consecutive_failures`` in a row raise) and a
 barrier that times out (``StalenessTimeoutError``). ``Runtime.stats()["basis_age"]`` reports the
 age of every step's basis (max, histogram, per block) next to the install staleness, and whether
 every block stayed within its bound; tests/unit/test_staleness_contract.py checks the bound at
 every step over optimizer x frequency x budget x ``fixed_delay`` x pool speed x lane x hooks.
+
+Note [Continuous refresh]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+``RuntimeConfig(refresh="continuous")`` spends idle executor time on freshness. A block is
+requested again as soon as its previous refresh is installed and the executors have room
+(``placement.Executors.has_room``: at most ``min(2, B)`` steps of predicted work queued per pool
+worker and device stream, or nothing queued at all, so an executor never idles while a block
+could refresh). At each step's beginning the blocks without a refresh in flight (or with a
+finished one, installed at their boundary) are taken oldest version first, and each is granted
+room in that order until the room runs out (``pick``); a younger block never takes the room of
+an older one. ``f`` stays the longest interval allowed: a block whose last request is ``f`` steps
+old (``f - 1`` with the refresh lead) is due whatever the room, and coalesced as in Note
+[Staleness contract] if its refresh is still in flight; the optimizer's own due steps (every
+multiple of ``f``) count only before a block's first basis (Shampoo's first roots, at its start
+step). Where installs happen at fixed steps (``fixed_delay``, replicated blocks under
+torch.distributed, whose every rank must take the same decisions) there is no room to measure:
+a block is requested again at each install, every ``B`` steps, the same on every rank and at any
+pool speed (each owner computes its own blocks, so ownership spreads the rounds across ranks).
+``B = 0`` is native mode: the option changes nothing there, bit for bit.
 
 Note [Refresh lead]
 ~~~~~~~~~~~~~~~~~~~
@@ -104,15 +127,26 @@ class Schedule:
     """
 
     def __init__(
-        self, budget: int, fixed: bool, precedes_update: bool, refresh_lead: bool = False
+        self,
+        budget: int,
+        fixed: bool,
+        precedes_update: bool,
+        refresh_lead: bool = False,
+        continuous: bool = False,
     ) -> None:
         self.budget = budget
         self.fixed = fixed
         self.precedes_update = precedes_update
         #: steps ahead of its due step that a refresh is requested (Note [Refresh lead])
         self.lead = 1 if budget >= 1 and refresh_lead else 0
+        #: Note [Continuous refresh] (never at B = 0: native mode)
+        self.continuous = continuous and budget >= 1
         self.coalesced = 0  # due requests folded into the refresh in flight
         self.age_histogram: Counter[int] = Counter()
+        self._picked: set[Any] = set()  # blocks granted room this step (continuous)
+        # per block: the last install step seen, and the intervals between installs
+        self._installs: dict[str, tuple[int, int]] = {}  # name -> (installs seen, step)
+        self.intervals: dict[str, list[int]] = {}  # name -> [count, sum, max]
 
     def bound(self, frequency: int) -> int:
         return basis_age_bound(frequency, self.budget)
@@ -137,6 +171,36 @@ class Schedule:
             return True
         return pending.done() and (due or pacer.allows(key, step))
 
+    def due(self, e: Any, step: int, frequency: int, due: bool) -> bool:
+        """Whether ``e``'s block is due at ``step``: the optimizer's ``due`` under interval
+        refresh; under continuous refresh, once its last request is ``frequency`` steps old
+        (Note [Continuous refresh])."""
+        if not self.continuous or e.version is None:
+            return due
+        last = e.pending.requested if e.pending is not None else e.version
+        return step + self.lead - last >= frequency
+
+    def pick(self, candidates: list[tuple[int, Any]], has_room: Callable[[Any], bool]) -> None:
+        """At a step's beginning: grant room to ``candidates`` (``(version, key)``), oldest
+        first, while ``has_room(key)`` (Note [Continuous refresh])."""
+        self._picked.clear()
+        for _, key in sorted(candidates):
+            if not has_room(key):
+                break
+            self._picked.add(key)
+
+    def wants(self, key: Any, e: Any, exact: bool) -> bool:
+        """Whether a block without a refresh in flight is requested now under continuous
+        refresh: at every install where installs are ``exact``, else when granted room."""
+        if not self.continuous or e.pending is not None or e.version is None:
+            return False
+        if exact:
+            return True
+        if key in self._picked:
+            self._picked.discard(key)
+            return True
+        return False
+
     def initial_version(self, step: int, frequency: int) -> int:
         """The version of a basis that existed before the runtime first saw its block at
         ``step``: the native schedule's last refresh (the first step's, 0, at the latest)."""
@@ -146,6 +210,13 @@ class Schedule:
         """Measure the age of the basis ``entry``'s block reads in ``step``."""
         if entry.version is None:
             return  # no basis yet (Shampoo before its first roots)
+        seen = self._installs.get(entry.name)
+        if seen is None or seen[0] != entry.installs:
+            if seen is not None and seen[0] > 0:  # steps since the block's previous install
+                gap = entry.installed_step - seen[1]
+                c = self.intervals.setdefault(entry.name, [0, 0, 0])
+                c[0], c[1], c[2] = c[0] + 1, c[1] + gap, max(c[2], gap)
+            self._installs[entry.name] = (entry.installs, entry.installed_step)
         age = step - entry.version
         entry.age = age
         entry.max_age = max(entry.max_age, age)
@@ -162,6 +233,17 @@ class Schedule:
             "bound": max((e.bound for e in measured), default=None),
             "within_bound": all(e.max_age <= e.bound for e in measured),
             "coalesced_requests": self.coalesced,
+        }
+
+    def interval_report(self) -> dict[str, Any]:
+        """``Runtime.stats()["refresh"]``: how often the blocks installed, in steps between a
+        block's installs (the effective refresh interval), over every block and per block."""
+        count = sum(c[0] for c in self.intervals.values())
+        return {
+            "mode": "continuous" if self.continuous else "interval",
+            "interval_mean": sum(c[1] for c in self.intervals.values()) / count if count else None,
+            "interval_max": max((c[2] for c in self.intervals.values()), default=None),
+            "blocks": {n: {"mean": c[1] / c[0], "max": c[2]} for n, c in self.intervals.items()},
         }
 
 

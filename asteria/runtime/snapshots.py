@@ -50,7 +50,6 @@ from asteria._ext import load_extension
 from asteria.memory.copies import Copies
 from asteria.memory.host import StagingRing
 from asteria.optim.base import RefreshJob
-from asteria.runtime import testing
 from asteria.runtime.lane import StatisticsLane
 
 __all__ = ["DirectSnapshots", "LaneSnapshots", "Snapshots", "StagedSnapshots", "pool_submit"]
@@ -68,10 +67,9 @@ def pool_submit(
     factor: torch.Tensor,
     basis: torch.Tensor | None,
 ) -> Any:
-    """One job on the pool (it copies ``factor`` and ``basis`` at submission); slower under
-    ``asteria.runtime.testing.slow_pool``."""
-    future = job.submit(pool, name, version, deadline, factor, basis)
-    return testing.delayed(future, load_extension().FutureTimeoutError)
+    """One job on ``pool`` (the runtime's ``placement.Executors``, which copies ``factor`` and
+    ``basis`` at submission, or an ``asteria._C.WorkerPool``)."""
+    return job.submit(pool, name, version, deadline, factor, basis)
 
 
 class Snapshots:

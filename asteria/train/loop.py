@@ -165,7 +165,12 @@ class RunResult:
 
 def runtime_summary(stats: dict[str, Any]) -> dict[str, Any]:
     """The part of ``Runtime.stats()`` a summary keeps (JSON-ready, string keys)."""
+    refresh, placement = stats.get("refresh") or {}, stats.get("placement") or {}
     return {
+        # how often blocks installed, and where refreshes ran (Notes [Continuous refresh],
+        # [Refresh placement])
+        "refresh": {k: refresh.get(k) for k in ("mode", "interval_mean", "interval_max")},
+        "placement": {"jobs": dict(placement.get("jobs", {})), "device": placement.get("device")},
         "staleness_histogram": {str(k): v for k, v in stats["staleness_histogram"].items()},
         "max_staleness": stats["max_staleness"],
         "installs": stats["installs"],

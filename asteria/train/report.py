@@ -257,8 +257,8 @@ def write_report(
             "it, at most max(f, B) + B (docs/runtime.md#the-staleness-contract).",
             "",
             "| run | installs | max staleness | staleness histogram | max basis age (bound) "
-            "| basis age histogram | jobs |",
-            "|---|---:|---:|---|---:|---|---|",
+            "| basis age histogram | jobs | steps between installs (mean, max) | jobs ran on |",
+            "|---|---:|---:|---|---:|---|---|---|---|",
         ]
         for n, r in staleness:
             hist = ", ".join(f"{k}: {v}" for k, v in r["staleness_histogram"].items()) or "-"
@@ -272,7 +272,7 @@ def write_report(
                 age_hist = ", ".join(f"{k}: {v}" for k, v in age["histogram"].items()) or "-"
             lines.append(
                 f"| {n} | {r['installs']} | {r['max_staleness']} | {hist} | {age_cell} "
-                f"| {age_hist} | {jobs} |"
+                f"| {age_hist} | {jobs} | {_intervals(r)} | {_ran_on(r)} |"
             )
     lines += [
         "",
@@ -290,3 +290,18 @@ def write_report(
     path = out / REPORT
     path.write_text("\n".join(lines), "utf-8")
     return path
+
+
+def _intervals(runtime: dict) -> str:
+    """A block's steps between installs, mean and max over the blocks (Note [Continuous
+    refresh]); "-" for a summary without them."""
+    r = runtime.get("refresh") or {}
+    if r.get("interval_mean") is None:
+        return "-"
+    return f"{r['interval_mean']:.1f}, {r['interval_max']} ({r.get('mode', 'interval')})"
+
+
+def _ran_on(runtime: dict) -> str:
+    """Jobs per executor (Note [Refresh placement]); "-" for a summary without them."""
+    jobs = (runtime.get("placement") or {}).get("jobs") or {}
+    return ", ".join(f"{k} {v}" for k, v in sorted(jobs.items())) or "-"

@@ -5,7 +5,8 @@ Invariant, checked after every step of every run: the basis each block's update 
 once the block has a basis; every block installs again and again; nothing in flight is ever
 cancelled by a newer request. Over optimizer x frequency 1..12 x staleness 0..8 x fixed_delay x
 an artificially slowed pool (``asteria.runtime.testing.slow_pool``) x the statistics lane on/off
-x module hooks on/off, drawn by hypothesis (derandomized: the same examples in every run).
+x module hooks on/off x interval or continuous refresh (Note [Continuous refresh]), drawn by
+hypothesis (derandomized: the same examples in every run).
 The configurations that starved before (0 installs in 30 steps) are named regression tests.
 """
 
@@ -83,9 +84,10 @@ def _check_contract(seen, frequency, budget):
     lane=st.booleans(),
     hooks=st.booleans(),
     refresh_lead=st.booleans(),
+    refresh=st.sampled_from(["interval", "continuous"]),
 )
 def test_the_basis_in_use_is_never_older_than_the_bound(
-    name, frequency, staleness, fixed, delay_s, lane, hooks, refresh_lead
+    name, frequency, staleness, fixed, delay_s, lane, hooks, refresh_lead, refresh
 ):
     fixed_delay = None if fixed is None else round(fixed * staleness)
     config = asteria.RuntimeConfig(
@@ -95,11 +97,18 @@ def test_the_basis_in_use_is_never_older_than_the_bound(
         statistics_lane=lane,
         hooks=hooks,
         refresh_lead=refresh_lead,
+        refresh=refresh,
         barrier_timeout_s=60.0,
     )
     budget = staleness if fixed_delay is None else fixed_delay
     steps = min(2 * basis_age_bound(frequency, budget) + 6, 40)
-    _check_contract(_run(name, frequency, config, steps, delay_s), frequency, budget)
+    seen = _run(name, frequency, config, steps, delay_s)
+    _check_contract(seen, frequency, budget)
+    if refresh == "continuous" and budget >= 1:
+        # f is the longest interval allowed: between two installs of a block, at most
+        # max(f, B) + B steps (a request at most max(f, B) after the last, installed within B)
+        for block in seen[-1]["refresh"]["blocks"].values():
+            assert block["max"] <= basis_age_bound(frequency, budget), block
 
 
 # -- the configurations that starved (issue 16): 0 installs in 30 steps ---------------------------
@@ -179,3 +188,59 @@ def test_replicated_blocks_keep_the_bound_on_two_ranks(tmp_path):
                 assert case["installs"] >= 16 // (budget + 1) - 1, (name, label, case)
                 assert case["coalesced"] > 0
                 assert case["replicas_agree"], (name, label)
+
+
+# -- continuous refresh (issue 19, Note [Continuous refresh]) -------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_continuous_refresh_installs_more_often_than_the_frequency(name):
+    """A fast pool and f = 10: interval refresh installs every 10 steps, continuous refresh as
+    soon as the executors have room, well inside the interval; the bound holds for both."""
+    frequency, steps = 10, 36
+    out = {}
+    for refresh in ("interval", "continuous"):
+        config = asteria.RuntimeConfig(staleness=3, workers=1, refresh=refresh)
+        seen = _run(name, frequency, config, steps)
+        _check_contract(seen, frequency, 3)
+        out[refresh] = seen[-1]
+    assert out["continuous"]["refresh"]["mode"] == "continuous"
+    assert out["continuous"]["installs"] > 2 * out["interval"]["installs"]
+    assert out["continuous"]["refresh"]["interval_mean"] < frequency / 2
+    assert out["interval"]["refresh"]["interval_max"] >= frequency
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_continuous_refresh_at_a_zero_budget_is_native_bit_for_bit(name):
+    def params(config):
+        model = _model()
+        opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, precondition_frequency=3)
+        x = torch.randn(32, 6, generator=torch.Generator().manual_seed(2))
+        runtime = asteria.Runtime(model, opt, config) if config is not None else None
+        for _ in range(12):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if runtime is not None:
+            runtime.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    native = params(None)
+    for a, b in zip(native, params(asteria.RuntimeConfig(staleness=0, refresh="continuous"))):
+        assert torch.equal(a, b)
+
+
+def test_continuous_refresh_under_fixed_delay_requests_at_every_install():
+    """Installs at fixed steps: a block is requested again at each install, every d steps, the
+    same at any pool speed (what replicated blocks do on every rank alike)."""
+    config = asteria.RuntimeConfig(staleness=3, fixed_delay=2, workers=1, refresh="continuous")
+    runs = [_run("soap", 10, config, 20, delay_s=d)[-1] for d in (0.0, 0.01)]
+    for last in runs:
+        assert set(last["staleness_histogram"]) == {2}
+        assert last["refresh"]["interval_max"] == 2
+    assert runs[0]["blocks"] == runs[1]["blocks"]
+
+
+def test_refresh_mode_is_validated():
+    with pytest.raises(ValueError, match="refresh must be one of 'interval', 'continuous'"):
+        asteria.RuntimeConfig(refresh="eager")

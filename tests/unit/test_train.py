@@ -588,3 +588,21 @@ def test_the_training_leaves_the_refresh_workers_a_core_by_default(monkeypatch) 
     assert training_threads(None, torch.device("meta"), distributed=False) == (None, None)
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert training_threads(None, cpu, distributed=False)[0] is None
+
+
+def test_continuous_refresh_from_the_command_line(tmp_path: Path) -> None:
+    """``--refresh continuous`` (issue 19): the runtime refreshes inside the interval, and the
+    summary and report say how often blocks installed and where the jobs ran."""
+    out = tmp_path / "run"
+    argv = [*QUICK, "--model", "nano", "--steps", "12", "--optimizer", "soap", "--mode", "asteria"]
+    argv += ["--refresh", "continuous", "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (run,) = summary["runs"].values()
+    refresh = run["runtime"]["refresh"]
+    assert refresh["mode"] == "continuous"
+    assert refresh["interval_max"] is not None and refresh["interval_mean"] < 10
+    assert run["runtime"]["placement"]["jobs"]["pool"] > 0
+    assert run["runtime"]["basis_age"]["within_bound"]
+    report_md = (out / "report.md").read_text()
+    assert "steps between installs (mean, max)" in report_md and "(continuous)" in report_md

@@ -1,0 +1,375 @@
+"""Where a refresh runs: the executors, and the rule that places each job on one of them.
+
+Owns: ``Executors``, what the runtime's refreshes and snapshots submit to (it has the C++ pool's
+``submit_qr_refresh`` / ``submit_inverse_root``, so a ``RefreshJob`` submits to it as to the
+pool), which places each job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh
+placement]); the moving averages of the jobs' measured durations per executor, kind and size
+(``Durations``); each executor's backlog; the room the executors have for more work (what
+continuous refresh asks, Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one
+thread running jobs with torch, in deadline order, on its own lowest-priority CUDA stream, or on
+the CPU (the stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
+
+Must not: decide when a refresh is requested or installed (schedule.py), install, or change what
+a job computes (the optimizer's ``RefreshJob`` does; both executors run the same functions: the
+C++ twins on the pool, asteria.optim.matrix_functions on the stream).
+
+Note [Refresh placement]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A job requested at step ``t`` must be installed by ``t + B``: about ``B`` step times from now.
+Each finished job's duration (``finished_at - started_at``) updates a moving average per
+executor, kind and factor size; a size not seen yet is predicted from the nearest one seen, as
+``d^3``. At submission a job goes to the pool unless a device stream exists, the step time and
+the pool's duration for the job are known, and the pool would finish it later than its
+deadline: ``(backlog + duration) / workers > B * step_time``, where the backlog is the predicted
+seconds of the jobs the pool has not finished. Then it goes to the stream if the stream would
+finish it sooner (its own backlog plus its duration there; unknown: tried, and so measured).
+With a fast pool nothing moves: the stream exists but stays idle. Decisions are per job (a
+block's two factors may run on different executors); ``stats()["placement"]`` counts them per
+executor and names where each block's last job ran.
+
+What a device refresh costs the training: the job's inputs are copied to the device at
+submission (a host-to-device copy of the factor and basis, ``d^2`` each, on the submitting
+thread, synchronous, so that the staging slot or the lane's snapshot may be reused at once), and
+its eigh or QR then runs on a stream of the lowest priority: the training stream's kernels are
+scheduled first, but the refresh still takes SMs and memory bandwidth while it runs, and
+torch's ``eigh`` on CUDA synchronizes its own stream with the host (a cusolver info check), which
+is why it runs on a thread of its own. Its results stay on the device (no copy back), and the
+install reads them after the thread has seen the stream finish.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from asteria.optim.refresher import QRRefresh, RefreshJob, RootRefresh
+from asteria.runtime import testing
+
+__all__ = ["Durations", "Executors", "StreamExecutor"]
+
+#: Weight of the newest measurement in the moving averages.
+EMA = 0.3
+
+
+class Durations:
+    """Moving averages of measured job seconds per (executor, kind, size)."""
+
+    def __init__(self) -> None:
+        self._mean: dict[tuple[str, str, int], float] = {}
+
+    def observe(self, executor: str, kind: str, size: int, seconds: float) -> None:
+        key = (executor, kind, size)
+        old = self._mean.get(key)
+        self._mean[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def predict(self, executor: str, kind: str, size: int) -> float | None:
+        """The average for this size, else the nearest size seen scaled as ``d^3``, else None."""
+        exact = self._mean.get((executor, kind, size))
+        if exact is not None:
+            return exact
+        seen = [
+            (abs(n - size), n, s)
+            for (e, k, n), s in self._mean.items()
+            if (e, k) == (executor, kind)
+        ]
+        if not seen:
+            return None
+        _, n, s = min(seen)
+        return s * (size / n) ** 3
+
+    def report(self) -> dict[str, float]:
+        return {f"{e}/{k}:{n}": 1e3 * s for (e, k, n), s in sorted(self._mean.items())}
+
+
+class _StreamFuture:
+    """A job of a ``StreamExecutor``: the pool future's interface."""
+
+    def __init__(self, timeout_error: type) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._timeout_error = timeout_error
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def status(self) -> str:
+        if self._cancelled:
+            return "cancelled"
+        if not self._event.is_set():
+            return "queued" if self.started_at is None else "running"
+        return "failed" if self._error is not None else "succeeded"
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        if not self._event.wait(timeout_s):
+            raise self._timeout_error("device stream: not ready within the timeout")
+        if self._error is not None:
+            raise self._error
+        value = self._value
+        if torch.cuda.is_available():  # results made on the stream, read on the caller's
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
+        return value
+
+
+class StreamExecutor:
+    """One thread that runs refresh jobs with torch (``RefreshJob.run``), in deadline order
+    (ties: submission order): on ``device``'s lowest-priority stream, or on the CPU with
+    ``device`` None (the stand-in). Inputs are copied at submission."""
+
+    name = "device_stream"
+
+    def __init__(self, device: torch.device | None, timeout_error: type) -> None:
+        self.device = device
+        self._timeout_error = timeout_error
+        self._stream = None
+        if device is not None:
+            low, _ = torch.cuda.Stream.priority_range()
+            self._stream = torch.cuda.Stream(device=device, priority=low)
+        self._queue: list[tuple[int, int, RefreshJob, _StreamFuture]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.counts: Counter[str] = Counter()
+        self._thread = threading.Thread(target=self._run, name="asteria-device-stream", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: RefreshJob, deadline: int) -> _StreamFuture:
+        job = _copied(job, self.device)
+        future = _StreamFuture(self._timeout_error)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the device stream executor is shut down")
+            heapq.heappush(self._queue, (deadline, next(self._seq), job, future))
+            self.counts["submitted"] += 1
+            self._cv.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                _, _, job, future = heapq.heappop(self._queue)
+            future.started_at = time.monotonic()
+            try:
+                if self._stream is None:
+                    future._value = job.run()
+                else:
+                    with torch.cuda.stream(self._stream):
+                        future._value = job.run()
+                    self._stream.synchronize()
+                self.counts["completed"] += 1
+            except BaseException as err:  # the caller's result() raises it
+                future._error = err
+                self.counts["failed"] += 1
+            future.finished_at = time.monotonic()
+            future._event.set()
+
+    def backlog(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def shutdown(self) -> None:
+        """Cancel what is queued, let the running job finish, join the thread."""
+        with self._cv:
+            self._closed = True
+            for _, _, _, future in self._queue:
+                future._cancelled = True
+                future._error = RuntimeError("cancelled: the runtime closed")
+                future._event.set()
+                self.counts["cancelled"] += 1
+            self._queue.clear()
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _copied(job: RefreshJob, device: torch.device | None) -> RefreshJob:
+    """``job`` on copies of its inputs (on ``device``, or the CPU)."""
+
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.to(device, copy=True) if device is not None else t.detach().clone()
+
+    if isinstance(job, QRRefresh):
+        return QRRefresh(copy(job.factor), copy(job.basis), sort=job.sort, dtype=job.dtype)
+    if isinstance(job, RootRefresh):
+        return RootRefresh(copy(job.factor), root=job.root, epsilon=job.epsilon, dtype=job.dtype)
+    raise TypeError(f"no device-stream form of {type(job).__name__}")
+
+
+class Executors:
+    """What the refreshes and snapshots submit to (see module docstring): the C++ ``pool``
+    (``workers`` threads), and ``stream`` (a ``StreamExecutor``) or None; ``budget`` is ``B``."""
+
+    def __init__(
+        self,
+        pool: Any,
+        stream: StreamExecutor | None,
+        workers: int,
+        budget: int,
+        timeout_error: type,
+    ) -> None:
+        self.pool = pool
+        self.stream = stream
+        self.workers = workers
+        self.budget = budget
+        self.durations = Durations()
+        self._timeout_error = timeout_error
+        # per executor: (future, kind, size, predicted seconds) of the jobs not seen finished
+        self._outstanding: dict[str, list[tuple[Any, str, int, float | None]]] = {"pool": []}
+        if stream is not None:
+            self._outstanding[stream.name] = []
+        self.jobs: Counter[str] = Counter()
+        self.ran_on: dict[str, str] = {}  # block name -> where its last job ran
+        self.block_jobs: dict[str, dict[int, tuple[str, int]]] = {}  # name -> dim -> (kind, size)
+        self.step_s: float | None = None
+        self._last_step: float | None = None
+        self._reserved_s = 0.0
+
+    # -- the pool's interface (RefreshJob.submit) ----------------------------------------------
+
+    def submit_qr_refresh(
+        self, name, version, deadline, factor, basis, sort=True, dtype=torch.float32
+    ):
+        job = QRRefresh(factor, basis, sort=sort, dtype=dtype)
+        return self._submit(job, name, version, deadline)
+
+    def submit_inverse_root(
+        self, name, version, deadline, factor, root, epsilon=1e-12, dtype=torch.float32
+    ):
+        job = RootRefresh(factor, root=root, epsilon=epsilon, dtype=dtype)
+        return self._submit(job, name, version, deadline)
+
+    def _submit(self, job: RefreshJob, name: str, version: int, deadline: int) -> Any:
+        self._harvest()
+        kind, size = job.kind, int(job.factor.shape[0])
+        where = self._place(kind, size, deadline - version)
+        if where == "pool":
+            future = job.submit(self.pool, name, version, deadline, job.factor, job.basis)
+            future = testing.delayed(future, self._timeout_error)
+        else:
+            future = self.stream.submit(job, deadline)
+        predicted = self.durations.predict(where, kind, size)
+        self._outstanding[where].append((future, kind, size, predicted))
+        self.jobs[where] += 1
+        block, _, dim = name.rpartition(".dim")
+        self.ran_on[block] = where
+        if dim.isdigit():
+            self.block_jobs.setdefault(block, {})[int(dim)] = (kind, size)
+        return future
+
+    def stats(self) -> dict[str, int]:
+        """The pool's counters (``WorkerPool.stats()``), the stream's jobs added."""
+        out = {k: int(v) for k, v in dict(self.pool.stats()).items()}
+        if self.stream is not None:
+            c = self.stream.counts
+            for k in ("submitted", "completed", "failed", "cancelled"):
+                out[k] = out.get(k, 0) + c[k]
+            out["queued"] = out.get("queued", 0) + self.stream.backlog()
+        return out
+
+    # -- placement (Note [Refresh placement]) --------------------------------------------------
+
+    def _harvest(self) -> None:
+        """Measure the jobs that finished since last looked, and forget them."""
+        for where, jobs in self._outstanding.items():
+            left = []
+            for future, kind, size, predicted in jobs:
+                if not future.done():
+                    left.append((future, kind, size, predicted))
+                    continue
+                start, end = future.started_at, future.finished_at
+                if start is not None and end is not None and not future.cancelled():
+                    self.durations.observe(where, kind, size, max(end - start, 0.0))
+            jobs[:] = left
+
+    def backlog_s(self, where: str) -> float:
+        """Predicted seconds of the jobs ``where`` has not finished (unknown ones: a step)."""
+        unknown = self.step_s or 0.0
+        return sum(unknown if p is None else p for _, _, _, p in self._outstanding[where])
+
+    def _place(self, kind: str, size: int, steps: int) -> str:
+        if self.stream is None or steps <= 0 or self.step_s is None:
+            return "pool"
+        pool_s = self.durations.predict("pool", kind, size)
+        if pool_s is None:
+            return "pool"
+        pool_finish = (self.backlog_s("pool") + pool_s) / self.workers
+        if pool_finish <= steps * self.step_s:
+            return "pool"
+        dev_s = self.durations.predict(self.stream.name, kind, size) or 0.0
+        stream_finish = self.backlog_s(self.stream.name) + dev_s
+        return self.stream.name if stream_finish < pool_finish else "pool"
+
+    # -- room for more work (Note [Continuous refresh] in schedule.py) ------------------------
+
+    def step_begin(self, waited_s: float = 0.0) -> None:
+        """A step begins: the moving average of the step time (less ``waited_s``, what the
+        last step waited at the barrier: the time a step takes when refreshes are on time),
+        finished jobs measured, the room reserved for this step's continuous requests
+        released."""
+        now = time.monotonic()
+        if self._last_step is not None:
+            dt = max(now - self._last_step - waited_s, 0.0)
+            self.step_s = dt if self.step_s is None else (1 - EMA) * self.step_s + EMA * dt
+        self._last_step = now
+        self._harvest()
+        self._reserved_s = 0.0
+
+    def has_room(self, block: str) -> bool:
+        """Whether the executors can take ``block``'s refresh now and keep at most
+        ``min(2, B)`` steps of work queued (each pool worker and the stream); with nothing
+        queued anywhere, always (an executor never idles while a block could refresh). Room
+        granted is reserved until the next ``step_begin``."""
+        outstanding = sum(len(v) for v in self._outstanding.values())
+        step_s = self.step_s
+        jobs = self.block_jobs.get(block, {}).values()
+        cost = sum(self.durations.predict("pool", k, n) or (step_s or 0.0) for k, n in jobs)
+        if outstanding == 0 and self._reserved_s == 0.0:
+            self._reserved_s += max(cost, 1e-9)
+            return True
+        if step_s is None:
+            return False
+        lanes = self.workers + (1 if self.stream is not None else 0)
+        capacity = min(2, max(self.budget, 1)) * step_s * lanes
+        queued = sum(self.backlog_s(w) for w in self._outstanding)
+        if queued + self._reserved_s + cost > capacity:
+            return False
+        self._reserved_s += max(cost, 1e-9)
+        return True
+
+    def report(self) -> dict[str, Any]:
+        """``stats()["placement"]``: jobs per executor, where each block's last job ran, the
+        measured durations (ms) and the step time the rule uses."""
+        return {
+            "executors": ["pool"] + ([self.stream.name] if self.stream is not None else []),
+            "jobs": dict(self.jobs),
+            "blocks": dict(self.ran_on),
+            "duration_ms": self.durations.report(),
+            "step_ms": None if self.step_s is None else 1e3 * self.step_s,
+            "device": None
+            if self.stream is None
+            else ("cpu stand-in" if self.stream.device is None else str(self.stream.device)),
+        }
+
+    def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.shutdown()
