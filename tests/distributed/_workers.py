@@ -198,6 +198,25 @@ def scenario_contract(rank: int, world: int, out: dict) -> None:
                 "coalesced": stats["jobs"]["coalesced_requests"],
                 "replicas_agree": _replicas_agree([_local(p) for p in net.parameters()]),
             }
+        # continuous refresh (issue 19): replicated blocks install at their deadline, so each
+        # is requested again there, every B steps alike on every rank, by its owner alone
+        net = DDP(model())
+        opt = OPTIMIZERS[name](list(net.parameters()), precondition_frequency=10)
+        rt = Runtime(net, opt, RuntimeConfig(staleness=3, workers=1, refresh="continuous"))
+        within = []
+        for t in range(steps):
+            _train(net, opt, rank, world, t + 1, start=t)
+            within.append(rt.stats()["basis_age"]["within_bound"])
+        stats = rt.stats()
+        rt.close()
+        out[f"{name}/continuous3"] = {
+            "within": within,
+            "interval_max": stats["refresh"]["interval_max"],
+            "installs": stats["installs"],
+            "owned_refreshes": stats["distributed"]["owned_refreshes"],
+            "blocks": {b: v["version"] for b, v in stats["blocks"].items()},
+            "replicas_agree": _replicas_agree([_local(p) for p in net.parameters()]),
+        }
 
 
 def scenario_fsdp(rank: int, world: int, out: dict, hsdp: bool = False) -> None:
