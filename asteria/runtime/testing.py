@@ -3,9 +3,10 @@
 Owns: context managers that change what a runtime sees or how fast its pool is, never what it
 computes:
 
-* ``slow_pool``: every refresh job submitted while it is active takes at least a given wall
-  time (its future reports not done and its result blocks until then), as a pool that is slower
-  than the training would. The job's result is the pool's.
+* ``slow_pool``: every refresh job submitted to the CPU pool while it is active takes at least
+  a given wall time (its future reports not done and its result blocks until then, and its
+  ``finished_at`` is the slowed one), as a pool that is slower than the training would. The
+  job's result is the pool's. A device stream's jobs are not slowed.
 * ``pretend_arch``: runtimes attached while it is active see the given architecture (e.g. a
   discrete GPU on a CPU-only machine: the bases go to host memory behind a device window, run
   on its CPU stand-in), and optionally a window of another number of slots.
@@ -15,6 +16,9 @@ computes:
 * ``wrapped_statistics``: every block's statistics update that a runtime runs (on its
   statistics lane or in the step) goes through a given wrapper, which may delay, hold or fail
   it: the faults and races of the lane are tested through it.
+* ``device_stream_stand_in``: runtimes attached while it is active have a device-stream
+  executor that runs on the CPU, which refresh placement may move jobs to (Note [Refresh
+  placement] in placement.py).
 
 Must not: be used outside tests and benchmarks of the runtime.
 """
@@ -27,7 +31,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["pretend_arch", "slow_pool", "staged_snapshots", "wrapped_statistics"]
+__all__ = [
+    "device_stream_stand_in",
+    "pretend_arch",
+    "slow_pool",
+    "staged_snapshots",
+    "wrapped_statistics",
+]
 
 _global: dict[str, Any] = {
     "seconds": 0.0,
