@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from asteria.train import checkpoint as ckpt
 from asteria.train import distributed as dist_util
@@ -306,33 +307,10 @@ class StopFlag:
 # -- the progress bar ---------------------------------------------------------------------------
 
 
-class _SimpleBar:
-    """A one-line progress bar on stderr for when tqdm is not installed."""
-
-    def __init__(self, total: int, initial: int, desc: str) -> None:
-        self.total, self.n, self.desc, self.postfix = total, initial, desc, ""
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        width = 30
-        done = int(width * self.n / max(1, self.total))
-        line = f"\r{self.desc} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total}"
-        print(f"{line} {self.postfix}", end="", file=sys.stderr, flush=True)
-
-    def set_postfix_str(self, text: str) -> None:
-        self.postfix = text
-
-    def close(self) -> None:
-        print(file=sys.stderr, flush=True)
-
-
 def _progress_bar(total: int, initial: int, desc: str, enabled: bool) -> Any:
+    """tqdm's bar (a package of the train extra), shown on a terminal only (``disable=None``)."""
     if not enabled:
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _SimpleBar(total, initial, desc) if sys.stderr.isatty() else None
     return tqdm(total=total, initial=initial, desc=desc, disable=None, leave=False)
 
 
