@@ -26,10 +26,11 @@ import torch
 
 from asteria import _C
 
-__all__ = ["SpillChecksumError", "SpillFuture", "SpillIOError", "SpillStore"]
+__all__ = ["SpillChecksumError", "SpillClosedError", "SpillFuture", "SpillIOError", "SpillStore"]
 
 SpillIOError = _C.SpillIOError
 SpillChecksumError = _C.SpillChecksumError
+SpillClosedError = _C.SpillClosedError
 
 _Meta = tuple[torch.Size, torch.dtype]
 
@@ -155,6 +156,7 @@ class SpillStore:
         """Start reading ``key`` (into ``out`` if given: contiguous, CPU, same number of bytes).
         ``KeyError`` when the key is absent."""
         _check_key(key)
+        self._check_open("get")
         with self._lock:
             meta = self._meta.get(key)
             if meta is None or not self._store.contains(key):
@@ -167,6 +169,7 @@ class SpillStore:
     ) -> torch.Tensor:
         """Read ``key``, from its prefetched buffer when ``prefetch`` started one."""
         _check_key(key)
+        self._check_open("get")
         with self._lock:
             prefetched = self._prefetched.pop(key, None)
             if prefetched is not None:
@@ -191,6 +194,7 @@ class SpillStore:
         ``delete`` or ``close`` drops it). Returns how many reads it started; ``KeyError`` for a
         key that is not in the store."""
         started = 0
+        self._check_open("prefetch")
         for key in keys:
             _check_key(key)
             with self._lock:
@@ -217,6 +221,7 @@ class SpillStore:
 
     def nbytes(self, key: str) -> int:
         """Bytes stored under ``key`` (KeyError if absent)."""
+        self._check_open("nbytes")
         n = self._store.nbytes(_check_key(key))
         if n is None:
             raise KeyError(f"key {key!r} is not in the spill store")
@@ -238,6 +243,11 @@ class SpillStore:
                 prefetched=len(self._prefetched),
             )
         return out
+
+    def _check_open(self, what: str) -> None:
+        """A closed store raises its own error (``SpillClosedError``), not "key not found"."""
+        if self._store.closed():
+            raise SpillClosedError(f"SpillStore.{what}: the spill store '{self.path}' is closed")
 
     def close(self) -> None:
         """Stop: queued operations fail, running ones finish, the file is deleted. Idempotent."""

@@ -21,6 +21,22 @@ check. Skips are counted in ``nonfinite_grads`` (``Runtime.stats()["nonfinite_gr
 first one warns (``RuntimeWarning`` naming the parameter). ``skip_nonfinite_grads = False`` turns
 the check off.
 
+Note [Overflowing gradients]: a gradient can be finite and still make the optimizer's statistics
+inf (a gradient of 1e30 squares to 1e60, past float32's 3.4e38), and an inf factor or moment
+then fails every refresh, or stops the parameter, far from the step that caused it. So the same
+check skips, counts (``nonfinite_grads``) and warns about (once, with the parameter's name and the
+2-norm) a gradient whose 2-norm is above the limit its update allows (``_gradient_limit``, from
+the 2-norms the check computes anyway: no extra reduction or sync): every new statistic term is
+at most ``gain * ||g||^2`` (an entry of ``G G^T`` or ``g^2``; KL-Shampoo's whitening by
+``lambda^{-1/2} <= clamp`` along the other dims is its ``gain``), an average (EMA) of finite
+terms stays finite, and a sum (Shampoo's factors at ``betas[1] == 1``, Adagrad grafting) needs
+room for it: a host-side bound on its largest entry, taken from the state once and raised by
+each accepted term. The limit keeps a margin of 4 below the dtype's largest value. Nothing
+non-finite then reaches a matrix function from a step; one that still fails (a checkpoint's inf
+factor) is a counted refresh failure, whose error names the parameter's block.
+tests/unit/test_overflow.py has the cases of issue 22 (1e30 gradients, sums creeping up to
+float32's limit) for every optimizer, natively and with a runtime.
+
 Must not: hold any algorithm's math (that is each subclass's file) or know about the runtime that
 may later take refreshes off the critical path. Subclasses implement ``_layout``, ``_init_param``
 and ``_update_param`` (or ``_update_params``, a group's parameters at once); ``_refresh_due`` says
@@ -30,6 +46,8 @@ whether a step refreshes a block.
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import sys
 import warnings
 from collections import defaultdict
@@ -42,11 +60,12 @@ from torch.optim import Optimizer
 from asteria.optim import state_format
 from asteria.optim.blocking import ParamLayout
 from asteria.optim.checks import (
+    OVERFLOW,
     check_betas,
     check_lr,
     check_range,
     check_shampoo_beta,
-    finite_flags,
+    gradient_verdicts,
 )
 from asteria.optim.refresher import (
     BlockEnd,
@@ -157,6 +176,10 @@ class KroneckerOptimizer(Optimizer):
         #: it from the model's ``named_parameters``); unnamed ones are ``param<index>``.
         self.param_names: dict[int, str] = {}
         self._nonfinite_warned = False
+        self._overflow_warned = False
+        #: Per parameter (by identity), an upper bound on the largest entry of the statistics
+        #: it sums rather than averages (Note [Overflowing gradients]); filled when first needed.
+        self._summed_bounds: dict[int, float] = {}
         #: A runtime's refreshes in flight from a loaded checkpoint, kept for the runtime that
         #: attaches next (Note [Runtime state in the optimizer's checkpoint]).
         self._resumed_refreshes: dict[str, Any] | None = None
@@ -177,6 +200,14 @@ class KroneckerOptimizer(Optimizer):
                 f"{type(self).__name__} is already orchestrated by {self._refresher!r}; "
                 "close() that runtime before attaching another"
             )
+        bound = getattr(refresher, "optimizer", self)
+        if bound is not self:
+            raise ValueError(
+                f"{refresher!r} is bound to another optimizer ({type(bound).__name__} at "
+                f"{id(bound):#x}); a refresher orchestrates the optimizer it was made for"
+            )
+        if getattr(refresher, "closed", False):
+            raise ValueError(f"{refresher!r} is closed; make a new one")
         resumed, self._resumed_refreshes = self._resumed_refreshes, None
         if resumed is not None:
             refresher.load_state_dict(resumed)  # raises before anything is attached
@@ -203,14 +234,7 @@ class KroneckerOptimizer(Optimizer):
 
     def blocks(self) -> Iterable[tuple[BlockKey, torch.Tensor, dict[str, Any], dict[str, Any]]]:
         """Every initialised preconditioned block: ``(key, parameter, block state, group)``."""
-        pid = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if state and "blocks" in state and not _is_placeholder(state):
-                    for bi, block in enumerate(state["blocks"]):
-                        yield (pid, bi), p, block, group
-                pid += 1
+        return _blocks_of(self.param_groups, self.state)
 
     # -- torch.optim conventions ---------------------------------------------------------------
 
@@ -236,6 +260,7 @@ class KroneckerOptimizer(Optimizer):
             if name not in self.__dict__:
                 setattr(self, name, copy.copy(value))
         self._layouts = {}
+        self._summed_bounds = {}
         self._refresher = NativeRefresher(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -358,6 +383,11 @@ class KroneckerOptimizer(Optimizer):
         from the live groups where the saved ones have none), entries of ``state`` that are not
         a parameter's are kept as they are, and the post-hooks run once all is restored.
         """
+        if not isinstance(state_dict, dict):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict takes a dict (an optimizer's "
+                f"state_dict()), got {type(state_dict).__name__}"
+            )
         state_dict = state_dict.copy()  # shallow, as torch: a pre-hook may replace entries
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -365,7 +395,50 @@ class KroneckerOptimizer(Optimizer):
                 state_dict = result
         self._refresher.sync()
         state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
+        # Note [Transactional loads]: everything is checked before anything changes
+        groups, state = self._loaded_state(state_dict)
+        in_flight = state_dict.get(RUNTIME_STATE_KEY)
+        native = isinstance(self._refresher, NativeRefresher)
+        if not native:
+            self._check_layouts_kept(groups)
+            if in_flight is not None:  # checked against the state about to be loaded
+                blocks = {k: (b, state[p]["step"]) for k, p, b, _ in _blocks_of(groups, state)}
+                self._refresher.check_state_dict(in_flight, blocks)
+        self.param_groups, self.state = groups, state
+        self._layouts.clear()  # layouts under the saved options were cached on the way
+        self._summed_bounds.clear()  # taken from the loaded state when next needed
+        first = 0
+        for group in self.param_groups:  # the loaded names, in messages too
+            for i, param_name in enumerate(group.get("param_names", ()), first):
+                self.param_names[i] = param_name
+            first += len(group["params"])
+        # what was in flight for the state just replaced no longer fits it
+        self._refresher.state_replaced()
+        self._resumed_refreshes = None
+        if in_flight is not None:
+            if native:
+                self._resumed_refreshes = in_flight  # for the runtime attached next
+            else:
+                self._refresher.load_state_dict(in_flight)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_state(self, state_dict: dict[str, Any]) -> tuple[list[dict], dict]:
+        """The param groups and state ``load_state_dict`` installs, made without changing
+        anything: a ``ValueError`` names the first entry that does not fit (Note
+        [Transactional loads])."""
+        where = f"{type(self).__name__}.load_state_dict"
+        for part, kind in (("param_groups", list), ("state", dict)):
+            if not isinstance(state_dict.get(part), kind):
+                got = type(state_dict.get(part)).__name__ if part in state_dict else "nothing"
+                raise ValueError(
+                    f"{where}: the state_dict's {part!r} must be a {kind.__name__}, got {got} "
+                    "(load what an optimizer's state_dict() returned)"
+                )
         saved_groups = copy.deepcopy(state_dict["param_groups"])
+        for i, g in enumerate(saved_groups):
+            if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
+                raise ValueError(f"{where}: param_groups[{i}] must be a dict with a 'params' list")
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(
@@ -375,13 +448,14 @@ class KroneckerOptimizer(Optimizer):
                 "loaded state dict contains a parameter group that doesn't match the size of "
                 "optimizer's group"
             )
-        saved = copy.deepcopy(state_dict["state"])
         groups = []
-        for live, group in zip(self.param_groups, saved_groups):
+        for i, (live, group) in enumerate(zip(self.param_groups, saved_groups)):
             group = {**state_format.group_from_portable(group), "params": live["params"]}
             if "param_names" in live and "param_names" not in group:
                 group["param_names"] = live["param_names"]
+            self._check_loaded_group(i, group, where)
             groups.append(group)
+        saved = copy.deepcopy(state_dict["state"])
         # The saved groups' "params" lists name the parameters, in order: positions as this
         # class saves them, or other keys (torch.distributed.checkpoint.state_dict's parameter
         # names), mapped by position as torch.optim does.
@@ -389,33 +463,77 @@ class KroneckerOptimizer(Optimizer):
         keys = [k for g in saved_groups for k in g["params"]]
         owner_of = dict(zip(keys, owners))
         state: defaultdict[Any, Any] = defaultdict(dict)
-        try:
-            for key, value in saved.items():
-                if key not in owner_of:
-                    state[key] = value  # not a parameter's: kept as it is, as torch does
-                    continue
-                param, group = owner_of[key]
-                if not any(isinstance(v, list) for v in value.values()):  # not the nested form
-                    value = self._unflatten_state(key, value, param, group)
-                state[param] = _to_device(value, param.device)
-        finally:
-            self._layouts.clear()  # layouts under the saved options were cached on the way
-        # nothing is changed until everything fits
-        self.param_groups, self.state = groups, state
-        first = 0
-        for group in self.param_groups:  # the loaded names, in messages too
-            for i, param_name in enumerate(group.get("param_names", ()), first):
-                self.param_names[i] = param_name
-            first += len(group["params"])
-        in_flight = state_dict.get(RUNTIME_STATE_KEY)
-        self._resumed_refreshes = None
-        if in_flight is not None:
-            if isinstance(self._refresher, NativeRefresher):
-                self._resumed_refreshes = in_flight  # for the runtime attached next
+        for key, value in saved.items():
+            if key not in owner_of:
+                state[key] = value  # not a parameter's: kept as it is, as torch does
+                continue
+            param, group = owner_of[key]
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"{where}: the state of parameter {key!r} is {type(value).__name__}, "
+                    "a dict is needed"
+                )
+            if not value:
+                state[param] = {}
+                continue
+            if not any(isinstance(v, list) for v in value.values()):  # not the nested form
+                value = self._unflatten_state(key, value, param, group)
             else:
-                self._refresher.load_state_dict(in_flight)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+                value = self._checked_nested(key, value, param, group)
+            state[param] = _to_device(value, param.device)
+        return groups, state
+
+    def _check_loaded_group(self, i: int, group: dict[str, Any], where: str) -> None:
+        """A loaded group carries every option of this class, each valid (the checks of the
+        constructor's arguments), and ``param_names`` that fit its parameters."""
+        name = type(self).__name__
+        missing = [k for k in self.defaults if k not in group]
+        if missing:
+            raise ValueError(
+                f"{where}: param_groups[{i}] has no {missing}, which every {name} group "
+                "carries: load a state_dict of the same optimizer class"
+            )
+        try:
+            self._validate_group(group)
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"{where}: param_groups[{i}]: {err}") from None
+        names = group.get("param_names")
+        if names is not None and (
+            not isinstance(names, (list, tuple))
+            or len(names) != len(group["params"])
+            or not all(isinstance(n, str) for n in names)
+        ):
+            raise ValueError(
+                f"{where}: param_groups[{i}]['param_names'] must be {len(group['params'])} "
+                f"strings, one per parameter, got {names!r}"
+            )
+
+    def _check_layouts_kept(self, groups: list[dict[str, Any]]) -> None:
+        """With a runtime attached, a load must keep every parameter's blocks (the runtime's
+        placement, registry and bases were made for them at attach time)."""
+        for live, group in zip(self.param_groups, groups):
+            for p in live["params"]:
+                local = local_tensor(p)
+                if self._layout_key(local, live) != self._layout_key(local, group):
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: the state_dict's options "
+                        "change how parameters are split into blocks, which a runtime "
+                        f"attached ({self._refresher!r}) planned for: close() it first, load, "
+                        "and attach a new one"
+                    )
+
+    def _checked_nested(
+        self, key: Any, value: dict[str, Any], param: torch.Tensor, group: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The nested form of earlier versions, checked against the placeholder's structure."""
+        where = f"{type(self).__name__}.load_state_dict: the state of parameter {key!r}"
+        template = self._placeholder(param, group, device=torch.device("meta"))
+        value = dict(value)
+        value["step"] = state_format.checked_step(value.get("step"), where)
+        template.pop("step")
+        state_format.check_nested(template, {k: v for k, v in value.items() if k != "step"},
+                                  "", where, self.bases_field)  # fmt: skip
+        return value
 
     def _unflatten_state(
         self, key: Any, flat: dict[str, Any], param: torch.Tensor, group: dict[str, Any]
@@ -426,6 +544,7 @@ class KroneckerOptimizer(Optimizer):
         where = f"{type(self).__name__}.load_state_dict: the state of parameter {key!r}"
         template = self._placeholder(param, group, device=torch.device("meta"))
         state = state_format.fill(template, flat, "", where)
+        state["step"] = state_format.checked_step(state["step"], where)
         if flat:
             raise ValueError(
                 f"{where} has entries {sorted(flat)} that this optimizer does not keep for it: "
@@ -480,11 +599,11 @@ class KroneckerOptimizer(Optimizer):
                 if local_tensor(p).numel():
                     self.state[p] = self._placeholder(p, group)
             return loss
-        finite = (
-            finite_flags([p.grad for _, _, p in todo])
-            if self.skip_nonfinite_grads
-            else [True] * len(todo)
-        )
+        if self.skip_nonfinite_grads:  # Notes [Non-finite gradients], [Overflowing gradients]
+            limits = [self._gradient_limit(p, group) for _, group, p in todo]
+            verdicts, norms = gradient_verdicts([p.grad for _, _, p in todo], limits)
+        else:
+            verdicts, norms = [None] * len(todo), [0.0] * len(todo)
         if self._resumed_refreshes is not None and isinstance(self._refresher, NativeRefresher):
             # a native step computes its own refreshes: the saved ones have no one to install
             self._resumed_refreshes = None
@@ -494,10 +613,11 @@ class KroneckerOptimizer(Optimizer):
         # only one such copy is alive at a time.
         batch: list[Update] = []
         batch_group: dict[str, Any] | None = None
-        for (pid, group, p), ok in zip(todo, finite):
-            if not ok:
-                self._skip_nonfinite(pid, p)
+        for (pid, group, p), verdict, norm in zip(todo, verdicts, norms):
+            if verdict is not None:
+                self._skip_nonfinite(pid, p, verdict, norm)
                 continue
+            self._statistics_added(p, group, norm)
             # Note [Local shards]: a DTensor parameter (FSDP2 / HSDP) is optimized through its
             # local shard (plain tensors are their own); an empty shard has nothing to do.
             local = local_tensor(p)
@@ -549,21 +669,72 @@ class KroneckerOptimizer(Optimizer):
         if grad.is_complex():
             raise RuntimeError(f"{type(self).__name__} does not support complex gradients")
 
-    def _skip_nonfinite(self, pid: int, p: torch.Tensor) -> None:
-        """Count a skipped update (Note [Non-finite gradients]); the first one warns."""
+    def _skip_nonfinite(self, pid: int, p: torch.Tensor, verdict: str, norm: float) -> None:
+        """Count a skipped update (Notes [Non-finite gradients], [Overflowing gradients]); the
+        first of each kind warns."""
         self.nonfinite_grads += 1
-        if self._nonfinite_warned:
+        overflow = verdict == OVERFLOW
+        if self._overflow_warned if overflow else self._nonfinite_warned:
             return
-        self._nonfinite_warned = True
         name = self.param_names.get(pid, f"param{pid}")
+        if overflow:
+            self._overflow_warned = True
+            what = (
+                f"is finite but so large (2-norm up to {norm:.3g}) that its update would "
+                f"overflow the optimizer's factors or moments ({state_dtype(p)})"
+            )
+        else:
+            self._nonfinite_warned = True
+            what = "has NaN or Inf values"
         warnings.warn(
             f"{type(self).__name__}: the gradient of parameter '{name}' (index {pid}, shape "
-            f"{tuple(p.shape)}) has NaN or Inf values; its update is skipped for this step "
+            f"{tuple(p.shape)}) {what}; its update is skipped for this step "
             "(factors, moments and the parameter are left unchanged). Later skips are counted "
             "in optimizer.nonfinite_grads without a warning.",
             RuntimeWarning,
             stacklevel=4,
         )
+
+    def _gradient_limit(self, p: torch.Tensor, group: dict[str, Any]) -> float:
+        """The largest gradient 2-norm whose update keeps every statistic of ``p`` finite
+        (Note [Overflowing gradients]): averages (EMAs) stay finite while each new term does,
+        and a term is at most ``gain * ||g||^2``; statistics that are sums need room for it."""
+        big = _float_max(state_dtype(p)) / _OVERFLOW_MARGIN
+        if self._sums_statistics(group):
+            summed = self._summed_bound(p, group)
+            if math.isfinite(summed):  # (a loaded non-finite sum fails its refreshes instead)
+                big -= summed
+        return math.sqrt(max(big, 0.0) / self._statistics_gain(p, group))
+
+    def _statistics_gain(self, p: torch.Tensor, group: dict[str, Any]) -> float:
+        """How much larger than ``||g||^2`` a statistic's new term may be (KL-Shampoo whitens the
+        gradient before its factors see it); 1 where each term is a product of two gradients."""
+        return 1.0
+
+    def _sums_statistics(self, group: dict[str, Any]) -> bool:
+        """Whether some statistic of ``group``'s parameters is a sum over steps (Shampoo's
+        factors with ``betas[1] == 1``, Adagrad grafting), not an average."""
+        return False
+
+    def _largest_summed(self, p: torch.Tensor, state: dict[str, Any], group: dict) -> float:
+        """The largest entry of ``p``'s summed statistics in ``state`` (a host sync)."""
+        return 0.0
+
+    def _summed_bound(self, p: torch.Tensor, group: dict[str, Any]) -> float:
+        bound = self._summed_bounds.get(id(p))
+        if bound is None:
+            state = self.state.get(p)
+            fresh = not state or _is_placeholder(state)
+            bound = 0.0 if fresh else self._largest_summed(p, state, group)
+            self._summed_bounds[id(p)] = bound
+        return bound
+
+    def _statistics_added(self, p: torch.Tensor, group: dict[str, Any], norm: float) -> None:
+        """A step of ``p`` with a gradient of 2-norm ``norm`` adds at most ``gain * norm^2`` to
+        each entry of its summed statistics."""
+        if self.skip_nonfinite_grads and self._sums_statistics(group):
+            bound = self._summed_bound(p, group)
+            self._summed_bounds[id(p)] = bound + self._statistics_gain(p, group) * norm * norm
 
     def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
         sharded = hasattr(p.grad, "to_local")
@@ -672,6 +843,16 @@ class KroneckerOptimizer(Optimizer):
         return t > 0 and t % group["precondition_frequency"] == 0
 
 
+#: Statistics are kept this far below the dtype's largest value: their EMAs and sums add two
+#: terms that are each below it (Note [Overflowing gradients]).
+_OVERFLOW_MARGIN = 4.0
+
+
+@functools.cache
+def _float_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
 #: The key of a runtime's refreshes in flight in ``KroneckerOptimizer.state_dict()``.
 RUNTIME_STATE_KEY = "asteria_runtime"
 
@@ -680,6 +861,7 @@ _NOT_COPIED = frozenset(
     {
         "_refresher",
         "_layouts",
+        "_summed_bounds",
         "_optimizer_step_pre_hooks",
         "_optimizer_step_post_hooks",
         "_optimizer_state_dict_pre_hooks",
@@ -697,6 +879,7 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     "nonfinite_grads": 0,
     "param_names": {},
     "_nonfinite_warned": False,
+    "_overflow_warned": False,
     "_resumed_refreshes": None,
 }
 
@@ -740,6 +923,29 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 # element-wise optimizers; a constructor given one raises TypeError), maximize, complex and
 # sparse parameters or gradients (a RuntimeError that names them).
 
+# Note [Transactional loads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``load_state_dict`` either loads the whole state_dict or raises a ``ValueError`` that names the
+# first entry that does not fit and what was expected, and leaves the optimizer (and a runtime
+# attached to it) exactly as it was. Everything is checked before anything changes
+# (``_loaded_state``): the dict's form; the number of groups and of parameters; every group
+# option this class keeps (a missing one means another optimizer class's state_dict) and its
+# type and range (the constructor's own checks, ``_validate_group``); ``param_names``; every
+# parameter's state against its ``_state_template`` under the loaded options: each key, tensor
+# shape, floating-point dtype, an integer ``step``, and nothing more (state_format.py); with a
+# runtime attached, that the options keep every parameter's blocks (the runtime planned for
+# them) and the ``"asteria_runtime"`` part against the state about to be loaded
+# (``Runtime.check_state_dict``: blocks, steps, result shapes, and that each refresh can be
+# installed within the budget: Note [Checkpoints with work in flight] in
+# asteria/runtime/state.py). Only then are the groups and the state replaced, and the refresher
+# told (``state_replaced``): a runtime drops its refreshes in flight, which were requested from
+# the old state (a loaded ``"asteria_runtime"`` part puts its own back), and takes each block's
+# version from the loaded state, so the staleness contract holds across the load.
+# ``Runtime.load_state_dict`` is transactional the same way. tests/unit/test_transactional_loads.py
+# draws corruptions of a state_dict (another class, other shapes, missing and extra keys, wrong
+# types, ranges and dtypes, truncated tensors) with hypothesis, for every optimizer with and
+# without a runtime, and compares the whole state before and after each refused load.
+
 # Note [Runtime state in the optimizer's checkpoint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Frameworks (the HF Trainer, Lightning, torchtitan) save ``model.state_dict()`` and
@@ -754,6 +960,20 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 # step before any runtime attaches drops it (native mode computes its own refreshes). Nothing
 # is added when no refresh is in flight, and ``torch.distributed.checkpoint``'s state-dict API
 # keeps only ``state`` and ``param_groups`` (use asteria.checkpoint there).
+
+
+def _blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
+    """``KroneckerOptimizer.blocks`` of ``groups`` and ``states`` (the live ones, or those a
+    load is about to install): ``(key, parameter, block state, group)``; the block's step is
+    its parameter state's ``"step"``."""
+    pid = 0
+    for group in groups:
+        for p in group["params"]:
+            state = states.get(p)
+            if state and "blocks" in state and not _is_placeholder(state):
+                for bi, block in enumerate(state["blocks"]):
+                    yield (pid, bi), p, block, group
+            pid += 1
 
 
 def _refresher_state(refresher: Any) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
 """Checks of the optimizers' inputs: hyperparameter ranges and finite gradients.
 
 Owns: ``check_range`` and its pair/optional variants (a ``ValueError`` that names the argument and
-the allowed range), and ``finite_flags`` (Note [Non-finite gradients] in base.py: which gradients
-of a step have NaN or Inf values, one fused reduction per gradient, agreed over a DTensor's mesh).
+the allowed range), and ``gradient_verdicts`` (Notes [Non-finite gradients] and [Overflowing
+gradients] in base.py: which gradients of a step have NaN or Inf values or would overflow the
+optimizer's statistics, one fused reduction per gradient, agreed over a DTensor's mesh).
 
 Must not: change anything it checks.
 """
@@ -14,7 +15,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_betas", "check_lr", "check_range", "check_shampoo_beta", "finite_flags"]
+__all__ = [
+    "NONFINITE",
+    "OVERFLOW",
+    "check_betas",
+    "check_lr",
+    "check_range",
+    "check_shampoo_beta",
+    "finite_flags",
+    "gradient_verdicts",
+]
 
 
 def check_range(
@@ -70,16 +80,32 @@ def check_shampoo_beta(value: Any) -> None:
 
 
 def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """Whether each gradient is finite: one 2-norm per gradient, one host sync per device, and
-    an inf-norm for a gradient whose 2-norm is not finite.
+    """Whether each gradient is finite (``gradient_verdicts`` without a limit)."""
+    verdicts, _ = gradient_verdicts(grads, [math.inf] * len(grads))
+    return [v != NONFINITE for v in verdicts]
 
-    NaN and Inf propagate into both norms. The 2-norm can overflow on large finite values; the
-    inf-norm, a max of absolute values, cannot, and decides those. Sharded (DTensor) gradients
-    are checked on their local shards, and the "not finite" flags are max-reduced over every
-    dim of their mesh (one small collective per mesh dim, issued in the same order on every
-    rank), so every rank of a shard group takes the same decision.
+
+#: ``gradient_verdicts``' verdicts: a NaN or Inf value; finite but over its limit.
+NONFINITE, OVERFLOW = "non-finite", "overflow"
+
+
+def gradient_verdicts(
+    grads: list[torch.Tensor], limits: list[float]
+) -> tuple[list[str | None], list[float]]:
+    """Per gradient: ``None`` (use it), ``NONFINITE`` or ``OVERFLOW`` (its 2-norm is above its
+    entry of ``limits``: Note [Overflowing gradients] in base.py), and an upper bound on its
+    2-norm (a host float).
+
+    One 2-norm per gradient, one host sync per device, and an inf-norm for a gradient whose
+    2-norm is not finite: NaN and Inf propagate into both norms, and the 2-norm can overflow on
+    large finite values where the inf-norm, a max of absolute values, cannot (such a gradient's
+    2-norm is bounded by ``inf-norm * sqrt(numel)``). Sharded (DTensor) gradients are checked
+    on their local shards, and the "skip" flags are max-reduced over every dim of their mesh
+    (one small collective per mesh dim, issued in the same order on every rank), so every rank
+    of a shard group takes the same decision.
     """
-    flags = [True] * len(grads)
+    verdicts: list[str | None] = [None] * len(grads)
+    norms = [0.0] * len(grads)
     by_device: dict[torch.device, list[int]] = {}
     sharded: list[int] = []
     for i, g in enumerate(grads):
@@ -91,21 +117,34 @@ def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
         # A finite 2-norm means finite values, and on the CPU it is several times cheaper than
         # the inf-norm; a 2-norm that overflowed on large finite values is told apart by the
         # inf-norm of that gradient.
-        norms = torch._foreach_norm([grads[i] for i in indices], 2)
-        ok = torch.isfinite(torch.stack(norms)).tolist()
-        suspects = [i for i, v in zip(indices, ok) if not v]
+        two = torch.stack(torch._foreach_norm([grads[i] for i in indices], 2)).tolist()
+        suspects = [i for i, v in zip(indices, two) if not math.isfinite(v)]
+        for i, v in zip(indices, two):
+            norms[i] = v
         if suspects:
-            norms = torch._foreach_norm([grads[i] for i in suspects], math.inf)
-            ok = torch.isfinite(torch.stack(norms)).tolist()
-            for i, v in zip(suspects, ok):
-                flags[i] = bool(v)
+            inf = torch.stack(torch._foreach_norm([grads[i] for i in suspects], math.inf)).tolist()
+            for i, v in zip(suspects, inf):
+                norms[i] = v * math.sqrt(grads[i].numel()) if math.isfinite(v) else math.inf
+                if not math.isfinite(v):
+                    verdicts[i] = NONFINITE
+        for i in indices:
+            if verdicts[i] is None and norms[i] > limits[i]:
+                verdicts[i] = OVERFLOW
     if sharded:
-        _sharded_finite_flags(grads, sharded, flags)
-    return flags
+        _sharded_verdicts(grads, sharded, limits, verdicts, norms)
+    return verdicts, norms
 
 
-def _sharded_finite_flags(grads: list[torch.Tensor], indices: list[int], flags: list[bool]) -> None:
-    """``finite_flags`` for DTensor gradients: local inf-norms, flags reduced over the mesh."""
+def _sharded_verdicts(
+    grads: list[torch.Tensor],
+    indices: list[int],
+    limits: list[float],
+    verdicts: list[str | None],
+    norms: list[float],
+) -> None:
+    """``gradient_verdicts`` for DTensor gradients: local inf-norms (a shard's 2-norm bounded by
+    ``inf-norm * sqrt(global numel)``), the flags (1: overflow, 2: non-finite) max-reduced over
+    the mesh."""
     import torch.distributed as dist
 
     by_mesh: dict[int, tuple[Any, list[int]]] = {}
@@ -114,12 +153,22 @@ def _sharded_finite_flags(grads: list[torch.Tensor], indices: list[int], flags: 
         by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
     for mesh, members in by_mesh.values():
         locals_ = [grads[i].to_local() for i in members]
-        bad = torch.zeros(len(members), dtype=torch.float32, device=locals_[0].device)
-        for k, g in enumerate(locals_):
-            if g.numel():  # an empty shard (uneven sharding) is finite
-                bad[k] = (~torch.isfinite(torch.linalg.vector_norm(g, math.inf))).float()
+        flags = torch.zeros(len(members), dtype=torch.float32, device=locals_[0].device)
+        device = locals_[0].device
+        inf = torch.stack(
+            [  # an empty shard (uneven sharding) is finite
+                torch.linalg.vector_norm(g, math.inf).float()
+                if g.numel()
+                else torch.zeros((), device=device)
+                for g in locals_
+            ]
+        ).tolist()
+        for k, i in enumerate(members):
+            bound = inf[k] * math.sqrt(grads[i].numel())
+            norms[i] = bound if math.isfinite(inf[k]) else math.inf
+            flags[k] = 2.0 if not math.isfinite(inf[k]) else float(bound > limits[i])
         for dim in range(mesh.ndim):
             if mesh.size(dim) > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-        for i, v in zip(members, bad.tolist()):
-            flags[i] = v == 0.0
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for i, v in zip(members, flags.tolist()):
+            verdicts[i] = NONFINITE if v == 2.0 else OVERFLOW if v == 1.0 else None

@@ -36,6 +36,8 @@ Must not: know about runtimes, pools or memory tiers.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -122,6 +124,12 @@ class KLShampoo(KroneckerOptimizer):
 
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         return make_layout(p.shape, group["max_preconditioner_dim"], squeeze=True, factor_1d=False)
+
+    def _statistics_gain(self, p: torch.Tensor, group: dict[str, Any]) -> float:
+        """The factors and eigenvalue estimates see the gradient whitened along the other dims
+        by ``lambda^{-1/2} <= clamp`` (Note [Overflowing gradients] in base.py)."""
+        shapes = tuple(b.shape for b in self.layout(p, group).blocks)
+        return _whitening_gain(shapes, float(group["max_clamp_value"]))
 
     # -- the algorithm ------------------------------------------------------------------------
 
@@ -367,6 +375,17 @@ def _outer(vectors: list[torch.Tensor]) -> torch.Tensor:
         shape[j] = -1
         out = out * vectors[j].view(shape)
     return out if k > 1 else out.clone()
+
+
+@functools.cache
+def _whitening_gain(shapes: tuple[tuple[int, ...], ...], max_clamp_value: float) -> float:
+    """The largest ``prod_{j != i} clamp_j^2`` over the blocks of ``shapes`` and their dims."""
+    gain = 1.0
+    for shape in shapes:
+        clamps = [_clamp_max(d, max_clamp_value) ** 2 for d in shape]
+        for i in range(len(shape) if len(shape) > 1 else 0):
+            gain = max(gain, math.prod(c for j, c in enumerate(clamps) if j != i))
+    return gain
 
 
 def _clamp_max(d: int, max_clamp_value: float) -> float:

@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "MatrixFunctionError",
+    "check_matrix",
     "eigh_descending",
     "qr_refresh",
     "inverse_root",
@@ -33,8 +34,22 @@ except ImportError:  # pragma: no cover - only while the extension is not built
 
 
 def _check_square(name: str, a: torch.Tensor) -> None:
+    """A real (floating-point), dense, square matrix: a complex one is refused rather than
+    silently cast (its imaginary part dropped: wrong eigenvalues), as the pool's submissions
+    are (``check_matrix``)."""
+    if not isinstance(a, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(a).__name__}")
+    if a.is_complex() or not a.is_floating_point() or a.layout != torch.strided:
+        raise ValueError(
+            f"{name} must be a dense real floating-point matrix, got a {a.dtype} tensor "
+            f"(layout {a.layout}): complex Hermitian matrices are not supported"
+        )
     if a.dim() != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(a.shape)}")
+
+
+#: The check of a matrix function's input (pool submissions use it too).
+check_matrix = _check_square
 
 
 def _finite_one(t: torch.Tensor) -> bool:

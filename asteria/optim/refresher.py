@@ -250,6 +250,12 @@ class Refresher(Protocol):
         """Finish every deferred statistics update (before ``state_dict`` and the like)."""
         ...
 
+    def state_replaced(self) -> None:
+        """The optimizer's state was replaced (``load_state_dict``): forget what was kept for
+        the old one (refreshes in flight, failure counts; Note [Transactional loads] in
+        base.py)."""
+        ...
+
     @property
     def splits_updates(self) -> bool:
         """Whether ``beside`` has a thread to run part of the step's update on."""
@@ -308,6 +314,10 @@ class NativeRefresher:
 
     def sync(self) -> None:
         pass
+
+    def state_replaced(self) -> None:
+        self.failures.clear()
+        self._error = None
 
     splits_updates = False  # everything in the step's own thread
 

@@ -171,6 +171,19 @@ class Shampoo(KroneckerOptimizer):
     def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
         return super()._layout_key(p, group) + (group["merge_dims"],)
 
+    def _sums_statistics(self, group: dict[str, Any]) -> bool:
+        """Factors are plain sums at ``betas[1] == 1`` (Meta's default); Adagrad grafting sums
+        squared gradients (Note [Overflowing gradients] in base.py)."""
+        return group["betas"][1] == 1.0 or group["grafting"] == "adagrad"
+
+    def _largest_summed(self, p, state, group) -> float:
+        largest = [torch.zeros(())]
+        if group["betas"][1] == 1.0:  # a PSD factor's largest entry is on its diagonal
+            largest += [f.diagonal().max() for b in state.get("blocks", ()) for f in b["factors"]]
+        if group["grafting"] == "adagrad":
+            largest.append(state["exp_avg_sq"].max())
+        return float(torch.stack([x.float().cpu() for x in largest]).max())
+
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         max_dim = group["max_preconditioner_dim"]
         shape = tuple(int(d) for d in p.shape)

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "check_nested",
+    "check_tensor",
+    "checked_step",
     "dotted",
     "fill",
     "flat_state",
@@ -103,14 +106,69 @@ def fill(template: Any, flat: dict[str, Any], prefix: str, where: str) -> Any:
             f"{where} has no {key!r}: load a state_dict of the same optimizer class and options"
         )
     value = flat.pop(key)
-    if isinstance(template, torch.Tensor) and (
-        not isinstance(value, torch.Tensor) or value.shape != template.shape
-    ):
+    if isinstance(template, torch.Tensor):
+        check_tensor(template, value, key, where)
+    return value
+
+
+def check_tensor(template: torch.Tensor, value: Any, key: str, where: str) -> None:
+    """``value`` must be a tensor of ``template``'s shape and a floating-point dtype (the state
+    keeps its saved dtype: fp32 state for bf16 parameters, Note [Flat optimizer state])."""
+    if not isinstance(value, torch.Tensor) or value.shape != template.shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(
             f"{where} does not fit it: {key!r} is {got}, its layout needs "
             f"{tuple(template.shape)}; load it into the same model (sharded the same way) with "
             "the same optimizer options"
+        )
+    if not value.is_floating_point() or value.layout != torch.strided:
+        raise ValueError(
+            f"{where}: {key!r} is a {value.dtype} tensor (layout {value.layout}), a dense "
+            "floating-point tensor is needed"
+        )
+
+
+def check_nested(template: Any, value: Any, prefix: str, where: str, results: str) -> None:
+    """The nested form of earlier versions (lists of blocks) against ``template``: the same
+    keys, list lengths and tensor shapes, floating-point dtypes; a refresh result (a list under
+    ``results``) may be None where it was not computed yet."""
+    key = prefix[:-1] or "the state"
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {key!r} is {type(value).__name__}, a dict is needed")
+        missing, extra = sorted(set(template) - set(value)), sorted(set(value) - set(template))
+        if missing or extra:
+            raise ValueError(
+                f"{where}: {key!r} has no {missing} / has entries {extra} this optimizer does "
+                "not keep: load a state_dict of the same optimizer class and options"
+            )
+        for k, v in template.items():
+            check_nested(v, value[k], f"{prefix}{k}.", where, results)
+    elif isinstance(template, list):
+        if not isinstance(value, (list, tuple)) or len(value) != len(template):
+            got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"{where}: {key!r} has {got} entries, {len(template)} are needed")
+        for i, (t, v) in enumerate(zip(template, value)):
+            if v is None and t is not None and prefix.endswith(f".{results}."):
+                continue  # a refresh result not computed yet
+            check_nested(t, v, f"{prefix}{i}.", where, results)
+    elif template is None:
+        if value is not None:
+            raise ValueError(f"{where}: {key!r} must be None (a dim without a factor)")
+    elif isinstance(template, torch.Tensor):
+        check_tensor(template, value, key, where)
+
+
+def checked_step(value: Any, where: str) -> int:
+    """A parameter's ``"step"``: an integer ``>= -1`` (-1: a placeholder, Note
+    [State-initialisation probe]); a one-element tensor holding one is taken as that int."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        number = value.item()
+        if float(number).is_integer():
+            value = int(number)
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(
+            f"{where}: 'step' must be an integer >= -1 (-1: no step yet), got {value!r}"
         )
     return value
 

@@ -167,11 +167,38 @@ class StatisticsLane:
             return any(not f.done() for f in self._last.values())
 
     def wait(self, key: Hashable) -> None:
-        """Block until every update of ``key`` submitted so far has run; re-raise its error."""
+        """Block until every update of ``key`` submitted so far has run; re-raise its error.
+        A wait that is interrupted (KeyboardInterrupt) keeps the work for the next wait."""
         with self._lock:
-            future = self._last.pop(key, None)
-        if future is not None:
+            future = self._last.get(key)
+        if future is None:
+            return
+        try:
             self._result(key, future)
+        except StatisticsLaneError:
+            self._forget(key, future)
+            raise
+        self._forget(key, future)
+
+    def _forget(self, key: Hashable, future: Future) -> None:
+        with self._lock:
+            if self._last.get(key) is future:
+                del self._last[key]
+
+    def check(self) -> None:
+        """Raise the first error of a failed block (``StatisticsLaneError``) without waiting:
+        a step calls it before it changes anything (Note [All-or-nothing steps] in
+        runtime.py)."""
+        with self._lock:
+            failed = next(iter(self._errors.items()), None)
+            if failed is not None:
+                self._reported.add(failed[0])
+        if failed is not None:
+            key, err = failed
+            raise StatisticsLaneError(
+                f"Asteria: the statistics update of block '{self._name_of(key)}' failed on the "
+                f"statistics lane: {err}"
+            ) from err
 
     def wait_all(self, reported_too: bool = True) -> None:
         """Block until everything submitted has run; re-raise the first error of a block (not

@@ -89,6 +89,9 @@ class Refreshes:
         self.timeout_error = timeout_error
         self.submitted = self.failed = self.cancelled = 0
         self.wait_s = 0.0
+        #: a barrier of this step timed out: later ones in the step do not wait (the facade
+        #: resets it at ``step_begin``; Note [All-or-nothing steps] in runtime.py)
+        self.timed_out = False
 
     # -- where a block is --------------------------------------------------------------------
 
@@ -100,6 +103,15 @@ class Refreshes:
 
     def block_state(self, key: BlockKey) -> dict:
         return block_state(self.optimizer, key)
+
+    def group_of(self, key: BlockKey) -> dict:
+        """The parameter group of block ``key``'s parameter."""
+        first = 0
+        for group in self.optimizer.param_groups:
+            first += len(group["params"])
+            if key[0] < first:
+                return group
+        raise KeyError(key)
 
     def entry(self, key: BlockKey) -> BlockEntry:
         return self.registry.entry(key, self.block_name)
@@ -116,7 +128,9 @@ class Refreshes:
         jobs = self.optimizer.refresh_jobs(block, group)
         if all(job is None for job in jobs):
             return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-        pending = e.pending = PendingRefresh(
+        # Note [Interrupted steps] (runtime.py): the refresh is in flight once every job is
+        # submitted; one interrupted on the way leaves none (its submitted jobs run unread)
+        pending = PendingRefresh(
             requested=step,
             futures=[None] * len(jobs),
             jobs=[None if j is None else j.without_tensors() for j in jobs],
@@ -125,6 +139,7 @@ class Refreshes:
         coherence = self.coherence
         if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
             pending.owner = coherence.owner(key)
+            e.pending = pending
             return  # the owner computes it; this rank receives it at the deadline
         if self.spill is not None:
             pending.snapshots = self.spill.inputs_record(e.name, step, len(jobs))
@@ -138,11 +153,14 @@ class Refreshes:
             if snapshots.deferred:
                 pending.copies.append((dim, job, ticket))
             else:
-                pending.futures[dim] = self._submit_snapshot(e, dim, job, ticket)
+                pending.futures[dim] = self._submit_snapshot(e, pending, dim, job, ticket)
+        e.pending = pending
 
-    def _submit_snapshot(self, e: BlockEntry, dim: int, job: RefreshJob, ticket: Any) -> Any:
+    def _submit_snapshot(
+        self, e: BlockEntry, pending: PendingRefresh, dim: int, job: RefreshJob, ticket: Any
+    ) -> Any:
         future, factor, basis = self.snapshots.finish(ticket)
-        return self.submit(e, dim, job, factor, basis, future=future)
+        return self.submit(e, dim, job, factor, basis, pending=pending, future=future)
 
     def submit(
         self,
@@ -153,12 +171,14 @@ class Refreshes:
         basis: torch.Tensor | None,
         pending: PendingRefresh | None = None,
         future: Any = None,
+        recompute: bool = False,
     ) -> Any:
         """One job on the pool (it copies its inputs): version = request step, deadline t + S,
         or the bookkeeping of one the snapshot strategy submitted (``future``). A spilled block's
-        inputs are written to the spill store too (an exact recompute)."""
+        inputs are written to the spill store too (an exact recompute), unless this job is that
+        recompute."""
         pending = e.pending if pending is None else pending
-        if pending.snapshots is not None and pending is e.pending:
+        if pending.snapshots is not None and not recompute:
             self.spill.keep_inputs(pending, dim, factor, basis)
         self.submitted += 1
         if future is not None:
@@ -175,7 +195,7 @@ class Refreshes:
             if not wait and not snapshots.ready(ticket):
                 remaining.append((dim, job, ticket))
                 continue
-            e.pending.futures[dim] = self._submit_snapshot(e, dim, job, ticket)
+            e.pending.futures[dim] = self._submit_snapshot(e, e.pending, dim, job, ticket)
         e.pending.copies = remaining
 
     def step_end(self) -> None:
@@ -202,7 +222,7 @@ class Refreshes:
     def wait(self, e: BlockEntry, step: int) -> None:
         """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh."""
         t0 = time.perf_counter()
-        limit = self.config.barrier_timeout_s
+        limit = 0.0 if self.timed_out else self.config.barrier_timeout_s
         if e.pending.copies:
             self.collect(e, wait=True)
         timeout_error = self.timeout_error
@@ -213,6 +233,7 @@ class Refreshes:
             try:
                 interruptible_result(f, max(remaining, 0.0), timeout_error)
             except timeout_error:
+                self.timed_out = True
                 raise StalenessTimeoutError(
                     f"Asteria: the refresh of block '{e.name}' requested at step "
                     f"{e.pending.requested} was not ready at step {step} (staleness budget "
@@ -259,7 +280,7 @@ class Refreshes:
         futures = [
             None
             if job is None or inp is None
-            else self.submit(e, dim, job, inp[0], inp[1], pending=pending)
+            else self.submit(e, dim, job, inp[0], inp[1], pending=pending, recompute=True)
             for dim, (job, inp) in enumerate(zip(pending.jobs, inputs))
         ]
         t0 = time.perf_counter()
@@ -284,14 +305,18 @@ class Refreshes:
             self.install(key, e, step, block)
 
     def install(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None = None) -> None:
-        """Install ``e``'s (finished) refresh as installed at ``step``, or count its failure."""
-        pending, e.pending = e.pending, None
+        """Install ``e``'s (finished) refresh as installed at ``step``, or count its failure.
+        The refresh stays in flight until its results are installed, so that one interrupted on
+        the way is installed again (Note [Interrupted steps] in runtime.py)."""
+        pending = e.pending
         try:
             results = self.results(key, e, pending, block)
         except self.errors as err:
+            e.pending = None
             self.count_failure(e, "", str(err), cause=err)
             return  # keep the previous version
         except Exception as err:
+            e.pending = None
             self.failed += 1
             raise RefreshFailedError(
                 f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
@@ -313,6 +338,8 @@ class Refreshes:
     ) -> None:
         """Install ``results`` (of ``pending``) into ``block``, as installed at ``step``."""
         self.bases.install(key, block, results)
+        if e.pending is pending:
+            e.pending = None
         self.registry.record_install(e, pending.requested, step)
 
     def count_failure(

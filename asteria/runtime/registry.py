@@ -77,6 +77,8 @@ class BlockEntry:
     age: int = 0  # the age of the basis the block's last update read
     max_age: int = 0
     bound: int | None = None  # the bound on that age (None: not measured yet)
+    # the step whose boundary last ran to its end (Note [Interrupted steps] in runtime.py)
+    boundary_step: int = -1
 
 
 class Registry:

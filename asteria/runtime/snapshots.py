@@ -50,6 +50,7 @@ from asteria._ext import load_extension
 from asteria.memory.copies import Copies
 from asteria.memory.host import StagingRing
 from asteria.optim.base import RefreshJob
+from asteria.optim.matrix_functions import check_matrix
 from asteria.runtime.lane import StatisticsLane
 
 __all__ = ["DirectSnapshots", "LaneSnapshots", "Snapshots", "StagedSnapshots", "pool_submit"]
@@ -68,8 +69,32 @@ def pool_submit(
     basis: torch.Tensor | None,
 ) -> Any:
     """One job on ``pool`` (the runtime's ``placement.Executors``, which copies ``factor`` and
-    ``basis`` at submission, or an ``asteria._C.WorkerPool``)."""
+    ``basis`` at submission, or an ``asteria._C.WorkerPool``). A complex or non-square input
+    is refused here (the pool would drop an imaginary part): the job's future raises the
+    ``ValueError``, which reaches the step as a crashed refresh of the block."""
+    try:
+        check_matrix(f"{name}: factor", factor)
+        if basis is not None:
+            check_matrix(f"{name}: basis", basis)
+    except ValueError as err:
+        return Refused(err)
     return job.submit(pool, name, version, deadline, factor, basis)
+
+
+class Refused:
+    """The future of a job refused at submission: done, its result raises the refusal."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        raise self._error
 
 
 class Snapshots:

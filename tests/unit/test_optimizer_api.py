@@ -118,12 +118,21 @@ def test_load_state_dict_rejects_state_that_does_not_fit():
     saved = trained(SOAP, (6, 5)).state_dict()
     with pytest.raises(ValueError, match=r"'blocks.0.exp_avg' is \(6, 5\), its layout needs"):
         trained(SOAP, (5, 6)).load_state_dict(saved)
-    with pytest.raises(ValueError, match="no 'blocks.0.eigen_sqrt_inv.0'"):
+    # another class's state: its groups lack this class's options (issue 22: checked first)
+    with pytest.raises(ValueError, match=r"has no \['init_factor', 'max_clamp_value'\]"):
         trained(KLShampoo, (6, 5)).load_state_dict(saved)
     with_momentum = trained(Shampoo, (6,), momentum=0.5).state_dict()
-    # 1-D Shampoo state has a factor and a root too (Meta's full-matrix 1-D preconditioner)
-    with pytest.raises(ValueError, match=r"entries \[.*'momentum_buffer'\] that this optimizer"):
+    with pytest.raises(ValueError, match=r"has no \['shampoo_beta', 'eps', 'init_factor'"):
         trained(KLShampoo, (6,)).load_state_dict(with_momentum)
+    # the same class with other options: the state names the entries that do not fit
+    kl = trained(KLShampoo, (6, 5)).state_dict()
+    for key in [k for k in kl["state"][0] if "eigen_sqrt_inv.0" in k]:
+        del kl["state"][0][key]
+    with pytest.raises(ValueError, match="no 'blocks.0.eigen_sqrt_inv.0'"):
+        trained(KLShampoo, (6, 5)).load_state_dict(kl)
+    with_momentum["param_groups"][0]["momentum"] = 0.0  # the state keeps a momentum buffer
+    with pytest.raises(ValueError, match=r"entries \[.*'momentum_buffer'\] that this optimizer"):
+        trained(Shampoo, (6,)).load_state_dict(with_momentum)
 
 
 class _Net(torch.nn.Module):
