@@ -2,20 +2,24 @@
 base gets the runtime's orchestration as SOAP does. Over its settings (hypothesis, derandomized):
 ``staleness=0`` is native mode bit for bit; ``fixed_delay`` runs are reproducible; the basis
 every step reads is within the staleness bound, with a slowed pool; a checkpoint taken with
-refreshes in flight resumes the uninterrupted run bit for bit. Its math: without a factor
-(1-D parameters) it is Adam, one step behind (the first step only initialises)."""
+refreshes in flight resumes the uninterrupted run bit for bit; through the bases window of a
+(pretended) discrete GPU it trains bitwise as directly, in the memory planned from its state
+template. Its math: without a factor (1-D parameters) it is Adam, one step behind (the first
+step only initialises)."""
 
 from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import asteria
+from asteria.memory.tiers import Arch
 from asteria.runtime.schedule import basis_age_bound
-from asteria.runtime.testing import slow_pool
+from asteria.runtime.testing import pretend_arch, slow_pool
 from examples.one_sided_soap import OneSidedSOAP
 
 SETTINGS = settings(
@@ -168,3 +172,25 @@ def test_without_a_factor_it_is_adam_one_step_behind():
         adam.step()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert not torch.equal(a, grads[0])  # it moved
+
+
+@pytest.mark.parametrize("window_blocks", [None, 1])
+def test_through_the_bases_window_it_trains_bitwise_and_as_planned(window_blocks):
+    """``reads_bases_through_refresher``: where the runtime sees a discrete GPU (pretended on the
+    CPU), the bases in use live in host memory and the update reads device copies through the
+    window; the parameters are those of the direct path, and the memory the runtime planned from
+    the example's ``_state_template`` is what it holds."""
+    config = asteria.RuntimeConfig(staleness=3, fixed_delay=2, workers=1)
+    direct, _ = _run(config, 14, 3, 4)
+    model = _model()
+    opt = _optimizer(model, 3, 4)
+    with pretend_arch(Arch(cuda=True), window_blocks=window_blocks):
+        with asteria.Runtime(model, opt, config) as rt:
+            windowed = _train(model, opt, 14)
+            report = rt.memory_report()
+    assert _equal(direct, windowed)
+    assert report["placement"]["bases_access"] == "window"
+    assert report["placement"]["window"]["fills"] > 0
+    planned = report["planned"]
+    for tier, kind in [("device", "factors"), ("device", "moments"), ("host", "bases")]:
+        assert report[tier][kind] == planned[tier][kind] > 0, (tier, kind)
