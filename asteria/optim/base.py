@@ -84,6 +84,7 @@ __all__ = [
     "KroneckerOptimizer",
     "NativeRefresher",
     "PLACEHOLDER_STEP",
+    "ParamsT",
     "QRRefresh",
     "RefreshJob",
     "RootRefresh",
@@ -91,11 +92,13 @@ __all__ = [
     "Update",
     "adamw_update",
     "basis_zeros",
+    "block_views",
     "check_betas",
     "check_range",
     "check_shampoo_beta",
     "local_tensor",
     "shampoo_beta",
+    "state_dtype",
 ]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
