@@ -37,6 +37,7 @@ from typing import Generic, TypeVar
 import torch
 
 from asteria import _C
+from asteria.optim.matrix_functions import check_real
 
 __all__ = [
     "CancelledError",
@@ -178,6 +179,8 @@ class WorkerPool:
     ) -> RefreshFuture[EighResult]:
         """Eigenvalues (descending) and eigenvectors of a symmetric ``factor``, in ``dtype``
         (as ``asteria.lowlevel.eigh_descending``)."""
+        # a complex matrix is refused, not cast to real (issue 22)
+        check_real(f"block {block!r} (version {version}): factor", factor)
         return self._submit(
             "eigh",
             block,
@@ -198,6 +201,8 @@ class WorkerPool:
     ) -> RefreshFuture[QRResult]:
         """One warm-started power iteration plus QR of ``factor @ basis`` (columns sorted by
         their eigenvalue estimates with ``sort``), as ``asteria.lowlevel.qr_refresh``."""
+        check_real(f"block {block!r} (version {version}): factor", factor)
+        check_real(f"block {block!r} (version {version}): basis", basis)
         return self._submit(
             "qr_refresh",
             block,
@@ -220,6 +225,7 @@ class WorkerPool:
     ) -> RefreshFuture[torch.Tensor]:
         """``factor^(-1/root)`` of a symmetric PSD ``factor``, eigenvalues clamped at 0 plus
         ``epsilon``, as ``asteria.lowlevel.inverse_root``."""
+        check_real(f"block {block!r} (version {version}): factor", factor)
         return self._submit(
             "inverse_root",
             block,

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "MatrixFunctionError",
     "check_matrix",
+    "check_real",
     "eigh_descending",
     "qr_refresh",
     "inverse_root",
@@ -33,10 +34,10 @@ except ImportError:  # pragma: no cover - only while the extension is not built
         """A refresh failed in ``dtype`` and again in float64, or produced a non-finite result."""
 
 
-def _check_square(name: str, a: torch.Tensor) -> None:
-    """A real (floating-point), dense, square matrix: a complex one is refused rather than
-    silently cast (its imaginary part dropped: wrong eigenvalues), as the pool's submissions
-    are (``check_matrix``)."""
+def check_real(name: str, a: object) -> None:
+    """A real (floating-point), dense tensor: a complex one is refused rather than silently
+    cast (its imaginary part dropped: wrong eigenvalues), here and where the pool is submitted
+    to (asteria.lowlevel's WorkerPool, the runtime's ``pool_submit``)."""
     if not isinstance(a, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(a).__name__}")
     if a.is_complex() or not a.is_floating_point() or a.layout != torch.strided:
@@ -44,6 +45,11 @@ def _check_square(name: str, a: torch.Tensor) -> None:
             f"{name} must be a dense real floating-point matrix, got a {a.dtype} tensor "
             f"(layout {a.layout}): complex Hermitian matrices are not supported"
         )
+
+
+def _check_square(name: str, a: torch.Tensor) -> None:
+    """A real, dense, square matrix (``check_real``)."""
+    check_real(name, a)
     if a.dim() != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(a.shape)}")
 

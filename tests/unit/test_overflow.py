@@ -200,6 +200,24 @@ def test_the_pool_path_refuses_complex_factors():
         pool.shutdown()
 
 
+def test_the_public_pool_refuses_complex_factors():
+    """The same through asteria.lowlevel's WorkerPool (a non-square one fails its job, with a
+    ValueError naming block and version, as before)."""
+    from asteria.lowlevel import WorkerPool
+
+    pool = WorkerPool(workers=1)
+    try:
+        hermitian = torch.tensor([[2.0, 1j], [-1j, 2.0]], dtype=torch.complex64)
+        with pytest.raises(ValueError, match="block 'h' \\(version 4\\).*complex"):
+            pool.submit_eigh("h", hermitian, version=4)
+        with pytest.raises(ValueError, match="complex"):
+            pool.submit_inverse_root("h", hermitian, 2)
+        with pytest.raises(ValueError, match="complex"):
+            pool.submit_qr_refresh("h", torch.eye(2), hermitian)
+    finally:
+        pool.shutdown()
+
+
 def test_closed_objects_raise_their_own_closed_error(tmp_path):
     store = SpillStore(str(tmp_path), capacity_bytes=1 << 20)
     store.put("a", torch.ones(3)).result()
