@@ -38,26 +38,14 @@ class OneSidedSOAP(KroneckerOptimizer):
     install_reads_bases = True  # install_refresh rotates m by Q_old^T Q_new
     refresh_precedes_update = False  # a refresh of step t is used from step t + 1, as SOAP's
 
-    def __init__(
-        self,
-        params,
-        lr: float = 3e-3,
-        betas=(0.95, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        precondition_frequency: int = 10,
-        max_preconditioner_dim: int = 4096,
-        refresh_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency,
-            max_preconditioner_dim=max_preconditioner_dim,
-            refresh_dtype=refresh_dtype,
-        )
+    def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.01, precondition_frequency: int = 10,
+                 max_preconditioner_dim: int = 4096,
+                 refresh_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        precondition_frequency=precondition_frequency,
+                        max_preconditioner_dim=max_preconditioner_dim,
+                        refresh_dtype=refresh_dtype)  # fmt: skip
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
