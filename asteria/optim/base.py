@@ -181,8 +181,9 @@ class KroneckerOptimizer(Optimizer):
         self._nonfinite_warned = False
         self._overflow_warned = False
         #: Per parameter (by identity), an upper bound on the largest entry of the statistics
-        #: it sums rather than averages (Note [Overflowing gradients]); filled when first needed.
-        self._summed_bounds: dict[int, float] = {}
+        #: it sums rather than averages, and (under ``("limit", id)``) the static part of its
+        #: gradient limit (Note [Overflowing gradients]); filled when first needed.
+        self._summed_bounds: dict[Any, Any] = {}
         #: A runtime's refreshes in flight from a loaded checkpoint, kept for the runtime that
         #: attaches next (Note [Runtime state in the optimizer's checkpoint]).
         self._resumed_refreshes: dict[str, Any] | None = None
@@ -702,12 +703,22 @@ class KroneckerOptimizer(Optimizer):
         """The largest gradient 2-norm whose update keeps every statistic of ``p`` finite
         (Note [Overflowing gradients]): averages (EMAs) stay finite while each new term does,
         and a term is at most ``gain * ||g||^2``; statistics that are sums need room for it."""
-        big = _float_max(state_dtype(p)) / _OVERFLOW_MARGIN
+        key = (p.dtype, p.shape, self._gain_options(group))
+        cached = self._summed_bounds.get(("limit", id(p)))
+        if cached is None or cached[0] != key:  # computed once per parameter and options
+            big = _float_max(state_dtype(p)) / _OVERFLOW_MARGIN
+            cached = (key, big, self._statistics_gain(p, group))
+            self._summed_bounds[("limit", id(p))] = cached
+        _, big, gain = cached
         if self._sums_statistics(group):
             summed = self._summed_bound(p, group)
             if math.isfinite(summed):  # (a loaded non-finite sum fails its refreshes instead)
                 big -= summed
-        return math.sqrt(max(big, 0.0) / self._statistics_gain(p, group))
+        return math.sqrt(max(big, 0.0) / gain)
+
+    def _gain_options(self, group: dict[str, Any]) -> Any:
+        """The group options ``_statistics_gain`` depends on (with the parameter's shape)."""
+        return None
 
     def _statistics_gain(self, p: torch.Tensor, group: dict[str, Any]) -> float:
         """How much larger than ``||g||^2`` a statistic's new term may be (KL-Shampoo whitens the
@@ -737,7 +748,9 @@ class KroneckerOptimizer(Optimizer):
         each entry of its summed statistics."""
         if self.skip_nonfinite_grads and self._sums_statistics(group):
             bound = self._summed_bound(p, group)
-            self._summed_bounds[id(p)] = bound + self._statistics_gain(p, group) * norm * norm
+            cached = self._summed_bounds.get(("limit", id(p)))
+            gain = cached[2] if cached is not None else self._statistics_gain(p, group)
+            self._summed_bounds[id(p)] = bound + gain * norm * norm
 
     def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
         sharded = hasattr(p.grad, "to_local")

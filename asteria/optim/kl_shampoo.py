@@ -125,6 +125,9 @@ class KLShampoo(KroneckerOptimizer):
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         return make_layout(p.shape, group["max_preconditioner_dim"], squeeze=True, factor_1d=False)
 
+    def _gain_options(self, group: dict[str, Any]) -> Any:
+        return (group["max_preconditioner_dim"], group["max_clamp_value"])
+
     def _statistics_gain(self, p: torch.Tensor, group: dict[str, Any]) -> float:
         """The factors and eigenvalue estimates see the gradient whitened along the other dims
         by ``lambda^{-1/2} <= clamp`` (Note [Overflowing gradients] in base.py)."""
