@@ -16,7 +16,11 @@ state in the optimizer's checkpoint] in asteria/optim/base.py). Under torch.dist
 state is this rank's and involves no collective: a replicated block's refresh in flight is
 saved with its results by its owner, and as "expected from rank ``r``" by the other replicas,
 with the job options the sync needs; after loading on the same ranks, the sync at its deadline
-proceeds as it would have (tests/distributed).
+proceeds as it would have (tests/distributed). ``load`` checks every refresh first (``check``:
+its block, a request step the budget can still install, its job options, results of the
+block's shapes) and changes nothing when one does not fit; an optimizer's ``load_state_dict``
+runs the same check on its ``"asteria_runtime"`` part against the state it is about to load
+(Note [Transactional loads] in asteria/optim/base.py; tests/unit/test_transactional_loads.py).
 
 Must not: install, submit or decide anything (the schedule and the refreshes take the restored
 refreshes from there as from any others).
