@@ -67,6 +67,7 @@ from asteria.optim.checks import (
     check_shampoo_beta,
     gradient_verdicts,
 )
+from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.optim.refresher import (
     BlockEnd,
     BlockKey,
@@ -641,7 +642,7 @@ class KroneckerOptimizer(Optimizer):
                 work = local.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
             if not state or _is_placeholder(state):
                 state.clear()
-                self._init_param(pid, work, grad, group, state, layout)
+                self._first_step(pid, work, grad, group, state, layout)
             elif work is local:
                 batch.append(Update(pid, work, grad, state, layout))
                 continue
@@ -652,6 +653,19 @@ class KroneckerOptimizer(Optimizer):
         self._flush_updates(batch_group, batch)
         self._refresher.step_end()
         return loss
+
+    def _first_step(self, pid, p, grad, group, state, layout) -> None:
+        """``_init_param``; a matrix function that fails there (the first eigenbases) names the
+        parameter (Note [Overflowing gradients]: a step's own gradients cannot make it fail)."""
+        try:
+            self._init_param(pid, p, grad, group, state, layout)
+        except MatrixFunctionError as err:
+            state.clear()  # the parameter stays without state: its next step starts again
+            name = self.param_names.get(pid, f"param{pid}")
+            raise MatrixFunctionError(
+                f"{type(self).__name__}: the first eigenbases of parameter '{name}' (index "
+                f"{pid}, shape {tuple(p.shape)}) failed: {err}"
+            ) from err
 
     def _flush_updates(self, group: dict[str, Any] | None, batch: list[Update]) -> None:
         if batch:

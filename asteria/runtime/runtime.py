@@ -457,6 +457,8 @@ class Runtime:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore the refreshes in flight of :meth:`state_dict`, after the optimizer's own
         ``load_state_dict`` (Note [Checkpoints with work in flight] in state.py)."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed: load into the runtime attached now")
         self.sync()
         with self._lock:
             self._finish_interrupted_step()

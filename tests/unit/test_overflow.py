@@ -239,3 +239,24 @@ def test_closed_objects_raise_their_own_closed_error(tmp_path):
         rt.step_begin()
     with pytest.raises(ValueError, match="closed|bound"):
         opt.attach_refresher(rt)
+    with pytest.raises(RuntimeError, match="is closed"):
+        rt.load_state_dict({"format": 1, "pending": []})
+
+
+@pytest.mark.parametrize("name", ["soap", "kl_shampoo"])
+def test_a_failed_first_eigenbasis_names_the_parameter(name, monkeypatch):
+    import asteria.optim.kl_shampoo as kl_module
+    import asteria.optim.soap as soap_module
+
+    def failing(factor, dtype):
+        raise mf.MatrixFunctionError("eigh: injected")
+
+    module = soap_module if name == "soap" else kl_module
+    monkeypatch.setattr(module.mf, "eigh_descending", failing)
+    net = model()
+    opt = two_groups(net, name)
+    with pytest.raises(mf.MatrixFunctionError, match=r"parameter 'param0' .*injected"):
+        train(net, opt, 1)
+    monkeypatch.undo()
+    train(net, opt, 2)  # the parameter starts again at its next step
+    assert opt.state[net[0].weight]["step"] >= 1
