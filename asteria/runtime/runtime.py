@@ -222,6 +222,7 @@ class Runtime:
                     self._lane.wait_all(reported_too=False)
                 if install_pending:
                     self._finish_interrupted_step()
+                    self._refreshes.timed_out = False  # close() waits as a barrier does
                     self._refreshes.install_in_flight()
             finally:
                 self.optimizer.detach_refresher()
@@ -452,6 +453,7 @@ class Runtime:
         self.sync()
         with self._lock:
             self._finish_interrupted_step()
+            self._refreshes.timed_out = False  # the save waits as a barrier does
             return state.save(self._refreshes)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
