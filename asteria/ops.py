@@ -12,7 +12,8 @@ Note [Custom op schemas]: a custom op returns tensors only, so ``qr_refresh``'s 
 kernels make outputs of the shapes, dtypes, strides and device the real kernels return (compiled
 code asserts the strides: eigenvectors and Q come column-major from LAPACK), and refuse the same
 arguments with the same errors as far as they can be told from shapes and values known at trace
-time (a non-square factor, a basis of another shape, ``root`` or ``epsilon`` not positive);
+time (a factor that is not a real square matrix, a basis of another shape, ``root`` or
+``epsilon`` not positive);
 non-finite entries are found by the real kernel only. The ops have no autograd formula: they are
 refreshes of optimizer state, which runs under ``torch.no_grad``.
 
@@ -38,13 +39,13 @@ def _column_major(like: torch.Tensor, n, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_qr_args(factor: torch.Tensor, basis: torch.Tensor) -> None:
-    mf._check_square("factor", factor)
+    mf.check_matrix("factor", factor)
     if basis.shape != factor.shape:
         raise ValueError(f"basis shape {tuple(basis.shape)} != factor shape {tuple(factor.shape)}")
 
 
 def _check_root_args(factor: torch.Tensor, root: float, epsilon: float) -> None:
-    mf._check_square("factor", factor)
+    mf.check_matrix("factor", factor)
     if root <= 0:
         raise ValueError(f"root must be > 0, got {root}")
     if epsilon <= 0:
@@ -61,7 +62,7 @@ def _eigh_descending_op(
 
 @_eigh_descending_op.register_fake
 def _eigh_descending_fake(factor: torch.Tensor, dtype: torch.dtype):
-    mf._check_square("factor", factor)
+    mf.check_matrix("factor", factor)
     n = factor.shape[0]
     return factor.new_empty((n,), dtype=dtype), _column_major(factor, n, dtype)
 
