@@ -35,6 +35,9 @@ from asteria.memory.host import StagingRing, StagingSlot
 
 __all__ = ["Snapshot", "snapshot"]
 
+#: How often ``Snapshot.wait`` polls a released snapshot's copy (no fence left to block on).
+_POLL_S = 0.0005
+
 
 class Snapshot:
     """Host copies of tensors in flight on a copy stream (``snapshot()`` makes one).
@@ -60,17 +63,23 @@ class Snapshot:
         return bool(self._done.query())
 
     def wait(self, timeout: float | None = None) -> tuple[torch.Tensor, ...]:
-        """Wait (GIL released) for the copies and return ``tensors``; ``WaitTimeoutError`` (a
-        ``TimeoutError``) after ``timeout`` seconds."""
-        end = None if timeout is None else time.monotonic() + timeout
+        """Wait for the copies and return ``tensors``: with ``timeout`` None until they landed
+        (the copy stream's event), else for up to ``timeout`` seconds (GIL released on the slots'
+        fences while they are leased), then ``WaitTimeoutError`` (a ``TimeoutError``). The CPU
+        stand-in cannot wait for a copy queued behind an event not complete: RuntimeError."""
+        if timeout is None:
+            self._done.synchronize()
+            return self.tensors
+        end = time.monotonic() + timeout
         for lease in self._leases:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            if not lease.released and not lease.wait(left):
-                break
-        if not self._done.query():
-            raise _C.WaitTimeoutError(
-                f"snapshot: {len(self.tensors)} copies not landed after {timeout} s"
-            )
+            if not lease.released:
+                lease.wait(max(0.0, end - time.monotonic()))
+        while not self._done.query():
+            if time.monotonic() >= end:
+                raise _C.WaitTimeoutError(
+                    f"snapshot: {len(self.tensors)} copies not landed after {timeout} s"
+                )
+            time.sleep(_POLL_S)
         return self.tensors
 
     def fence(self) -> None:

@@ -12,7 +12,8 @@ runtime attaches (``attach.choose_snapshots``) from where the parameters live:
 * ``StagedSnapshots`` (device parameters): an asynchronous copy into a slot of the pinned
   staging ring (``asteria.memory.StagingRing``) on the low-priority copy stream
   (``asteria.memory.copies``, the one the bases window uses too), submitted once it has landed
-  (Note [Staged snapshots]).
+  (Note [Staged snapshots]); the copies and their fences are ``asteria.memory.staging.snapshot``,
+  the staging path ``asteria.lowlevel`` offers too.
 
 A strategy turns a job into a *ticket* (``take``); ``ready(ticket)`` says whether the snapshot
 can be submitted without waiting, and ``finish(ticket)`` waits for it and returns either the
@@ -49,6 +50,7 @@ import torch
 from asteria._ext import load_extension
 from asteria.memory.copies import Copies
 from asteria.memory.host import StagingRing
+from asteria.memory.staging import Snapshot, snapshot
 from asteria.optim.base import RefreshJob
 from asteria.optim.matrix_functions import check_matrix
 from asteria.runtime.lane import StatisticsLane
@@ -193,53 +195,45 @@ class StagedSnapshots(Snapshots):
     def __init__(self, copies: Copies, ring: StagingRing | None) -> None:
         self._copies = copies
         self._ring = ring
-        self._issued: list[Any] = []  # this step's copies (``step_begin`` of the next)
+        self._issued: list[Snapshot] = []  # this step's copies (``step_begin`` of the next)
         self.staged = 0
         self.unstaged = 0
         self._timeout = load_extension().WaitTimeoutError
 
     def take(self, key, dim, name, version, deadline, job, keep):
         srcs = [t for t in (job.factor, job.basis) if t is not None]
-        leases = self._leases(srcs)
-        if leases is None:
+        snap = self._snapshot(srcs)
+        if snap is None:
             self.unstaged += len(srcs)
             return _Staged(None, job.factor, job.basis)
-        ready = self._copies.record()  # after every kernel that wrote them
-        dsts = [lease.view(t.shape, t.dtype) for lease, t in zip(leases, srcs)]
-        done = self._copies.copy(dsts, srcs, [ready])
-        for lease in leases:
-            lease.record(self._copies.stream)  # the slot's fence: the copy's completion
-            lease.release()  # free again once the copy is done and ``dsts`` are gone
-        self._issued.append(done)
+        snap.release()  # the slots are free again once the copies landed and the views are gone
+        self._issued.append(snap)
         self.staged += len(srcs)
-        return _Staged(done, dsts[0], dsts[1] if len(dsts) > 1 else None)
+        dsts = snap.tensors
+        return _Staged(snap, dsts[0], dsts[1] if len(dsts) > 1 else None)
 
-    def _leases(self, srcs: list[torch.Tensor]) -> list[Any] | None:
-        """A free slot for each tensor, or None (then none is held)."""
+    def _snapshot(self, srcs: list[torch.Tensor]) -> Snapshot | None:
+        """The copies of ``srcs`` into free slots (``asteria.memory.staging``, Note [Snapshot
+        fences]), or None when a tensor has no slot (then none is held)."""
         ring = self._ring
         if ring is None or any(t.nbytes > ring.slot_bytes for t in srcs):
             return None
-        leases: list[Any] = []
         try:
-            for _ in srcs:
-                leases.append(ring.acquire(timeout=0.0))
+            return snapshot(srcs, ring, self._copies, timeout=0.0)
         except self._timeout:
-            for lease in leases:
-                lease.release()
             return None
-        return leases
 
     def ready(self, ticket: Any) -> bool:
-        return ticket.done is None or ticket.done.query()
+        return ticket.snap is None or ticket.snap.ready()
 
     def finish(self, ticket: Any) -> Finished:
-        if ticket.done is not None:
-            ticket.done.synchronize()  # (done already unless waited for)
+        if ticket.snap is not None:
+            ticket.snap.wait()  # (landed already unless waited for)
         return None, ticket.factor, ticket.basis
 
     def step_begin(self) -> None:
-        for done in self._issued:
-            self._copies.wait(done)  # on the device: no copy reads what this step writes
+        for snap in self._issued:
+            snap.fence()  # on the device: no copy reads what this step writes
         self._issued.clear()
 
     def staging_bytes(self) -> int:
@@ -260,8 +254,8 @@ class StagedSnapshots(Snapshots):
 
 
 class _Staged(NamedTuple):
-    """A snapshot in flight: the copy's event (None: not staged) and the host tensors."""
+    """A snapshot in flight (None: not staged) and the host tensors to submit."""
 
-    done: Any
+    snap: Snapshot | None
     factor: torch.Tensor | None
     basis: torch.Tensor | None

@@ -329,6 +329,22 @@ def test_snapshot_copies_wait_for_the_main_stream():
     snap.release()
 
 
+def test_a_released_snapshot_still_waits_for_its_copies():
+    """``release`` gives the slots back early (the runtime releases at once); ``wait`` then
+    waits on the copy itself: a timeout while it is queued, the tensors once it ran."""
+    copies = HostCopies(auto_complete=False)
+    ring = ll.StagingRing(slots=1, slot_bytes=4096)
+    snap = ll.snapshot([torch.arange(3.0)], ring, copies, timeout=1)
+    snap.release()
+    with pytest.raises(ll.WaitTimeoutError, match="not landed"):
+        snap.wait(timeout=0.01)
+    with pytest.raises(RuntimeError, match="never completes"):
+        snap.wait()  # the stand-in cannot block on a copy that cannot run
+    copies.log[0][1].complete()
+    copies.run()
+    assert torch.equal(snap.wait(timeout=1)[0], torch.arange(3.0)) and snap.wait()[0][2] == 2.0
+
+
 def test_copy_stream_refuses_other_devices():
     with pytest.raises(ValueError, match="'cuda' or 'cpu'"):
         ll.copy_stream("meta")
