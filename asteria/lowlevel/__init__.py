@@ -48,7 +48,13 @@ from asteria.memory.host import (
     host_tensor_info,
     is_host_tensor,
 )
-from asteria.memory.nvme import SpillChecksumError, SpillFuture, SpillIOError, SpillStore
+from asteria.memory.nvme import (
+    SpillChecksumError,
+    SpillClosedError,
+    SpillFuture,
+    SpillIOError,
+    SpillStore,
+)
 from asteria.memory.staging import Snapshot, snapshot
 from asteria.ops import eigh_descending, inverse_root, qr_refresh
 
@@ -64,6 +70,7 @@ __all__ = [
     "RefreshFuture",
     "Snapshot",
     "SpillChecksumError",
+    "SpillClosedError",
     "SpillFuture",
     "SpillIOError",
     "SpillStore",
