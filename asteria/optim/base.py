@@ -149,6 +149,10 @@ class KroneckerOptimizer(Optimizer):
 
     #: Hyperparameters every group must carry and that ``_validate_group`` checks.
     _common_keys = ("lr", "betas", "eps", "weight_decay", "precondition_frequency")
+    #: Group options a subclass added after its first version: a loaded group without one takes
+    #: the optimizer's default (a state_dict saved before it existed); every other option
+    #: missing is refused (Note [Transactional loads]).
+    options_added_later: tuple[str, ...] = ()
     #: The block-state field that holds the refresh results in use (bases or inverse roots).
     bases_field = "bases"
     #: Whether the update reads a block's bases only through ``Refresher.bases`` (then a
@@ -492,6 +496,9 @@ class KroneckerOptimizer(Optimizer):
         """A loaded group carries every option of this class, each valid (the checks of the
         constructor's arguments), and ``param_names`` that fit its parameters."""
         name = type(self).__name__
+        for key in self.options_added_later:  # a state_dict saved before they existed
+            if key not in group and key in self.defaults:
+                group[key] = self.defaults[key]
         missing = [k for k in self.defaults if k not in group]
         if missing:
             raise ValueError(
@@ -959,7 +966,8 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 # first entry that does not fit and what was expected, and leaves the optimizer (and a runtime
 # attached to it) exactly as it was. Everything is checked before anything changes
 # (``_loaded_state``): the dict's form; the number of groups and of parameters; every group
-# option this class keeps (a missing one means another optimizer class's state_dict) and its
+# option this class keeps (a missing one means another optimizer class's state_dict, unless
+# the class added it later, ``options_added_later``: an older state_dict takes its default) and its
 # type and range (the constructor's own checks, ``_validate_group``); ``param_names``; every
 # parameter's state against its ``_state_template`` under the loaded options: each key, tensor
 # shape, floating-point dtype, an integer ``step``, and nothing more (state_format.py); with a
