@@ -290,3 +290,19 @@ def test_a_corrupted_state_dict_is_refused_and_changes_nothing(name, runtime, st
         rt.close()
         assert rt.stats()["basis_age"]["within_bound"]
         assert threads_back_to(baseline)
+
+
+def test_an_option_added_later_takes_its_default_in_an_older_state_dict():
+    class Later(OPTIMIZERS["soap"]):
+        options_added_later = ("normalize_grads",)
+
+    net = model()
+    opt = Later(net.parameters(), normalize_grads=True)
+    train(net, opt, 2)
+    older = copy.deepcopy(opt.state_dict())
+    del older["param_groups"][0]["normalize_grads"]  # saved before the option existed
+    opt.load_state_dict(older)
+    assert opt.param_groups[0]["normalize_grads"] is True  # this optimizer's default
+    del older["param_groups"][0]["eps"]  # any other option missing is refused
+    with pytest.raises(ValueError, match=r"has no \['eps'\]"):
+        opt.load_state_dict(older)
