@@ -606,6 +606,7 @@ class RefShampoo:
         merge_dims: bool = True,
         refresh_dtype: torch.dtype = torch.float32,
         max_consecutive_failures: int = 3,
+        rel_epsilon: float = 0.0,
     ):
         if grafting not in self.GRAFTINGS:
             raise ValueError(f"grafting must be one of {self.GRAFTINGS}, got {grafting!r}")
@@ -626,6 +627,7 @@ class RefShampoo:
         self.merge_dims = merge_dims
         self.refresh_dtype = refresh_dtype
         self.max_consecutive_failures = max_consecutive_failures
+        self.rel_epsilon = rel_epsilon
         self.state = [self._new_state(p) for p in self.params]
 
     def _new_state(self, p: Tensor) -> _ShampooParamState:
@@ -661,11 +663,13 @@ class RefShampoo:
         try:
             for L in block.factors:
                 A = L / bias_correction
+                # Meta's rel_epsilon: relative to the largest absolute row sum of the factor
+                eps = max(self.epsilon, self.rel_epsilon * float(A.abs().sum(1).max()))
                 try:
                     lam, q = torch.linalg.eigh(A.to(rd))
                 except RuntimeError:
                     lam, q = torch.linalg.eigh(A.to(torch.float64))
-                powered = (lam.clamp(min=0.0) + self.epsilon) ** (-1.0 / (2 * order))
+                powered = (lam.clamp(min=0.0) + eps) ** (-1.0 / (2 * order))
                 new.append((q @ torch.diag(powered) @ q.T).to(L.dtype))
         except RuntimeError:
             block.failures += 1

@@ -153,7 +153,9 @@ class QRRefresh(RefreshJob):
 
 @dataclass
 class RootRefresh(RefreshJob):
-    """``factor^{-1/root}`` with ``epsilon`` added to its eigenvalues; the result is a matrix."""
+    """``factor^{-1/root}`` with ``max(epsilon, rel_epsilon * ||factor||_inf)`` added to its
+    eigenvalues (Meta's ``rel_epsilon``: the infinity norm bounds the largest eigenvalue);
+    the result is a matrix."""
 
     kind: ClassVar[str] = "root"
     basis: ClassVar[None] = None  # a root starts from the factor alone
@@ -161,26 +163,39 @@ class RootRefresh(RefreshJob):
     root: float = 0.0
     epsilon: float = 0.0
     dtype: torch.dtype = torch.float32
+    rel_epsilon: float = 0.0
+
+    def damping(self, factor: torch.Tensor) -> float:
+        """The epsilon added to ``factor``'s eigenvalues: ``epsilon``, or the relative one where
+        it is larger. Read from the factor the job computes from (the runtime's snapshot), so
+        native and orchestrated roots of the same factor agree bit for bit."""
+        if self.rel_epsilon == 0.0:
+            return self.epsilon
+        bound = float(torch.linalg.matrix_norm(factor.double(), ord=float("inf")))
+        return max(self.epsilon, self.rel_epsilon * bound)  # (a NaN bound: the factor's error)
 
     def run(self) -> Any:
-        return mf.inverse_root(self.factor, self.root, self.epsilon, dtype=self.dtype)
+        epsilon = self.damping(self.factor)
+        return mf.inverse_root(self.factor, self.root, epsilon, dtype=self.dtype)
 
     def submit(self, pool, name, version, deadline, factor, basis):
         return pool.submit_inverse_root(
-            name, version, deadline, factor, self.root, self.epsilon, self.dtype
+            name, version, deadline, factor, self.root, self.damping(factor), self.dtype
         )
 
     def without_tensors(self) -> RefreshJob:
         return replace(self, factor=None)
 
     def options(self) -> dict[str, Any]:
-        return {"kind": self.kind, "sort": False, "root": self.root, "epsilon": self.epsilon,
-                "dtype": _dtype_name(self.dtype)}  # fmt: skip
+        o = {"kind": self.kind, "sort": False, "root": self.root, "epsilon": self.epsilon,
+             "dtype": _dtype_name(self.dtype)}  # fmt: skip
+        return o | ({"rel_epsilon": self.rel_epsilon} if self.rel_epsilon else {})
 
     @classmethod
     def from_plain(cls, o: dict[str, Any]) -> RootRefresh:
         return cls(None, root=float(o["root"]), epsilon=float(o["epsilon"]),
-                   dtype=getattr(torch, o["dtype"]))  # fmt: skip
+                   dtype=getattr(torch, o["dtype"]),
+                   rel_epsilon=float(o.get("rel_epsilon", 0.0)))  # fmt: skip
 
 
 #: Checkpoint names of the job kinds (``RefreshJob.from_options``).

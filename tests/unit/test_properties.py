@@ -53,6 +53,7 @@ def _options(draw, name: str) -> dict:
         )
     if name == "shampoo":
         kw.update(epsilon=1e-6, grafting=draw(st.sampled_from(["adam", "rmsprop", "sgd"])))
+        kw.update(rel_epsilon=draw(st.sampled_from([0.0, 1e-4, 1e-2])))
     return kw
 
 
@@ -130,6 +131,7 @@ def test_shampoo_blocking_matches_the_reference(sm, data):
     kw = dict(
         lr=1e-2,
         epsilon=1e-6,
+        rel_epsilon=data.draw(st.sampled_from([0.0, 1e-4, 1e-2])),
         grafting=grafting,
         precondition_frequency=2,
         max_preconditioner_dim=max_dim,
