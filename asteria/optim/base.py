@@ -3,39 +3,15 @@
 Owns: what SOAP, KL-Shampoo and Shampoo share: validation of the familiar arguments, the step
 skeleton (closure, parameters without gradients, sparse/complex rejection, fp32 state for
 low-precision parameters, skipping non-finite gradients, DTensor parameters through their local
-shards: Note [Local shards] at ``local_tensor``), per-parameter layouts (``blocking.py``), the
+shards: Note [Local shards] in tensors.py), per-parameter layouts (``blocking.py``), the
 Adam fallback for parameters that are not preconditioned, and an exact ``state_dict`` round trip
 in a form that ``torch.distributed.checkpoint``'s state-dict API takes (Note [State-initialisation
 probe] here; Notes [Flat optimizer state] and [Sharded state and torch's state-dict API] in
 state_format.py). The refresher seam (``Refresher``, ``NativeRefresher``, ``RefreshJob``) is in
 refresher.py and the input checks in checks.py; both are re-exported here.
 
-Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
-fused reduction per gradient (its 2-norm; when that is not finite, its inf-norm, a max of absolute
-values, so that large finite values cannot overflow into a false alarm) and one host sync per
-device. A parameter whose gradient has a NaN or an Inf is skipped for that step as a whole: its
-step count, factors, moments, pending refreshes and the parameter itself stay exactly as they were
-(the algorithms' math runs per parameter, so a per-block skip would leave the parameter
-half-updated). Other parameters update as usual, with arithmetic identical to a step without the
-check. Skips are counted in ``nonfinite_grads`` (``Runtime.stats()["nonfinite_grads"]``) and the
-first one warns (``RuntimeWarning`` naming the parameter). ``skip_nonfinite_grads = False`` turns
-the check off.
-
-Note [Overflowing gradients]: a gradient can be finite and still make the optimizer's statistics
-inf (a gradient of 1e30 squares to 1e60, past float32's 3.4e38), and an inf factor or moment
-then fails every refresh, or stops the parameter, far from the step that caused it. So the same
-check skips, counts (``nonfinite_grads``) and warns about (once, with the parameter's name and the
-2-norm) a gradient whose 2-norm is above the limit its update allows (``_gradient_limit``, from
-the 2-norms the check computes anyway: no extra reduction or sync): every new statistic term is
-at most ``gain * ||g||^2`` (an entry of ``G G^T`` or ``g^2``; KL-Shampoo's whitening by
-``lambda^{-1/2} <= clamp`` along the other dims is its ``gain``), an average (EMA) of finite
-terms stays finite, and a sum (Shampoo's factors at ``betas[1] == 1``, Adagrad grafting) needs
-room for it: a host-side bound on its largest entry, taken from the state once and raised by
-each accepted term. The limit keeps a margin of 4 below the dtype's largest value. Nothing
-non-finite then reaches a matrix function from a step; one that still fails (a checkpoint's inf
-factor) is a counted refresh failure, whose error names the parameter's block.
-tests/unit/test_overflow.py has the cases of issue 22 (1e30 gradients, sums creeping up to
-float32's limit) for every optimizer, natively and with a runtime.
+The gradient checks before any update (Notes [Non-finite gradients] and [Overflowing
+gradients]) are in overflow.py, and the state_dict, load_state_dict and pickling in state_io.py.
 
 Must not: hold any algorithm's math (that is each subclass's file) or know about the runtime that
 may later take refreshes off the critical path. Subclasses implement ``_layout``, ``_init_param``
@@ -45,22 +21,14 @@ whether a step refreshes a block.
 
 from __future__ import annotations
 
-import copy
-import functools
-import math
-import sys
-import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
 
-from asteria.optim import state_format
 from asteria.optim.blocking import ParamLayout
 from asteria.optim.checks import (
-    OVERFLOW,
     check_betas,
     check_lr,
     check_range,
@@ -68,6 +36,7 @@ from asteria.optim.checks import (
     gradient_verdicts,
 )
 from asteria.optim.matrix_functions import MatrixFunctionError
+from asteria.optim.overflow import GradientChecks
 from asteria.optim.refresher import (
     BlockEnd,
     BlockKey,
@@ -78,6 +47,16 @@ from asteria.optim.refresher import (
     RootRefresh,
     Update,
 )
+from asteria.optim.state_io import RUNTIME_STATE_KEY, StateIO, _blocks_of
+from asteria.optim.tensors import (
+    PLACEHOLDER_STEP,
+    _halves,
+    _is_placeholder,
+    basis_zeros,
+    block_views,
+    local_tensor,
+    state_dtype,
+)
 
 __all__ = [
     "BlockEnd",
@@ -85,6 +64,7 @@ __all__ = [
     "KroneckerOptimizer",
     "NativeRefresher",
     "PLACEHOLDER_STEP",
+    "RUNTIME_STATE_KEY",
     "ParamsT",
     "QRRefresh",
     "RefreshJob",
@@ -139,12 +119,7 @@ def adamw_update(
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-def state_dtype(param: torch.Tensor) -> torch.dtype:
-    """Optimizer state is at least fp32: bf16/fp16 parameters get fp32 state."""
-    return torch.promote_types(param.dtype, torch.float32)
-
-
-class KroneckerOptimizer(Optimizer):
+class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
     """Shared skeleton of the Kronecker-factored optimizers (see module docstring)."""
 
     #: Hyperparameters every group must carry and that ``_validate_group`` checks.
@@ -247,31 +222,6 @@ class KroneckerOptimizer(Optimizer):
 
     # -- torch.optim conventions ---------------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        """What a copy or a pickle keeps (Note [torch.optim conventions]): the groups, the
-        state, the defaults and every other attribute (``skip_nonfinite_grads``,
-        ``nonfinite_grads``, ``param_names``, ...), after any deferred statistics update has
-        run; a runtime's refreshes in flight go along as a loaded checkpoint's would, for the
-        runtime the copy attaches. Not kept, as in torch: the hooks; not kept either: the
-        refresher (a copy steps natively) and the layouts (cached by parameter identity)."""
-        self._refresher.sync()
-        state = {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
-        if not isinstance(self._refresher, NativeRefresher):
-            state["_resumed_refreshes"] = _refresher_state(self._refresher)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        had_differentiable = "differentiable" in state.get("defaults", {})
-        super().__setstate__(state)  # torch's: empty hooks, the step's profiling wrapper
-        if not had_differentiable:
-            self.defaults.pop("differentiable", None)  # torch's default of an option not ours
-        for name, value in _ATTRIBUTE_DEFAULTS.items():  # pickled by an earlier version
-            if name not in self.__dict__:
-                setattr(self, name, copy.copy(value))
-        self._layouts = {}
-        self._summed_bounds = {}
-        self._refresher = NativeRefresher(self)
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyperparameters (given or inherited) are validated first. Its
         ``params`` are tensors or ``(name, tensor)`` pairs (``model.named_parameters()``), all
@@ -332,44 +282,6 @@ class KroneckerOptimizer(Optimizer):
                 f"got {group['refresh_dtype']}"
             )
 
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim``'s ``state_dict``, after any deferred statistics update has run, in the
-        flat form of Note [Flat optimizer state] (state_format.py): each parameter's state is one
-        dict of dotted keys (``"blocks.0.bases.1"``) to tensors and numbers, and
-        ``refresh_dtype`` is a name. The hooks run as torch runs them (Note [torch.optim
-        conventions]): the pre-hooks first, the post-hooks last, on the whole dict."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        self._refresher.sync()
-        state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
-        # Parameters are saved by their position in the groups, a repeated one by its first.
-        index: dict[int, int] = {}
-        groups = []
-        position = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                index.setdefault(id(p), position)
-                position += 1
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = [index[id(p)] for p in group["params"]]
-            groups.append(state_format.portable_group(packed))
-        state: dict[Any, Any] = {}
-        for key, value in self.state.items():
-            if isinstance(key, torch.Tensor):
-                state[index[id(key)]] = state_format.flat_state(value, self.bases_field)
-            else:  # what a hook or a caller keeps beside the parameters' state, as it is
-                state[key] = value
-        out: dict[str, Any] = {"state": state, "param_groups": groups}
-        # Note [Runtime state in the optimizer's checkpoint]
-        in_flight = _refresher_state(self._refresher)
-        if in_flight is not None:
-            out[RUNTIME_STATE_KEY] = in_flight
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, out)
-            if result is not None:
-                out = result
-        return out
-
     @torch.compiler.disable  # as torch.optim's own (Note [torch.compile])
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim``'s ``zero_grad``; zeroing in place first lets deferred statistics
@@ -377,198 +289,6 @@ class KroneckerOptimizer(Optimizer):
         if not set_to_none:
             self._refresher.sync()
         super().zero_grad(set_to_none=set_to_none)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict``, keeping every state tensor's saved dtype and layout.
-
-        Takes the flat form :meth:`state_dict` writes, the same nested in dicts (as
-        ``set_optimizer_state_dict`` unflattens it), and the nested form (lists of blocks) of
-        earlier versions (Note [Flat optimizer state] in state_format.py).
-        ``torch.optim.Optimizer.load_state_dict`` would cast floating-point state to the
-        parameter's dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so the saved
-        tensors are restored as they are (copies, moved to the parameter's device). Everything
-        else is torch's (Note [torch.optim conventions]): the pre-hooks see the dict as given
-        and may return another, the groups take the saved options (and ``param_names``, kept
-        from the live groups where the saved ones have none), entries of ``state`` that are not
-        a parameter's are kept as they are, and the post-hooks run once all is restored.
-        """
-        if not isinstance(state_dict, dict):
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict takes a dict (an optimizer's "
-                f"state_dict()), got {type(state_dict).__name__}"
-            )
-        state_dict = state_dict.copy()  # shallow, as torch: a pre-hook may replace entries
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._refresher.sync()
-        state_format.refuse_sharded_state_dict_api(self, sys._getframe(1))
-        # Note [Transactional loads]: everything is checked before anything changes
-        groups, state = self._loaded_state(state_dict)
-        in_flight = state_dict.get(RUNTIME_STATE_KEY)
-        native = isinstance(self._refresher, NativeRefresher)
-        if not native:
-            self._check_layouts_kept(groups)
-            if in_flight is not None:  # checked against the state about to be loaded
-                blocks = {k: (b, state[p]["step"]) for k, p, b, _ in _blocks_of(groups, state)}
-                self._refresher.check_state_dict(in_flight, blocks)
-        self.param_groups, self.state = groups, state
-        self._layouts.clear()  # layouts under the saved options were cached on the way
-        self._summed_bounds.clear()  # taken from the loaded state when next needed
-        first = 0
-        for group in self.param_groups:  # the loaded names, in messages too
-            for i, param_name in enumerate(group.get("param_names", ()), first):
-                self.param_names[i] = param_name
-            first += len(group["params"])
-        # what was in flight for the state just replaced no longer fits it
-        self._refresher.state_replaced()
-        self._resumed_refreshes = None
-        if in_flight is not None:
-            if native:
-                self._resumed_refreshes = in_flight  # for the runtime attached next
-            else:
-                self._refresher.load_state_dict(in_flight)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _loaded_state(self, state_dict: dict[str, Any]) -> tuple[list[dict], dict]:
-        """The param groups and state ``load_state_dict`` installs, made without changing
-        anything: a ``ValueError`` names the first entry that does not fit (Note
-        [Transactional loads])."""
-        where = f"{type(self).__name__}.load_state_dict"
-        for part, kind in (("param_groups", list), ("state", dict)):
-            if not isinstance(state_dict.get(part), kind):
-                got = type(state_dict.get(part)).__name__ if part in state_dict else "nothing"
-                raise ValueError(
-                    f"{where}: the state_dict's {part!r} must be a {kind.__name__}, got {got} "
-                    "(load what an optimizer's state_dict() returned)"
-                )
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        for i, g in enumerate(saved_groups):
-            if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
-                raise ValueError(f"{where}: param_groups[{i}] must be a dict with a 'params' list")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
-        ):
-            raise ValueError(
-                "loaded state dict contains a parameter group that doesn't match the size of "
-                "optimizer's group"
-            )
-        groups = []
-        for i, (live, group) in enumerate(zip(self.param_groups, saved_groups)):
-            group = {**state_format.group_from_portable(group), "params": live["params"]}
-            if "param_names" in live and "param_names" not in group:
-                group["param_names"] = live["param_names"]
-            self._check_loaded_group(i, group, where)
-            groups.append(group)
-        saved = copy.deepcopy(state_dict["state"])
-        # The saved groups' "params" lists name the parameters, in order: positions as this
-        # class saves them, or other keys (torch.distributed.checkpoint.state_dict's parameter
-        # names), mapped by position as torch.optim does.
-        owners = [(p, g) for g in groups for p in g["params"]]
-        keys = [k for g in saved_groups for k in g["params"]]
-        owner_of = dict(zip(keys, owners))
-        state: defaultdict[Any, Any] = defaultdict(dict)
-        for key, value in saved.items():
-            if key not in owner_of:
-                state[key] = value  # not a parameter's: kept as it is, as torch does
-                continue
-            param, group = owner_of[key]
-            if not isinstance(value, dict):
-                raise ValueError(
-                    f"{where}: the state of parameter {key!r} is {type(value).__name__}, "
-                    "a dict is needed"
-                )
-            if not value:
-                state[param] = {}
-                continue
-            if not any(isinstance(v, list) for v in value.values()):  # not the nested form
-                value = self._unflatten_state(key, value, param, group)
-            else:
-                value = self._checked_nested(key, value, param, group)
-            state[param] = _to_device(value, param.device)
-        return groups, state
-
-    def _check_loaded_group(self, i: int, group: dict[str, Any], where: str) -> None:
-        """A loaded group carries every option of this class, each valid (the checks of the
-        constructor's arguments), and ``param_names`` that fit its parameters."""
-        name = type(self).__name__
-        for key in self.options_added_later:  # a state_dict saved before they existed
-            if key not in group and key in self.defaults:
-                group[key] = self.defaults[key]
-        missing = [k for k in self.defaults if k not in group]
-        if missing:
-            raise ValueError(
-                f"{where}: param_groups[{i}] has no {missing}, which every {name} group "
-                "carries: load a state_dict of the same optimizer class"
-            )
-        try:
-            self._validate_group(group)
-        except (ValueError, TypeError, KeyError) as err:
-            raise ValueError(f"{where}: param_groups[{i}]: {err}") from None
-        names = group.get("param_names")
-        if names is not None and (
-            not isinstance(names, (list, tuple))
-            or len(names) != len(group["params"])
-            or not all(isinstance(n, str) for n in names)
-        ):
-            raise ValueError(
-                f"{where}: param_groups[{i}]['param_names'] must be {len(group['params'])} "
-                f"strings, one per parameter, got {names!r}"
-            )
-
-    def _check_layouts_kept(self, groups: list[dict[str, Any]]) -> None:
-        """With a runtime attached, a load must keep every parameter's blocks (the runtime's
-        placement, registry and bases were made for them at attach time)."""
-        for live, group in zip(self.param_groups, groups):
-            for p in live["params"]:
-                local = local_tensor(p)
-                if self._layout_key(local, live) != self._layout_key(local, group):
-                    raise ValueError(
-                        f"{type(self).__name__}.load_state_dict: the state_dict's options "
-                        "change how parameters are split into blocks, which a runtime "
-                        f"attached ({self._refresher!r}) planned for: close() it first, load, "
-                        "and attach a new one"
-                    )
-
-    def _checked_nested(
-        self, key: Any, value: dict[str, Any], param: torch.Tensor, group: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The nested form of earlier versions, checked against the placeholder's structure."""
-        where = f"{type(self).__name__}.load_state_dict: the state of parameter {key!r}"
-        template = self._placeholder(param, group, device=torch.device("meta"))
-        value = dict(value)
-        value["step"] = state_format.checked_step(value.get("step"), where)
-        template.pop("step")
-        state_format.check_nested(template, {k: v for k, v in value.items() if k != "step"},
-                                  "", where, self.bases_field)  # fmt: skip
-        return value
-
-    def _unflatten_state(
-        self, key: Any, flat: dict[str, Any], param: torch.Tensor, group: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The live state of ``param`` from its flat form (Note [Flat optimizer state]), shaped
-        by the placeholder of ``param`` under ``group`` (its structure only: meta tensors)."""
-        flat = state_format.dotted(flat)
-        where = f"{type(self).__name__}.load_state_dict: the state of parameter {key!r}"
-        template = self._placeholder(param, group, device=torch.device("meta"))
-        state = state_format.fill(template, flat, "", where)
-        state["step"] = state_format.checked_step(state["step"], where)
-        if flat:
-            raise ValueError(
-                f"{where} has entries {sorted(flat)} that this optimizer does not keep for it: "
-                "load a state_dict of the same optimizer class and options"
-            )
-        if not _is_placeholder(state):
-            for block in state.get("blocks", ()):
-                results = block[self.bases_field]
-                for i, q in enumerate(results):
-                    if q is not None and not bool(q.any()):
-                        results[i] = None  # zeros stand for a refresh not computed yet
-        return state
 
     def state_template(
         self, p: torch.Tensor, group: dict[str, Any], device: torch.device | str | None = None
@@ -688,105 +408,6 @@ class KroneckerOptimizer(Optimizer):
             if isinstance(k, torch.Tensor)
         )
 
-    def _check_grad_kind(self, grad: torch.Tensor) -> None:
-        if grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        if grad.is_complex():
-            raise RuntimeError(f"{type(self).__name__} does not support complex gradients")
-
-    def _skip_nonfinite(self, pid: int, p: torch.Tensor, verdict: str, norm: float) -> None:
-        """Count a skipped update (Notes [Non-finite gradients], [Overflowing gradients]); the
-        first of each kind warns."""
-        self.nonfinite_grads += 1
-        overflow = verdict == OVERFLOW
-        if self._overflow_warned if overflow else self._nonfinite_warned:
-            return
-        name = self.param_names.get(pid, f"param{pid}")
-        if overflow:
-            self._overflow_warned = True
-            what = (
-                f"is finite but so large (2-norm up to {norm:.3g}) that its update would "
-                f"overflow the optimizer's factors or moments ({state_dtype(p)})"
-            )
-        else:
-            self._nonfinite_warned = True
-            what = "has NaN or Inf values"
-        warnings.warn(
-            f"{type(self).__name__}: the gradient of parameter '{name}' (index {pid}, shape "
-            f"{tuple(p.shape)}) {what}; its update is skipped for this step "
-            "(factors, moments and the parameter are left unchanged). Later skips are counted "
-            "in optimizer.nonfinite_grads without a warning.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-    def _gradient_limit(self, p: torch.Tensor, group: dict[str, Any]) -> float:
-        """The largest gradient 2-norm whose update keeps every statistic of ``p`` finite
-        (Note [Overflowing gradients]): averages (EMAs) stay finite while each new term does,
-        and a term is at most ``gain * ||g||^2``; statistics that are sums need room for it."""
-        key = (p.dtype, p.shape, self._gain_options(group))
-        cached = self._summed_bounds.get(("limit", id(p)))
-        if cached is None or cached[0] != key:  # computed once per parameter and options
-            big = _float_max(state_dtype(p)) / _OVERFLOW_MARGIN
-            cached = (key, big, self._statistics_gain(p, group))
-            self._summed_bounds[("limit", id(p))] = cached
-        _, big, gain = cached
-        if self._sums_statistics(group):
-            summed = self._summed_bound(p, group)
-            if math.isfinite(summed):  # (a loaded non-finite sum fails its refreshes instead)
-                big -= summed
-        return math.sqrt(max(big, 0.0) / gain)
-
-    def _gain_options(self, group: dict[str, Any]) -> Any:
-        """The group options ``_statistics_gain`` depends on (with the parameter's shape)."""
-        return None
-
-    def _statistics_gain(self, p: torch.Tensor, group: dict[str, Any]) -> float:
-        """How much larger than ``||g||^2`` a statistic's new term may be (KL-Shampoo whitens the
-        gradient before its factors see it); 1 where each term is a product of two gradients."""
-        return 1.0
-
-    def _sums_statistics(self, group: dict[str, Any]) -> bool:
-        """Whether some statistic of ``group``'s parameters is a sum over steps (Shampoo's
-        factors with ``betas[1] == 1``, Adagrad grafting), not an average."""
-        return False
-
-    def _largest_summed(self, p: torch.Tensor, state: dict[str, Any], group: dict) -> float:
-        """The largest entry of ``p``'s summed statistics in ``state`` (a host sync)."""
-        return 0.0
-
-    def _summed_bound(self, p: torch.Tensor, group: dict[str, Any]) -> float:
-        bound = self._summed_bounds.get(id(p))
-        if bound is None:
-            state = self.state.get(p)
-            fresh = not state or _is_placeholder(state)
-            bound = 0.0 if fresh else self._largest_summed(p, state, group)
-            self._summed_bounds[id(p)] = bound
-        return bound
-
-    def _statistics_added(self, p: torch.Tensor, group: dict[str, Any], norm: float) -> None:
-        """A step of ``p`` with a gradient of 2-norm ``norm`` adds at most ``gain * norm^2`` to
-        each entry of its summed statistics."""
-        if self.skip_nonfinite_grads and self._sums_statistics(group):
-            bound = self._summed_bound(p, group)
-            cached = self._summed_bounds.get(("limit", id(p)))
-            gain = cached[2] if cached is not None else self._statistics_gain(p, group)
-            self._summed_bounds[id(p)] = bound + gain * norm * norm
-
-    def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
-        sharded = hasattr(p.grad, "to_local")
-        grad = local_tensor(p.grad)
-        self._check_grad_kind(grad)
-        dtype = state_dtype(p)
-        if grad.dtype != dtype or not grad.is_contiguous():
-            grad = grad.to(dtype=dtype, memory_format=torch.contiguous_format)
-        elif sharded and grad.data_ptr() % _ALIGNMENT:
-            # FSDP2's gradient shards are views at arbitrary offsets of its reduce buffer, and
-            # vectorized kernels may round differently on unaligned data: an aligned copy keeps
-            # the arithmetic that of a freshly allocated gradient (Note [Local shards]).
-            grad = grad.clone()
-        return grad
-
     def layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         """The (cached) block layout of ``p`` under ``group``'s options: that of its local shard
         when ``p`` is a DTensor (Note [Local shards])."""
@@ -880,46 +501,6 @@ class KroneckerOptimizer(Optimizer):
         return t > 0 and t % group["precondition_frequency"] == 0
 
 
-#: Statistics are kept this far below the dtype's largest value: their EMAs and sums add two
-#: terms that are each below it (Note [Overflowing gradients]).
-_OVERFLOW_MARGIN = 4.0
-
-
-@functools.cache
-def _float_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
-
-
-#: The key of a runtime's refreshes in flight in ``KroneckerOptimizer.state_dict()``.
-RUNTIME_STATE_KEY = "asteria_runtime"
-
-#: What ``__getstate__`` leaves out: torch's hooks (as torch does), the refresher, the layouts.
-_NOT_COPIED = frozenset(
-    {
-        "_refresher",
-        "_layouts",
-        "_summed_bounds",
-        "_optimizer_step_pre_hooks",
-        "_optimizer_step_post_hooks",
-        "_optimizer_state_dict_pre_hooks",
-        "_optimizer_state_dict_post_hooks",
-        "_optimizer_load_state_dict_pre_hooks",
-        "_optimizer_load_state_dict_post_hooks",
-    }
-)
-
-#: Attributes an optimizer pickled before they existed takes on unpickling (their defaults in
-#: ``KroneckerOptimizer.__init__``).
-_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
-    "max_consecutive_failures": 3,
-    "skip_nonfinite_grads": True,
-    "nonfinite_grads": 0,
-    "param_names": {},
-    "_nonfinite_warned": False,
-    "_overflow_warned": False,
-    "_resumed_refreshes": None,
-}
-
 # Note [torch.compile]
 # ~~~~~~~~~~~~~~~~~~~~
 # A model compiled with ``torch.compile`` trains under these optimizers, with a runtime attached
@@ -960,67 +541,6 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 # element-wise optimizers; a constructor given one raises TypeError), maximize, complex and
 # sparse parameters or gradients (a RuntimeError that names them).
 
-# Note [Transactional loads]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``load_state_dict`` either loads the whole state_dict or raises a ``ValueError`` that names the
-# first entry that does not fit and what was expected, and leaves the optimizer (and a runtime
-# attached to it) exactly as it was. Everything is checked before anything changes
-# (``_loaded_state``): the dict's form; the number of groups and of parameters; every group
-# option this class keeps (a missing one means another optimizer class's state_dict, unless
-# the class added it later, ``options_added_later``: an older state_dict takes its default) and its
-# type and range (the constructor's own checks, ``_validate_group``); ``param_names``; every
-# parameter's state against its ``_state_template`` under the loaded options: each key, tensor
-# shape, floating-point dtype, an integer ``step``, and nothing more (state_format.py); with a
-# runtime attached, that the options keep every parameter's blocks (the runtime planned for
-# them) and the ``"asteria_runtime"`` part against the state about to be loaded
-# (``Runtime.check_state_dict``: blocks, steps, result shapes, and that each refresh can be
-# installed within the budget: Note [Checkpoints with work in flight] in
-# asteria/runtime/state.py). Only then are the groups and the state replaced, and the refresher
-# told (``state_replaced``): a runtime drops its refreshes in flight, which were requested from
-# the old state (a loaded ``"asteria_runtime"`` part puts its own back), and takes each block's
-# version from the loaded state, so the staleness contract holds across the load.
-# ``Runtime.load_state_dict`` is transactional the same way. tests/unit/test_transactional_loads.py
-# draws corruptions of a state_dict (another class, other shapes, missing and extra keys, wrong
-# types, ranges and dtypes, truncated tensors) with hypothesis, for every optimizer with and
-# without a runtime, and compares the whole state before and after each refused load.
-
-# Note [Runtime state in the optimizer's checkpoint]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Frameworks (the HF Trainer, Lightning, torchtitan) save ``model.state_dict()`` and
-# ``optimizer.state_dict()`` and know nothing of a runtime. So, with a runtime attached and
-# refreshes in flight, ``optimizer.state_dict()`` carries the runtime's part under
-# ``"asteria_runtime"`` (``Runtime.state_dict()``: each refresh finished first, with its request
-# step and results; Note [Checkpoints with work in flight] in asteria/runtime/state.py).
-# ``load_state_dict`` hands it to the runtime attached at the time, or keeps it for the runtime
-# attached next (``attach_refresher``), which installs each refresh at the step it would have
-# been installed at: the plain torch pattern (save both, load both in a fresh process, attach a
-# runtime) resumes a ``fixed_delay`` run bit for bit (tests/unit/test_checkpoint.py). A native
-# step before any runtime attaches drops it (native mode computes its own refreshes). Nothing
-# is added when no refresh is in flight, and ``torch.distributed.checkpoint``'s state-dict API
-# keeps only ``state`` and ``param_groups`` (use asteria.checkpoint there).
-
-
-def _blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
-    """``KroneckerOptimizer.blocks`` of ``groups`` and ``states`` (the live ones, or those a
-    load is about to install): ``(key, parameter, block state, group)``; the block's step is
-    its parameter state's ``"step"``."""
-    pid = 0
-    for group in groups:
-        for p in group["params"]:
-            state = states.get(p)
-            if state and "blocks" in state and not _is_placeholder(state):
-                for bi, block in enumerate(state["blocks"]):
-                    yield (pid, bi), p, block, group
-            pid += 1
-
-
-def _refresher_state(refresher: Any) -> dict[str, Any] | None:
-    """The refresher's refreshes in flight, or None when it has none (or is native)."""
-    if isinstance(refresher, NativeRefresher):
-        return None
-    state = refresher.state_dict()
-    return state if state.get("pending") else None
-
 
 def _param_list(name: str, params: Any) -> list:
     """``params`` as a list; an empty one becomes one empty group (an optimizer with nothing to
@@ -1041,23 +561,6 @@ def _param_list(name: str, params: Any) -> list:
             f"but got {type(params).__name__} ({name})"
         ) from None
     return params if params else [{"params": []}]
-
-
-#: Bytes: gradient shards not aligned to this are copied before use (``_checked_grad``).
-_ALIGNMENT = 64
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (an FSDP2 / HSDP parameter or gradient), else ``t`` itself.
-
-    Note [Local shards]: Asteria's optimizers work on local shards. Under ``no_grad`` (the step)
-    ``DTensor.to_local()`` is the shard's own storage, so in-place updates reach the parameter.
-    Blocks, factors, moments and refresh results are those of the local shard (its layout is the
-    layout of the local shape); state holds plain tensors, and a ``state_dict`` loads back on the
-    same sharding.
-    """
-    to_local = getattr(t, "to_local", None)
-    return t if to_local is None else to_local()
 
 
 def _state_init_probe(groups: list[dict[str, Any]], todo: list[tuple]) -> bool:
@@ -1082,52 +585,3 @@ def _state_init_probe(groups: list[dict[str, Any]], todo: list[tuple]) -> bool:
     if any(float(g["lr"]) != 0.0 for g in groups):
         return False
     return all(not bool(local_tensor(p.grad).any()) for _, _, p in todo)
-
-
-#: The ``"step"`` of a placeholder state (Note [State-initialisation probe]); real steps are >= 0.
-PLACEHOLDER_STEP = -1
-
-
-def _is_placeholder(state: dict[str, Any]) -> bool:
-    return state.get("step") == PLACEHOLDER_STEP
-
-
-def basis_zeros(d: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
-    """A ``d x d`` zero matrix in column-major order, the layout of the bases the refreshes
-    return (Note [QR layout] in matrix_functions.py): a placeholder's basis."""
-    return torch.zeros(d, d, dtype=dtype, device=device).T
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    return value
-
-
-def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
-    """Views of ``t`` (viewed with the layout's shape) for every block, in layout order."""
-    v = layout.view(t)
-    return [v[b.index] for b in layout.blocks]
-
-
-def _halves(items: list[T], costs: list[float]) -> tuple[list[T], list[T]]:
-    """``items`` in two parts of about equal cost (largest first, each to the cheaper part so
-    far), each in its original order."""
-    side, load = [0] * len(items), [0.0, 0.0]
-    for i in sorted(range(len(items)), key=lambda i: -costs[i]):
-        side[i] = 0 if load[0] <= load[1] else 1
-        load[side[i]] += costs[i]
-    return (
-        [x for x, s in zip(items, side) if s == 0],
-        [x for x, s in zip(items, side) if s == 1],
-    )
-
-
-def zeros_like_blocks(layout: ParamLayout, dtype: torch.dtype, device) -> list[torch.Tensor]:
-    return [torch.zeros(b.shape, dtype=dtype, device=device) for b in layout.blocks]

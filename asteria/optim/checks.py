@@ -93,7 +93,7 @@ def gradient_verdicts(
     grads: list[torch.Tensor], limits: list[float]
 ) -> tuple[list[str | None], list[float]]:
     """Per gradient: ``None`` (use it), ``NONFINITE`` or ``OVERFLOW`` (its 2-norm is above its
-    entry of ``limits``: Note [Overflowing gradients] in base.py), and an upper bound on its
+    entry of ``limits``: Note [Overflowing gradients] in overflow.py), and an upper bound on its
     2-norm (a host float).
 
     One 2-norm per gradient, one host sync per device, and an inf-norm for a gradient whose

@@ -130,7 +130,7 @@ class KLShampoo(KroneckerOptimizer):
 
     def _statistics_gain(self, p: torch.Tensor, group: dict[str, Any]) -> float:
         """The factors and eigenvalue estimates see the gradient whitened along the other dims
-        by ``lambda^{-1/2} <= clamp`` (Note [Overflowing gradients] in base.py)."""
+        by ``lambda^{-1/2} <= clamp`` (Note [Overflowing gradients] in overflow.py)."""
         shapes = tuple(b.shape for b in self.layout(p, group).blocks)
         return _whitening_gain(shapes, float(group["max_clamp_value"]))
 

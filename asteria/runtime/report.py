@@ -60,7 +60,7 @@ def stats(
         "placement": refreshes.pool.report(),
         "installs": sum(hist.values()),
         "blocks": registry.snapshot(),
-        # updates skipped for NaN/Inf gradients (Note [Non-finite gradients], optim/base.py)
+        # updates skipped for NaN/Inf gradients (Note [Non-finite gradients], optim/overflow.py)
         "nonfinite_grads": refreshes.optimizer.nonfinite_grads,
         "statistics_lane": None
         if lane is None

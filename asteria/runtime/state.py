@@ -20,7 +20,7 @@ proceeds as it would have (tests/distributed). ``load`` checks every refresh fir
 its block, a request step the budget can still install, its job options, results of the
 block's shapes) and changes nothing when one does not fit; an optimizer's ``load_state_dict``
 runs the same check on its ``"asteria_runtime"`` part against the state it is about to load
-(Note [Transactional loads] in asteria/optim/base.py; tests/unit/test_transactional_loads.py).
+(Note [Transactional loads] in asteria/optim/state_io.py; tests/unit/test_transactional_loads.py).
 
 Must not: install, submit or decide anything (the schedule and the refreshes take the restored
 refreshes from there as from any others).
@@ -90,7 +90,7 @@ def check(
     """The refreshes in flight of ``state`` (a ``save``), each checked against ``blocks`` (key
     -> (block state, its step): the optimizer's, or those a load is about to install): a
     ``ValueError`` names the first entry that does not fit, and nothing changes (Note
-    [Transactional loads] in asteria/optim/base.py). A refresh must be installable within the
+    [Transactional loads] in asteria/optim/state_io.py). A refresh must be installable within the
     budget ``B`` from its block's step ``s`` (``0 <= s - requested < B``: the next boundary,
     ``s + 1``, is at most its deadline), so that the staleness contract holds from the load on."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:

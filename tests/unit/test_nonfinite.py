@@ -1,4 +1,4 @@
-"""Non-finite gradients (Note [Non-finite gradients] in asteria/optim/base.py).
+"""Non-finite gradients (Note [Non-finite gradients] in asteria/optim/overflow.py).
 
 A parameter whose gradient has a NaN or an Inf is skipped for that step as a whole (step count,
 factors, moments, the parameter), counted and warned about once; everything else is bitwise what

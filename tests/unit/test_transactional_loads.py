@@ -1,5 +1,5 @@
 """Loads check before they change (issue 22, item 1; Note [Transactional loads] in
-asteria/optim/base.py): ``load_state_dict`` of SOAP, KL-Shampoo, Shampoo and of ``Runtime``
+asteria/optim/state_io.py): ``load_state_dict`` of SOAP, KL-Shampoo, Shampoo and of ``Runtime``
 either loads everything or raises a ``ValueError`` that names the entry, leaving the optimizer,
 its state and the runtime's refreshes in flight bitwise as they were; a later step and
 ``close()`` work. The cases of the issue by name, then hypothesis over optimizer x runtime on/off

@@ -1,0 +1,161 @@
+"""The gradient checks of a step: non-finite gradients and gradients that would overflow the
+optimizer's statistics, each skipping its parameter for the step.
+
+Owns: ``GradientChecks``, the part of ``KroneckerOptimizer`` (base.py) that decides, before any
+update, which parameters a step skips, counts the skips and warns once.
+
+Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
+fused reduction per gradient (its 2-norm; when that is not finite, its inf-norm, a max of absolute
+values, so that large finite values cannot overflow into a false alarm) and one host sync per
+device. A parameter whose gradient has a NaN or an Inf is skipped for that step as a whole: its
+step count, factors, moments, pending refreshes and the parameter itself stay exactly as they were
+(the algorithms' math runs per parameter, so a per-block skip would leave the parameter
+half-updated). Other parameters update as usual, with arithmetic identical to a step without the
+check. Skips are counted in ``nonfinite_grads`` (``Runtime.stats()["nonfinite_grads"]``) and the
+first one warns (``RuntimeWarning`` naming the parameter). ``skip_nonfinite_grads = False`` turns
+the check off.
+
+Note [Overflowing gradients]: a gradient can be finite and still make the optimizer's statistics
+inf (a gradient of 1e30 squares to 1e60, past float32's 3.4e38), and an inf factor or moment
+then fails every refresh, or stops the parameter, far from the step that caused it. So the same
+check skips, counts (``nonfinite_grads``) and warns about (once, with the parameter's name and the
+2-norm) a gradient whose 2-norm is above the limit its update allows (``_gradient_limit``, from
+the 2-norms the check computes anyway: no extra reduction or sync): every new statistic term is
+at most ``gain * ||g||^2`` (an entry of ``G G^T`` or ``g^2``; KL-Shampoo's whitening by
+``lambda^{-1/2} <= clamp`` along the other dims is its ``gain``), an average (EMA) of finite
+terms stays finite, and a sum (Shampoo's factors at ``betas[1] == 1``, Adagrad grafting) needs
+room for it: a host-side bound on its largest entry, taken from the state once and raised by
+each accepted term. The limit keeps a margin of 4 below the dtype's largest value. Nothing
+non-finite then reaches a matrix function from a step; one that still fails (a checkpoint's inf
+factor) is a counted refresh failure, whose error names the parameter's block.
+tests/unit/test_overflow.py has the cases of issue 22 (1e30 gradients, sums creeping up to
+float32's limit) for every optimizer, natively and with a runtime.
+
+Must not: update any state (a skipped parameter's state stays as it was) or know the runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from asteria.optim.checks import OVERFLOW
+from asteria.optim.tensors import _ALIGNMENT, _is_placeholder, local_tensor, state_dtype
+
+#: Statistics are kept this far below the dtype's largest value: their EMAs and sums add two
+#: terms that are each below it (Note [Overflowing gradients]).
+_OVERFLOW_MARGIN = 4.0
+
+
+@functools.cache
+def _float_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+class GradientChecks:
+    """The gradient checks of ``KroneckerOptimizer`` (a mixin of it: the attributes it reads,
+    ``skip_nonfinite_grads``, ``nonfinite_grads``, ``param_names`` and ``_summed_bounds``,
+    are set in its ``__init__``)."""
+
+    def _check_grad_kind(self, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if grad.is_complex():
+            raise RuntimeError(f"{type(self).__name__} does not support complex gradients")
+
+    def _skip_nonfinite(self, pid: int, p: torch.Tensor, verdict: str, norm: float) -> None:
+        """Count a skipped update (Notes [Non-finite gradients], [Overflowing gradients]); the
+        first of each kind warns."""
+        self.nonfinite_grads += 1
+        overflow = verdict == OVERFLOW
+        if self._overflow_warned if overflow else self._nonfinite_warned:
+            return
+        name = self.param_names.get(pid, f"param{pid}")
+        if overflow:
+            self._overflow_warned = True
+            what = (
+                f"is finite but so large (2-norm up to {norm:.3g}) that its update would "
+                f"overflow the optimizer's factors or moments ({state_dtype(p)})"
+            )
+        else:
+            self._nonfinite_warned = True
+            what = "has NaN or Inf values"
+        warnings.warn(
+            f"{type(self).__name__}: the gradient of parameter '{name}' (index {pid}, shape "
+            f"{tuple(p.shape)}) {what}; its update is skipped for this step "
+            "(factors, moments and the parameter are left unchanged). Later skips are counted "
+            "in optimizer.nonfinite_grads without a warning.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _gradient_limit(self, p: torch.Tensor, group: dict[str, Any]) -> float:
+        """The largest gradient 2-norm whose update keeps every statistic of ``p`` finite
+        (Note [Overflowing gradients]): averages (EMAs) stay finite while each new term does,
+        and a term is at most ``gain * ||g||^2``; statistics that are sums need room for it."""
+        key = (p.dtype, p.shape, self._gain_options(group))
+        cached = self._summed_bounds.get(("limit", id(p)))
+        if cached is None or cached[0] != key:  # computed once per parameter and options
+            big = _float_max(state_dtype(p)) / _OVERFLOW_MARGIN
+            cached = (key, big, self._statistics_gain(p, group))
+            self._summed_bounds[("limit", id(p))] = cached
+        _, big, gain = cached
+        if self._sums_statistics(group):
+            summed = self._summed_bound(p, group)
+            if math.isfinite(summed):  # (a loaded non-finite sum fails its refreshes instead)
+                big -= summed
+        return math.sqrt(max(big, 0.0) / gain)
+
+    def _gain_options(self, group: dict[str, Any]) -> Any:
+        """The group options ``_statistics_gain`` depends on (with the parameter's shape)."""
+        return None
+
+    def _statistics_gain(self, p: torch.Tensor, group: dict[str, Any]) -> float:
+        """How much larger than ``||g||^2`` a statistic's new term may be (KL-Shampoo whitens the
+        gradient before its factors see it); 1 where each term is a product of two gradients."""
+        return 1.0
+
+    def _sums_statistics(self, group: dict[str, Any]) -> bool:
+        """Whether some statistic of ``group``'s parameters is a sum over steps (Shampoo's
+        factors with ``betas[1] == 1``, Adagrad grafting), not an average."""
+        return False
+
+    def _largest_summed(self, p: torch.Tensor, state: dict[str, Any], group: dict) -> float:
+        """The largest entry of ``p``'s summed statistics in ``state`` (a host sync)."""
+        return 0.0
+
+    def _summed_bound(self, p: torch.Tensor, group: dict[str, Any]) -> float:
+        bound = self._summed_bounds.get(id(p))
+        if bound is None:
+            state = self.state.get(p)
+            fresh = not state or _is_placeholder(state)
+            bound = 0.0 if fresh else self._largest_summed(p, state, group)
+            self._summed_bounds[id(p)] = bound
+        return bound
+
+    def _statistics_added(self, p: torch.Tensor, group: dict[str, Any], norm: float) -> None:
+        """A step of ``p`` with a gradient of 2-norm ``norm`` adds at most ``gain * norm^2`` to
+        each entry of its summed statistics."""
+        if self.skip_nonfinite_grads and self._sums_statistics(group):
+            bound = self._summed_bound(p, group)
+            cached = self._summed_bounds.get(("limit", id(p)))
+            gain = cached[2] if cached is not None else self._statistics_gain(p, group)
+            self._summed_bounds[id(p)] = bound + gain * norm * norm
+
+    def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
+        sharded = hasattr(p.grad, "to_local")
+        grad = local_tensor(p.grad)
+        self._check_grad_kind(grad)
+        dtype = state_dtype(p)
+        if grad.dtype != dtype or not grad.is_contiguous():
+            grad = grad.to(dtype=dtype, memory_format=torch.contiguous_format)
+        elif sharded and grad.data_ptr() % _ALIGNMENT:
+            # FSDP2's gradient shards are views at arbitrary offsets of its reduce buffer, and
+            # vectorized kernels may round differently on unaligned data: an aligned copy keeps
+            # the arithmetic that of a freshly allocated gradient (Note [Local shards]).
+            grad = grad.clone()
+        return grad

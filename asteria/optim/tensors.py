@@ -1,0 +1,84 @@
+"""Tensor helpers the Kronecker-factored optimizers share: the state dtype of a parameter, DTensor
+local shards, the block views of a parameter's layout, zero bases and placeholders of state, and
+moving loaded state to a parameter's device.
+
+Owns: small functions on tensors and layouts, free of any optimizer's state or math.
+Must not: know an optimizer class or the runtime. asteria.optim.base re-exports the public ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+
+from asteria.optim.blocking import ParamLayout
+
+T = TypeVar("T")
+
+
+def state_dtype(param: torch.Tensor) -> torch.dtype:
+    """Optimizer state is at least fp32: bf16/fp16 parameters get fp32 state."""
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+#: Bytes: gradient shards not aligned to this are copied before use (``_checked_grad``).
+_ALIGNMENT = 64
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (an FSDP2 / HSDP parameter or gradient), else ``t`` itself.
+
+    Note [Local shards]: Asteria's optimizers work on local shards. Under ``no_grad`` (the step)
+    ``DTensor.to_local()`` is the shard's own storage, so in-place updates reach the parameter.
+    Blocks, factors, moments and refresh results are those of the local shard (its layout is the
+    layout of the local shape); state holds plain tensors, and a ``state_dict`` loads back on the
+    same sharding.
+    """
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
+#: The ``"step"`` of a placeholder state (Note [State-initialisation probe]); real steps are >= 0.
+PLACEHOLDER_STEP = -1
+
+
+def _is_placeholder(state: dict[str, Any]) -> bool:
+    return state.get("step") == PLACEHOLDER_STEP
+
+
+def basis_zeros(d: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A ``d x d`` zero matrix in column-major order, the layout of the bases the refreshes
+    return (Note [QR layout] in matrix_functions.py): a placeholder's basis."""
+    return torch.zeros(d, d, dtype=dtype, device=device).T
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value
+
+
+def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
+    """Views of ``t`` (viewed with the layout's shape) for every block, in layout order."""
+    v = layout.view(t)
+    return [v[b.index] for b in layout.blocks]
+
+
+def _halves(items: list[T], costs: list[float]) -> tuple[list[T], list[T]]:
+    """``items`` in two parts of about equal cost (largest first, each to the cheaper part so
+    far), each in its original order."""
+    side, load = [0] * len(items), [0.0, 0.0]
+    for i in sorted(range(len(items)), key=lambda i: -costs[i]):
+        side[i] = 0 if load[0] <= load[1] else 1
+        load[side[i]] += costs[i]
+    return (
+        [x for x, s in zip(items, side) if s == 0],
+        [x for x, s in zip(items, side) if s == 1],
+    )
