@@ -6,6 +6,8 @@ mode under variations that each isolate one candidate cause of the gap:
 
 * ``native``: the reference (roots of L_t at a due step t, Note [Refresh lead]);
 * ``asteria``: the runtime's defaults (S = 5, refresh lead on; installs land when ready);
+* ``asteria_nolead``: the runtime's defaults without the refresh lead (a due step keeps the
+  previous roots; the roots of L_t arrive within the budget);
 * ``fd1``: ``fixed_delay=1`` with the lead: every due step installs the roots of L_{t-1}, never
   late, never a grafting-only step beyond native's: the cost of roots one gradient older;
 * ``fd1_nolead``: ``fixed_delay=1`` without the lead: a due step keeps the previous roots (the
@@ -52,7 +54,7 @@ from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import OPTIMIZERS  # noqa: E402
 from bench._common import emit_json, env_header, print_table  # noqa: E402
 
-VARIANTS = ("native", "asteria", "fd1", "fd1_nolead", "fdS")
+VARIANTS = ("native", "asteria", "asteria_nolead", "fd1", "fd1_nolead", "fdS")
 
 
 def _runtime_config(base: str, staleness: int) -> RuntimeConfig | None:
@@ -60,6 +62,8 @@ def _runtime_config(base: str, staleness: int) -> RuntimeConfig | None:
         return None
     if base == "asteria":
         return RuntimeConfig(staleness=staleness, workers=1)
+    if base == "asteria_nolead":
+        return RuntimeConfig(staleness=staleness, workers=1, refresh_lead=False)
     if base == "fd1":
         return RuntimeConfig(staleness=staleness, workers=1, fixed_delay=1)
     if base == "fd1_nolead":
