@@ -28,8 +28,10 @@ block's two factors may run on different executors); ``stats()["placement"]`` co
 executor and names where each block's last job ran.
 
 What a device refresh costs the training: the job's inputs are copied to the device at
-submission (a host-to-device copy of the factor and basis, ``d^2`` each, on the submitting
-thread, synchronous, so that the staging slot or the lane's snapshot may be reused at once), and
+submission (the factor and basis, ``d^2`` values each, on a low-priority stream of their own,
+which the submitting thread waits for, so that the staging slot or the lane's snapshot may be
+reused at once; a device input is copied after the training stream's writes to it, and the
+wait then includes them), and
 its eigh or QR then runs on a stream of the lowest priority: the training stream's kernels are
 scheduled first, but the refresh still takes SMs and memory bandwidth while it runs, and
 torch's ``eigh`` on CUDA synchronizes its own stream with the host (a cusolver info check), which
@@ -135,10 +137,13 @@ class StreamExecutor:
     def __init__(self, device: torch.device | None, timeout_error: type) -> None:
         self.device = device
         self._timeout_error = timeout_error
-        self._stream = None
+        self._stream = self._copies = None
         if device is not None:
             low, _ = torch.cuda.Stream.priority_range()
             self._stream = torch.cuda.Stream(device=device, priority=low)
+            # the inputs' copies: a stream of their own, so that a submission never waits
+            # behind a refresh running on the first one
+            self._copies = torch.cuda.Stream(device=device, priority=low)
         self._queue: list[tuple[int, int, RefreshJob, _StreamFuture]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -148,7 +153,7 @@ class StreamExecutor:
         self._thread.start()
 
     def submit(self, job: RefreshJob, deadline: int) -> _StreamFuture:
-        job = _copied(job, self.device)
+        job = _copied(job, self.device, self._copies, self._stream)
         future = _StreamFuture(self._timeout_error)
         with self._cv:
             if self._closed:
@@ -200,13 +205,25 @@ class StreamExecutor:
             self._thread.join()
 
 
-def _copied(job: RefreshJob, device: torch.device | None) -> RefreshJob:
-    """``job`` on copies of its inputs (on ``device``, or the CPU)."""
+def _copied(
+    job: RefreshJob, device: torch.device | None, copies: Any = None, stream: Any = None
+) -> RefreshJob:
+    """``job`` on copies of its inputs: on the CPU, or on ``device`` through the ``copies``
+    stream, waited for here (a device input after the caller's stream's writes to it), and
+    marked as used by the refresh's ``stream``."""
 
     def copy(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        return t.to(device, copy=True) if device is not None else t.detach().clone()
+        if device is None:
+            return t.detach().clone()
+        if t.is_cuda:
+            copies.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(copies):
+            out = t.to(device, copy=True, non_blocking=True)
+        copies.synchronize()  # the source may be reused once submit returns
+        out.record_stream(stream)
+        return out
 
     if isinstance(job, QRRefresh):
         return QRRefresh(copy(job.factor), copy(job.basis), sort=job.sort, dtype=job.dtype)
