@@ -362,8 +362,9 @@ class Shampoo(KroneckerOptimizer):
     # more steps, and Shampoo's final loss falls behind native's: bench/shampoo_gap.py, nano,
     # lr 1.5e-3, seeds 1-3, S = 5: native 2.054, late roots 2.099 (+2.2%). rel_epsilon
     # damps relative to the factor's scale (any gradient scale): at 1e-4, native 2.052 and
-    # late roots 2.080 (+1.4%), so damping narrows the gap but at that value does not close
-    # it; the default stays Meta's (0.0).
+    # late roots 2.080 (+1.4%); at 1e-3 native falls to 2.076 and late roots stay +1.9%. So
+    # damping narrows the gap at best and does not close it; the default stays Meta's (0.0)
+    # (docs/benchmarks.md, "Shampoo's gap to native").
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
