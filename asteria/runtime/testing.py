@@ -45,6 +45,7 @@ _global: dict[str, Any] = {
     "window_blocks": None,
     "staged": False,
     "statistics": None,
+    "device_stream": False,
 }
 
 
@@ -161,9 +162,6 @@ class _Delayed:
             return None
         ready = self._ready_at - time.perf_counter() + time.monotonic()
         return max(end, ready)
-
-
-_global["device_stream"] = False  # device_stream_stand_in
 
 
 @contextlib.contextmanager
