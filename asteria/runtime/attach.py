@@ -6,17 +6,25 @@ to find out: the placement of the state (the tier policy, ``asteria.memory.tiers
 the optimizer's state sizes, ``asteria.memory.accounting``), the staging ring's size, whether
 the statistics lane runs, the pool workers' priority, the snapshot strategy (snapshots.py) and
 the bases strategy (bases.py), which share the device's one copy stream
-(``asteria.memory.copies``), and the parameters' names in messages.
+(``asteria.memory.copies``), and the parameters' names in messages; and the making of the
+runtime's parts from these choices (``build``: the registry, schedule, coherence, spill tier,
+pool and executors, statistics lane and gradient guards, bases, pacer, refreshes, block
+boundaries and module signals, returned as one ``Parts``), undone in full when an attach is
+refused (``Parts.undo``).
 
-Must not: create threads, pools, hooks or files (the facade, runtime.py, does, from these
-choices), or decide anything per step.
+Must not: decide anything per step, or hold a strong reference to the runtime in what it makes
+(hooks and finalizers hold it weakly).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,12 +35,20 @@ from asteria.memory.host import StagingRing
 from asteria.memory.tiers import Arch, BlockSizes, Placement, plan
 from asteria.memory.window import WINDOW_BLOCKS, BasesWindow
 from asteria.optim.base import BlockKey, KroneckerOptimizer
-from asteria.runtime import testing
+from asteria.optim.matrix_functions import MatrixFunctionError
+from asteria.runtime import state, testing
 from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases, WindowBases
+from asteria.runtime.boundary import Boundaries
 from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.distributed import Coherence
+from asteria.runtime.hooks import GradientGuards, ModuleSignals
 from asteria.runtime.lane import StatisticsLane
 from asteria.runtime.placement import Executors, StreamExecutor
+from asteria.runtime.refreshes import Refreshes, block_state
+from asteria.runtime.registry import Registry
+from asteria.runtime.schedule import InstallCosts, Pacer, Schedule
 from asteria.runtime.snapshots import LaneSnapshots, Snapshots, StagedSnapshots
+from asteria.runtime.spill import SpillTier, open_spill
 
 #: The staging ring's slot granularity (csrc/memory/host_block.h's kHostAlignment).
 _HOST_ALIGNMENT = 4096
@@ -45,11 +61,15 @@ def _round_up(n: int, k: int) -> int:
 __all__ = [
     "Attachment",
     "NoSpareCoreWarning",
+    "Parts",
+    "build",
     "choose",
     "choose_bases",
     "choose_snapshots",
     "copy_stream",
     "distributed_mode",
+    "executors",
+    "installs_on_signal",
     "namer",
     "no_spare_core",
     "param_names",
@@ -303,3 +323,202 @@ def executors(
     elif cuda and config.device_refresh is not False:
         stream = StreamExecutor(device, timeout_error)
     return Executors(pool, stream, config.resolved_workers, budget, timeout_error)
+
+
+# -- the parts, made from the choices -----------------------------------------------------------
+
+
+@dataclass
+class Parts:
+    """The parts of one runtime (docs/architecture.md), made by :func:`build`; a part not made
+    (its feature off, or an attach refused before it) is None."""
+
+    names: dict[int, str]  # the model's names of the parameters, by flattened index
+    block_name: Callable[[BlockKey], str]
+    pid_of: dict[int, int]  # id(parameter) -> flattened index
+    registry: Registry
+    schedule: Schedule
+    coherence: Coherence | None = None
+    choices: Attachment | None = None
+    warnings: list[str] = field(default_factory=list)  # given at attach (stats()["warnings"])
+    spill: SpillTier | None = None
+    pool: Any = None
+    executors: Executors | None = None
+    lane: StatisticsLane | None = None
+    grad_guards: GradientGuards | None = None
+    signals: ModuleSignals | None = None
+    bases: BasesAccess | None = None
+    pacer: Pacer | None = None
+    refreshes: Refreshes | None = None
+    boundaries: Boundaries | None = None
+    finalizer: Any = None  # weakref.finalize: stops the pool when the runtime goes uncollected
+
+    def undo(self, optimizer: KroneckerOptimizer, runtime: object) -> None:
+        """Take down what a refused attach made (its threads joined)."""
+        if self.signals is not None:
+            self.signals.remove()
+        if optimizer.refresher is runtime:
+            optimizer.detach_refresher()
+        if self.grad_guards is not None:
+            self.grad_guards.remove()
+        if self.lane is not None:
+            self.lane.close()
+        if self.executors is not None:
+            self.executors.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        if self.spill is not None:
+            self.spill.close()
+
+
+def build(
+    runtime: Any,
+    model: torch.nn.Module | None,
+    optimizer: KroneckerOptimizer,
+    config: RuntimeConfig,
+    distributed: bool | None,
+    ranks_per_node: int | None,
+) -> Parts:
+    """Make ``runtime``'s parts for ``optimizer`` from the attach-time choices and attach it as
+    the optimizer's refresher; a refused attach (an exception) leaves no thread, hook or file
+    (issue 22). What the parts keep holds no reference to the runtime, which stays collectable
+    without ``close()`` (tests/unit/test_shutdown.py): hooks and finalizers hold it weakly."""
+    c = config
+    names = param_names(model, optimizer)
+    block_name = namer(names)
+    budget = c.staleness if c.fixed_delay is None else c.fixed_delay
+    schedule = Schedule(
+        budget,
+        c.fixed_delay is not None,
+        optimizer.refresh_precedes_update,
+        c.refresh_lead,
+        continuous=c.refresh == "continuous",
+    )
+    pid_of = {id(p): i for i, p in enumerate(params_of(optimizer))}
+    p = Parts(names, block_name, pid_of, Registry(c.staleness), schedule)
+    # Under torch.distributed: topology, owners and the sync of replicated blocks (Note
+    # [Distributed coherence] in distributed.py). Its attach-time checks are collective and
+    # come before any thread, hook or pool exists.
+    distributed = distributed_mode(distributed, ranks_per_node)
+    if distributed:
+        p.coherence = Coherence(optimizer, c, ranks_per_node)
+    resumed = optimizer._resumed_refreshes  # checked before any thread starts
+    if resumed is not None:
+        blocks = {k: (b, optimizer.state[q]["step"]) for k, q, b, _ in optimizer.blocks()}
+        state.check(resumed, blocks, schedule.budget, p.coherence, block_name)
+    p.choices = choices = choose(optimizer, c, distributed, block_name)
+    if choices.no_spare_core is not None:  # Note [No spare core]
+        p.warnings.append(choices.no_spare_core)
+        warnings.warn(choices.no_spare_core, NoSpareCoreWarning, stacklevel=3)
+    p.spill = open_spill(c.nvme_path, c.fixed_delay, choices.placement, choices.sizes)
+    try:
+        _make_threads_and_hooks(p, runtime, model, optimizer, c, budget)
+    except BaseException:
+        p.undo(optimizer, runtime)
+        raise
+    return p
+
+
+def _make_threads_and_hooks(
+    p: Parts,
+    runtime: Any,
+    model: torch.nn.Module | None,
+    optimizer: KroneckerOptimizer,
+    c: RuntimeConfig,
+    budget: int,
+) -> None:
+    """The parts with threads, hooks or streams, each kept in ``p`` as soon as it exists (so
+    that ``Parts.undo`` takes down what a failure leaves)."""
+    from asteria._ext import load_extension
+
+    choices = p.choices
+    _C = load_extension()
+    p.pool = _C.WorkerPool(
+        workers=c.resolved_workers,
+        lapack_threads=c.lapack_threads,
+        affinity=list(c.affinity) if c.affinity else None,
+        nice=choices.nice,
+    )
+    # where each refresh runs: the pool, or a device stream (Note [Refresh placement])
+    p.executors = executors(optimizer, c, p.pool, budget)
+    weakref.finalize(runtime, p.executors.shutdown)  # the device stream's thread
+    if choices.lane:
+        # a gradient hook per parameter keeps the next backward from writing a gradient the
+        # lane still reads (Note [Gradient guards] in hooks.py)
+        p.lane = StatisticsLane(p.block_name)
+        p.grad_guards = GradientGuards(params_of(optimizer), p.lane, always=p.coherence is not None)
+    costs = InstallCosts(optimizer.install_cost, functools.partial(block_state, optimizer))
+    # one low-priority copy stream, made once, for the window and the staged snapshots
+    copies = functools.cache(functools.partial(copy_stream, optimizer))
+    p.bases = choose_bases(optimizer, c, choices.placement, p.lane, costs, p.block_name, copies)
+    thread_cost = _free if p.bases.installs_off_thread else costs
+    p.pacer = Pacer(c.pace_installs, c.staleness, p.registry.entries, thread_cost)
+    p.refreshes = Refreshes(
+        optimizer,
+        c,
+        p.registry,
+        p.executors,
+        choose_snapshots(choices, p.executors, p.lane, copies),
+        p.bases,
+        p.pacer,
+        p.block_name,
+        spill=p.spill,
+        coherence=p.coherence,
+        errors=(_C.MatrixFunctionError, MatrixFunctionError),
+        timeout_error=_C.FutureTimeoutError,
+    )
+    p.boundaries = Boundaries(p.schedule, p.refreshes, p.registry, p.pacer, p.bases.field)
+    optimizer.attach_refresher(runtime)  # raises ValueError when already orchestrated
+    for pid, name in p.names.items():  # messages name parameters (issue 7)
+        optimizer.param_names.setdefault(pid, name)
+    if model is not None and c.hooks:
+        # issue 7: the hooks hold the runtime weakly and go when it is collected without
+        # close(), so a model that outlives its optimizer keeps no runtime (or pool) alive;
+        # none where they could not change anything (Note [Backward signals] in hooks.py)
+        signalled = [i for i, pid in p.pid_of.items() if installs_on_signal(c, p.coherence, pid)]
+        p.signals = ModuleSignals(model, signalled, _weak_signal(runtime))
+        weakref.finalize(runtime, p.signals.remove)
+    p.finalizer = weakref.finalize(runtime, _shutdown, p.pool, p.spill, p.lane, p.grad_guards)
+
+
+def installs_on_signal(config: RuntimeConfig, coherence: Coherence | None, pid: int) -> bool:
+    """Whether a ready refresh of parameter ``pid``'s blocks may be installed on a module
+    signal: not under ``fixed_delay`` (installs happen exactly at their step), nor where a
+    coherence installs its blocks at their deadline on every rank (replicated: every block
+    of a DDP model)."""
+    if config.fixed_delay is not None:
+        return False
+    return coherence is None or not coherence.replicated((pid, 0))
+
+
+def _shutdown(
+    pool: Any,
+    spill: SpillTier | None,
+    lane: StatisticsLane | None = None,
+    guards: GradientGuards | None = None,
+) -> None:
+    """A runtime collected without ``close()``: its threads and its spill file go."""
+    if guards is not None:
+        guards.remove()
+    if lane is not None:
+        lane.abandon()
+    pool.shutdown(wait=False)
+    if spill is not None:
+        spill.close()
+
+
+def _weak_signal(runtime: Any) -> Any:
+    """``runtime._on_signal`` through a weak reference (a no-op once the runtime is gone)."""
+    ref = weakref.WeakMethod(runtime._on_signal)
+
+    def signal(param_ids: tuple[int, ...], event: str) -> None:
+        method = ref()
+        if method is not None:
+            method(param_ids, event)
+
+    return signal
+
+
+def _free(key: BlockKey, block: dict | None = None) -> float:
+    """The training thread's cost of an install that runs elsewhere."""
+    return 0.0

@@ -188,7 +188,7 @@ class StatisticsLane:
     def check(self) -> None:
         """Raise the first error of a failed block (``StatisticsLaneError``) without waiting:
         a step calls it before it changes anything (Note [All-or-nothing steps] in
-        runtime.py)."""
+        boundary.py)."""
         with self._lock:
             failed = next(iter(self._errors.items()), None)
             if failed is not None:

@@ -90,7 +90,7 @@ class Refreshes:
         self.submitted = self.failed = self.cancelled = 0
         self.wait_s = 0.0
         #: a barrier of this step timed out: later ones in the step do not wait (the facade
-        #: resets it at ``step_begin``; Note [All-or-nothing steps] in runtime.py)
+        #: resets it at ``step_begin``; Note [All-or-nothing steps] in boundary.py)
         self.timed_out = False
 
     # -- where a block is --------------------------------------------------------------------
@@ -128,7 +128,7 @@ class Refreshes:
         jobs = self.optimizer.refresh_jobs(block, group)
         if all(job is None for job in jobs):
             return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-        # Note [Interrupted steps] (runtime.py): the refresh is in flight once every job is
+        # Note [Interrupted steps] (boundary.py): the refresh is in flight once every job is
         # submitted; one interrupted on the way leaves none (its submitted jobs run unread)
         pending = PendingRefresh(
             requested=step,
@@ -307,7 +307,7 @@ class Refreshes:
     def install(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None = None) -> None:
         """Install ``e``'s (finished) refresh as installed at ``step``, or count its failure.
         The refresh stays in flight until its results are installed, so that one interrupted on
-        the way is installed again (Note [Interrupted steps] in runtime.py)."""
+        the way is installed again (Note [Interrupted steps] in boundary.py)."""
         pending = e.pending
         try:
             results = self.results(key, e, pending, block)

@@ -28,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "BlockEntry",
+    "BlockView",
     "PendingRefresh",
     "Registry",
     "StalenessTimeoutError",
@@ -77,8 +78,25 @@ class BlockEntry:
     age: int = 0  # the age of the basis the block's last update read
     max_age: int = 0
     bound: int | None = None  # the bound on that age (None: not measured yet)
-    # the step whose boundary last ran to its end (Note [Interrupted steps] in runtime.py)
+    # the step whose boundary last ran to its end (Note [Interrupted steps] in boundary.py)
     boundary_step: int = -1
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """A block as ``Runtime.blocks()`` reports it: a copy of its entry's figures, taken when
+    asked, and its refresh in flight (``pending``: its version ``requested``, its ``futures``,
+    ``done()``; ``spilled`` once its results are in the spill store), to read, never change."""
+
+    name: str
+    version: int | None  # the version of the basis in use; None: none yet
+    requested_step: int
+    installed_step: int
+    installs: int
+    failures: int
+    consecutive_failures: int
+    owed: bool  # a due request coalesced into the refresh in flight
+    pending: PendingRefresh | None
 
 
 class Registry:
@@ -110,6 +128,23 @@ class Registry:
         e.installs += 1
         e.consecutive_failures = 0
         self.histogram[staleness] += 1
+
+    def views(self) -> dict[tuple[int, int], BlockView]:
+        """Every block's ``BlockView``, by key."""
+        return {
+            key: BlockView(
+                e.name,
+                e.version,
+                e.requested_step,
+                e.installed_step,
+                e.installs,
+                e.failures,
+                e.consecutive_failures,
+                e.owed,
+                e.pending,
+            )
+            for key, e in self.entries.items()
+        }
 
     def pending_count(self) -> int:
         return sum(e.pending is not None for e in self.entries.values())

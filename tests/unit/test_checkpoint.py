@@ -1,5 +1,5 @@
 """Checkpoints with refreshes in flight (issue 7, item 1; Note [Checkpoints with work in flight]
-in asteria/runtime/runtime.py): a ``fixed_delay`` run saved while refreshes are in flight and
+in asteria/runtime/state.py): a ``fixed_delay`` run saved while refreshes are in flight and
 resumed in a fresh process follows the uninterrupted run bit for bit."""
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""The block boundary: the schedule's decision at the end of a block's step, carried out.
+
+Owns: ``Boundaries``, what happens at each block boundary (``Runtime.block_boundary``): it asks
+the schedule (schedule.py) for the block's entry (registry.py) and tells the refreshes
+(refreshes.py) to install, spill or request; the error of a boundary kept for the step's end
+(Note [All-or-nothing steps]); the boundaries a step that raised before its end skipped, finished
+before anything else changes (Note [Interrupted steps]); the blocks a continuous refresh may
+request (Note [Continuous refresh] in schedule.py); the reset of every block when the optimizer
+loads a state.
+
+Must not: decide when (the schedule does), submit, wait or install itself (the refreshes do),
+know how a snapshot is taken or where a basis lives, or take the runtime's lock (the facade,
+runtime.py, holds it around every call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asteria.optim.base import BlockKey
+from asteria.runtime.refreshes import Refreshes
+from asteria.runtime.registry import RefreshFailedError, Registry, StalenessTimeoutError
+from asteria.runtime.schedule import Pacer, Schedule
+
+__all__ = ["Boundaries"]
+
+
+class Boundaries:
+    """The block boundaries of one runtime (see module docstring).
+
+    ``error``: an exception of a step's block boundary, raised at the step's end (Note
+    [All-or-nothing steps]); ``in_step``: whether a step began and has not ended.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        refreshes: Refreshes,
+        registry: Registry,
+        pacer: Pacer,
+        bases_field: str,
+    ) -> None:
+        self.schedule = schedule
+        self.refreshes = refreshes
+        self.registry = registry
+        self.pacer = pacer
+        self.bases_field = bases_field
+        self.error: BaseException | None = None
+        self.in_step = False
+
+    def begin(self) -> None:
+        """A step begins (after :meth:`finish_interrupted`)."""
+        self.in_step = True
+        self.error = None
+
+    def end(self) -> None:
+        """The step ended: raise the first error of its boundaries (Note [All-or-nothing
+        steps]: the step was applied in full)."""
+        self.in_step = False
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    def run(self, key: BlockKey, block: dict, group: dict, step: int, due: bool) -> None:
+        """Note [Staleness contract] (schedule.py): install what is due, then request or
+        coalesce; measure the age of the basis this step's update reads."""
+        schedule, refreshes = self.schedule, self.refreshes
+        freq = group["precondition_frequency"]
+        e = refreshes.entry(key)
+        due = schedule.due(e, step, freq, due)  # Note [Continuous refresh] in schedule.py
+        if e.version is None and _has_bases(block, self.bases_field):
+            e.version = schedule.initial_version(step, freq)  # a basis made before us
+        if not schedule.precedes_update:
+            schedule.record_age(e, step, freq)  # the update of this step read it already
+        replicated = refreshes.replicated(key)
+        if e.pending is not None and schedule.install_now(
+            e.pending, step, due or e.owed, schedule.fixed or replicated, self.pacer, key
+        ):
+            self._install(key, e, step, block, replicated)
+        elif e.pending is not None and schedule.fixed and not replicated:
+            refreshes.maybe_spill(e)  # a finished refresh waiting for its install step
+        if due and e.pending is not None:
+            if not e.owed:
+                schedule.coalesced += 1
+            e.owed = True  # requested where the refresh in flight is installed
+        elif (
+            due
+            or (e.owed and e.pending is None)
+            or schedule.wants(key, e, schedule.fixed or replicated)
+        ):
+            e.owed = False
+            refreshes.request(key, e, block, group, step)
+            if e.pending is not None and schedule.budget == 0:
+                self._install(key, e, step, block, replicated)
+        if schedule.precedes_update:
+            schedule.record_age(e, step, freq)  # installed above, read by this step
+        e.boundary_step = step
+
+    def _install(self, key: BlockKey, e: Any, step: int, block: dict, replicated: bool) -> None:
+        """Install ``e``'s refresh in flight; a refresh failure past the limit or a barrier
+        timeout is kept for the step's end, so that every block of the step is updated (Note
+        [All-or-nothing steps]). A timed-out refresh is dropped: the block keeps its basis."""
+        try:
+            self.refreshes.install_now(key, e, step, block, replicated)
+        except (RefreshFailedError, StalenessTimeoutError) as err:
+            if isinstance(err, StalenessTimeoutError) and e.pending is not None:
+                owed = e.owed
+                self.refreshes.drop(e)
+                e.owed = owed
+            if self.error is None:
+                self.error = err
+
+    def candidates(self) -> list[tuple[int, BlockKey]]:
+        """The blocks a continuous refresh may request this step, with the version they will
+        have: none in flight, or a finished one (installed at their boundary)."""
+        out = []
+        for key, e in self.registry.entries.items():
+            p = e.pending
+            if e.version is not None and (p is None or (p.owner is None and p.done())):
+                out.append((e.version if p is None else p.requested, key))
+        return out
+
+    def finish_interrupted(self) -> None:
+        """Note [Interrupted steps]: after a step that raised before its end (a KeyboardInterrupt,
+        an error of the model's code in a closure-less step, ...), finish what its skipped block
+        boundaries owed: each runs now, at the block's step, as a due one (a refresh at its
+        deadline installed, a new one requested or coalesced)."""
+        if not self.in_step:
+            return
+        refreshes = self.refreshes
+        for key, e in sorted(self.registry.entries.items()):
+            step = refreshes.current_step(key)
+            if step > e.boundary_step:  # its boundary of that step did not run to its end
+                group = refreshes.group_of(key)
+                self.run(key, refreshes.block_state(key), group, step, True)
+        self.end()
+
+    def reset(self) -> None:
+        """The optimizer loaded a state: no step is under way, and every block's version is
+        taken from the loaded state at its next boundary (Note [Transactional loads] in
+        asteria/optim/state_io.py)."""
+        self.in_step, self.error = False, None
+        for e in self.registry.entries.values():
+            e.version, e.owed, e.consecutive_failures = None, False, 0
+            e.boundary_step = -1
+
+
+def _has_bases(block: dict, field: str) -> bool:
+    return any(q is not None for q in block.get(field, ()))
+
+
+# Note [All-or-nothing steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What an exception inside ``optimizer.step()`` leaves, with a runtime attached:
+#   * a refresh failing ``max_consecutive_failures`` times in a row (or crashing in a worker), a
+#     barrier timeout: the step runs to its end, every parameter updated with the bases it has
+#     (a timed-out refresh is dropped, the block keeps its basis and requests again at its next
+#     due boundary; later barriers of that step do not wait), and ``step_end`` raises the first
+#     such error: the step is complete, the next ``step()`` is an ordinary one. Native mode does
+#     the same for refresh failures (Note [Refresh failures] in asteria/optim/refresher.py);
+#   * a block whose statistics failed on the lane: every later ``step()`` raises
+#     ``StatisticsLaneError`` at its start, before it changes anything (``StatisticsLane.check``);
+#     the step that was running when the lane failed stops at the failed block's first wait;
+#   * anything else (a KeyboardInterrupt, an error of a split update): the step stops where it
+#     was, some parameters updated and some not, and the next step is a complete one (Note
+#     [Interrupted steps]). A rollback of every parameter and state tensor would cost a copy of
+#     all of them at every step, to undo what the user chose to interrupt.
+# The runtime's own invariants are checked where its state changes (``Registry.record_install``:
+# an install outside ``[t, t + B]`` is a bug of the runtime, an AssertionError the tests find);
+# no fault of the user's or of the machine reaches one. tests/unit/test_all_or_nothing_steps.py
+# has every fault of issue 22 (hypothesis over optimizer x runtime x fault x the step and the
+# point at which it strikes), each ending in a clear error with the state unchanged, or in a run
+# that keeps the staleness contract, with no thread left after ``close()``.
+
+# Note [Interrupted steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A step that raised before ``step_end`` (``Boundaries.in_step`` still set) may have updated a
+# block without running its boundary, where a refresh at its deadline was due to be installed:
+# left so, the next boundary would install it a step past its budget. Every block's entry keeps
+# the step whose boundary last ran to its end (``boundary_step``); before the next step changes
+# anything (and before ``state_dict``, ``close``, or a module signal installs), the facade calls
+# ``Boundaries.finish_interrupted``, which finishes the skipped boundaries: a refresh whose
+# deadline is the block's step is installed there (waiting for it, as the boundary would have),
+# and a refresh is requested (or coalesced into the one in flight) as if that boundary were due:
+# the request it may have owed, from the same step, so that the age of the basis stays within
+# its bound. Requests and installs are atomic against interruption: a refresh is in flight once
+# all its jobs are submitted, and stays in flight until its results are installed
+# (refreshes.py), so an interrupted one is installed again, never twice, and never half. A
+# statistics lane wait that is interrupted keeps its work for the next wait.
