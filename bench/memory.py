@@ -296,7 +296,7 @@ def measured(optimizer: str, directory: str, steps: int = 13) -> dict[str, objec
             opt.step()
         if rt is None:
             return _state_bytes(opt), None, None
-        for e in rt.registry.entries.values():
+        for e in rt.blocks().values():
             if e.pending is not None and e.pending.spilled is not None:
                 rt.spill.settle(e.pending)
         report = rt.memory_report()

@@ -61,12 +61,12 @@ def picture(opt: Any, runtime: Any = None) -> Any:
     if runtime is not None:
         out["pending"] = {
             key: (e.pending.requested, [id(f) for f in e.pending.futures])
-            for key, e in runtime.registry.entries.items()
+            for key, e in runtime.blocks().items()
             if e.pending is not None
         }
         out["entries"] = {
             key: (e.version, e.owed, e.installs, e.consecutive_failures)
-            for key, e in runtime.registry.entries.items()
+            for key, e in runtime.blocks().items()
         }
     return out
 

@@ -232,7 +232,7 @@ def test_hooks_are_signals_and_close_removes_them():
         assert stats["installs"] > 0 and stats["max_staleness"] <= 4
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     assert type(opt.refresher).__name__ == "NativeRefresher"
-    assert all(e.pending is None for e in rt.registry.entries.values())
+    assert all(e.pending is None for e in rt.blocks().values())
     # with fixed_delay, installs happen at their step: a hook would only return
     with Runtime(model, opt, RuntimeConfig(staleness=4, fixed_delay=2, workers=1)) as rt:
         assert rt.stats()["hooks"] == 0
@@ -251,7 +251,7 @@ def test_hook_installs_count_staleness_as_the_optimizer_uses_the_version(name):
         for _ in range(12):
             opt.zero_grad()
             # every refresh is ready when the next forward starts
-            while any(e.pending and not e.pending.done() for e in rt.registry.entries.values()):
+            while any(e.pending and not e.pending.done() for e in rt.blocks().values()):
                 time.sleep(0.001)
             model(torch.randn(16, 6)).square().mean().backward()
             opt.step()
@@ -350,13 +350,13 @@ def _installs_per_step(pace: bool, cls=SOAP, blocks: int = 8, staleness: int = 4
         for t in range(5 + staleness + 1):
             for p in params:
                 p.grad = torch.randn_like(p)
-            for e in rt.registry.entries.values():  # the results are ready before the step
+            for e in rt.blocks().values():  # the results are ready before the step
                 while e.pending is not None and not e.pending.done():
                     e.pending.futures[0].result(timeout_s=60)
                     e.pending.futures[1].result(timeout_s=60)
             opt.step()
             if t >= 5:
-                installs.append(sum(e.installed_step == t for e in rt.registry.entries.values()))
+                installs.append(sum(e.installed_step == t for e in rt.blocks().values()))
         assert rt.stats()["max_staleness"] <= staleness
     return installs
 

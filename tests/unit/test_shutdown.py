@@ -121,7 +121,7 @@ def test_close_while_jobs_run():
             train(model, opt, 4)  # refreshes requested, queued behind the hogs
             in_flight, busy = rt.stats()["jobs"]["in_flight"], tasks()
             rt.close(install_pending=install)
-            pending = sum(e.pending is not None for e in rt.registry.entries.values())
+            pending = sum(e.pending is not None for e in rt.blocks().values())
             train(model, opt, 2)  # native mode again, still works
             results[str(install)] = dict(
                 in_flight=in_flight, busy=busy, pending_after=pending,

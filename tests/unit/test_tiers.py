@@ -170,7 +170,7 @@ def _finish_refreshes(rt: Runtime) -> None:
     """Wait until every refresh in flight has its results. The runtime spills a finished refresh
     at the next block boundary before its install step: waiting here before each step makes
     which refreshes are spilled the same on a loaded machine as on an idle one."""
-    for e in rt.registry.entries.values():
+    for e in rt.blocks().values():
         if e.pending is not None:
             for f in e.pending.futures:
                 if f is not None:
@@ -261,7 +261,7 @@ def _flip_once(kind: str, flipped: list):
     def flip(rt, t):
         if flipped:
             return
-        for e in rt.registry.entries.values():
+        for e in rt.blocks().values():
             p = e.pending
             if p is None or p.spilled is None or p.spilled.paged:
                 continue
@@ -352,7 +352,7 @@ def test_memory_report_matches_the_tensors_allocated(name, tmp_path):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
             opt.step()
-        for e in rt.registry.entries.values():
+        for e in rt.blocks().values():
             if e.pending is not None and e.pending.spilled is not None:
                 rt.spill.settle(e.pending)
         report = rt.memory_report()
@@ -382,7 +382,7 @@ def test_memory_report_without_spilling_counts_waiting_results_in_host():
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
             opt.step()
-        for e in rt.registry.entries.values():
+        for e in rt.blocks().values():
             if e.pending is not None:
                 for f in e.pending.futures:
                     if f is not None:
@@ -390,7 +390,7 @@ def test_memory_report_without_spilling_counts_waiting_results_in_host():
         report = rt.memory_report()
         waiting = sum(
             t.nbytes
-            for e in rt.registry.entries.values()
+            for e in rt.blocks().values()
             if e.pending is not None
             for f in e.pending.futures
             if f is not None
