@@ -40,6 +40,7 @@ from asteria.optim.overflow import GradientChecks
 from asteria.optim.refresher import (
     BlockEnd,
     BlockKey,
+    LateRootRefresh,
     NativeRefresher,
     QRRefresh,
     Refresher,
@@ -62,6 +63,7 @@ __all__ = [
     "BlockEnd",
     "BlockKey",
     "KroneckerOptimizer",
+    "LateRootRefresh",
     "NativeRefresher",
     "PLACEHOLDER_STEP",
     "RUNTIME_STATE_KEY",

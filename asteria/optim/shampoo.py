@@ -64,6 +64,7 @@ import torch
 from asteria.optim.base import (
     BlockEnd,
     KroneckerOptimizer,
+    LateRootRefresh,
     ParamsT,
     RefreshJob,
     RootRefresh,
@@ -113,6 +114,11 @@ class Shampoo(KroneckerOptimizer):
         merge_dims: merge small dims as Meta does (``False``: only squeeze size-1 dims, Meta's
             ``target_parameter_dimensionality=math.inf``).
         refresh_dtype: precision of the root computation.
+        late_root_correction: under a runtime that installs roots late (a staleness budget
+            above 0), form each root when it is installed, in the eigenvectors of the factor it
+            was computed from with the eigenvalues of the factor at that step (Note [Late
+            roots]). ``False``: install the root of the older factor as computed. No effect
+            in native mode or at ``staleness=0``.
     """
 
     bases_field = "roots"
@@ -138,6 +144,7 @@ class Shampoo(KroneckerOptimizer):
         merge_dims: bool = True,
         refresh_dtype: torch.dtype = torch.float32,
         rel_epsilon: float = 0.0,
+        late_root_correction: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -155,7 +162,9 @@ class Shampoo(KroneckerOptimizer):
             momentum=momentum,
             merge_dims=merge_dims,
             refresh_dtype=refresh_dtype,
+            late_root_correction=late_root_correction,
         )
+        self._block_groups: dict[int, tuple[dict, dict]] = {}  # _group_of's lookup
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -171,8 +180,8 @@ class Shampoo(KroneckerOptimizer):
         start = group["start_preconditioning_step"]
         if start is not None and not (isinstance(start, int) and start == -1):
             check_range("start_preconditioning_step (or -1)", start, 1, integer=True)
-        for flag in ("use_bias_correction", "merge_dims"):
-            if not isinstance(group[flag], bool):
+        for flag in ("use_bias_correction", "merge_dims", "late_root_correction"):
+            if not isinstance(group.get(flag, True), bool):
                 raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
 
     def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
@@ -357,22 +366,41 @@ class Shampoo(KroneckerOptimizer):
 
     # Note [Damping stale roots]: a root of L_s used at a later step t amplifies the directions
     # of the gradients since s by up to epsilon^{-1/(2k)} (1e3 for a matrix at Meta's 1e-12),
-    # and the grafting then puts the block's whole step on them. Native Shampoo meets this
-    # between its refreshes; roots that arrive late (a runtime's, up to S steps) meet it on
-    # more steps, and Shampoo's final loss falls behind native's: bench/shampoo_gap.py, nano,
-    # lr 1.5e-3, seeds 1-3, S = 5: native 2.054, late roots 2.099 (+2.2%). rel_epsilon
-    # damps relative to the factor's scale (any gradient scale): at 1e-4, native 2.052 and
-    # late roots 2.080 (+1.4%); at 1e-3 native falls to 2.076 and late roots stay +1.9%. So
-    # damping narrows the gap at best and does not close it; the default stays Meta's (0.0)
-    # (docs/benchmarks.md, "Shampoo's gap to native").
+    # and the grafting then puts the block's whole step on them. rel_epsilon damps relative to
+    # the factor's scale: bench/shampoo_gap.py (nano, lr 1.5e-3, seeds 1-3, S = 5, roots
+    # installed as computed): at 1e-4 native 2.052 and late roots 2.080 (+1.4%); at 1e-3
+    # native falls to 2.076 and late roots stay +1.9%. Damping narrows the gap and does not
+    # close it, so the default stays Meta's (0.0); Note [Late roots] closes it.
+    #
+    # Note [Late roots]: a runtime installs the roots of L_s at a step t > s (up to the budget
+    # S later, one step later with the refresh lead). Installed as computed they cost Shampoo
+    # its quality: on bench/shampoo_gap.py's nano runs above, roots one step late every time
+    # (fixed_delay=1) end at validation loss 2.090 against native's 2.054 (+1.7%), and the
+    # runtime's defaults at 2.099 (+2.2%). One gradient of difference costs that much because
+    # L_s does not contain it: the directions G_t brings have eigenvalues near 0 in L_s, so the
+    # root multiplies them by up to epsilon^{-1/(2k)}. Under a refresher that installs late
+    # (``installs_late``) the pool computes the eigenvectors Q_s of L_s instead
+    # (``LateRootRefresh``), and the install forms the root in them with L_t's own eigenvalue
+    # estimates diag(Q_s^T L_t Q_s) (matrix_functions.inverse_root_in_basis: two products, on
+    # the statistics lane where it runs, since they read L_t). Q_s stays L_s's; only the
+    # eigenvalues are the step's, as in the eigenvalue-corrected K-FAC of George et al. (2018).
+    # Measured the same way: one step late 2.050 (-0.2% against native), the defaults on a quiet
+    # machine 2.055 (+0.1%), always S late 2.086 (+1.6%, against 2.095 uncorrected: at five
+    # steps the basis itself is stale, and tracking the eigenvalues every step did not help,
+    # 2.089). bench/results/shampoo_gap_cpu_nano_late.json. Where the install is in the same
+    # step as the snapshot (L_t = L_s) the estimates are L_s's eigenvalues up to round-off; at
+    # ``staleness=0`` the runtime installs nothing late and the jobs stay ``RootRefresh``, so
+    # native parity stays bit for bit.
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """``L_i^{-1/(2k)}`` for every factor of an order-k block (``1/2`` for 1-D blocks)."""
         root = 2 * len(block["factors"])
+        late = self._refresher.installs_late and group.get("late_root_correction", True)
+        job = LateRootRefresh if late else RootRefresh  # Note [Late roots]
         return [
-            RootRefresh(
+            job(
                 f,
                 root=root,
                 epsilon=group["epsilon"],
@@ -383,9 +411,31 @@ class Shampoo(KroneckerOptimizer):
         ]
 
     def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
+        """A root (``RootRefresh``), or an eigendecomposition (``LateRootRefresh``) whose root is
+        formed now from the factor as it is (Note [Late roots])."""
+        jobs = self.refresh_jobs(block, self._group_of(block))
         block["roots"] = [
-            r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
+            job.finish(r, f).to(dtype=f.dtype, device=f.device)
+            for r, f, job in zip(results, block["factors"], jobs)
         ]
+
+    def _group_of(self, block: dict[str, Any]) -> dict[str, Any]:
+        """The param group of ``block`` (a lookup rebuilt when the state was replaced)."""
+        hit = self._block_groups.get(id(block))
+        if hit is None or hit[0] is not block:
+            self._block_groups = {id(b): (b, g) for _, _, b, g in self.blocks()}
+            hit = self._block_groups[id(block)]
+        return hit[1]
+
+    def install_cost(self, block: dict[str, Any]) -> float:
+        """Forming late roots (Note [Late roots]): two ``d^3`` products per factor; free where
+        the roots are installed as computed."""
+        if not (
+            self._refresher.installs_late
+            and self._group_of(block).get("late_root_correction", True)
+        ):
+            return 0.0
+        return float(sum(4 * f.shape[0] ** 3 for f in block["factors"]))
 
 
 def merge_small_dims_reversed(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
