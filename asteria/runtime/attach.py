@@ -64,6 +64,7 @@ __all__ = [
     "Parts",
     "build",
     "choose",
+    "connect",
     "choose_bases",
     "choose_snapshots",
     "copy_stream",
@@ -379,8 +380,8 @@ def build(
     distributed: bool | None,
     ranks_per_node: int | None,
 ) -> Parts:
-    """Make ``runtime``'s parts for ``optimizer`` from the attach-time choices and attach it as
-    the optimizer's refresher; a refused attach (an exception) leaves no thread, hook or file
+    """Make ``runtime``'s parts for ``optimizer`` from the attach-time choices; :func:`connect`
+    then attaches them. A refused attach (an exception of either) leaves no thread, hook or file
     (issue 22). What the parts keep holds no reference to the runtime, which stays collectable
     without ``close()`` (tests/unit/test_shutdown.py): hooks and finalizers hold it weakly."""
     c = config
@@ -412,23 +413,18 @@ def build(
         warnings.warn(choices.no_spare_core, NoSpareCoreWarning, stacklevel=3)
     p.spill = open_spill(c.nvme_path, c.fixed_delay, choices.placement, choices.sizes)
     try:
-        _make_threads_and_hooks(p, runtime, model, optimizer, c, budget)
+        _make_threads(p, runtime, optimizer, c, budget)
     except BaseException:
         p.undo(optimizer, runtime)
         raise
     return p
 
 
-def _make_threads_and_hooks(
-    p: Parts,
-    runtime: Any,
-    model: torch.nn.Module | None,
-    optimizer: KroneckerOptimizer,
-    c: RuntimeConfig,
-    budget: int,
+def _make_threads(
+    p: Parts, runtime: Any, optimizer: KroneckerOptimizer, c: RuntimeConfig, budget: int
 ) -> None:
-    """The parts with threads, hooks or streams, each kept in ``p`` as soon as it exists (so
-    that ``Parts.undo`` takes down what a failure leaves)."""
+    """The parts with threads or streams, each kept in ``p`` as soon as it exists (so that
+    ``Parts.undo`` takes down what a failure leaves)."""
     from asteria._ext import load_extension
 
     choices = p.choices
@@ -468,17 +464,35 @@ def _make_threads_and_hooks(
         timeout_error=_C.FutureTimeoutError,
     )
     p.boundaries = Boundaries(p.schedule, p.refreshes, p.registry, p.pacer, p.bases.field)
-    optimizer.attach_refresher(runtime)  # raises ValueError when already orchestrated
-    for pid, name in p.names.items():  # messages name parameters (issue 7)
-        optimizer.param_names.setdefault(pid, name)
-    if model is not None and c.hooks:
-        # issue 7: the hooks hold the runtime weakly and go when it is collected without
-        # close(), so a model that outlives its optimizer keeps no runtime (or pool) alive;
-        # none where they could not change anything (Note [Backward signals] in hooks.py)
-        signalled = [i for i, pid in p.pid_of.items() if installs_on_signal(c, p.coherence, pid)]
-        p.signals = ModuleSignals(model, signalled, _weak_signal(runtime))
-        weakref.finalize(runtime, p.signals.remove)
-    p.finalizer = weakref.finalize(runtime, _shutdown, p.pool, p.spill, p.lane, p.grad_guards)
+
+
+def connect(
+    p: Parts,
+    runtime: Any,
+    model: torch.nn.Module | None,
+    optimizer: KroneckerOptimizer,
+    config: RuntimeConfig,
+) -> None:
+    """Attach ``runtime``, which holds the parts ``p`` already (a resumed optimizer loads its
+    refreshes in flight into it here), as ``optimizer``'s refresher, and hook ``model``'s
+    modules; a refusal takes every part down (``Parts.undo``) and raises."""
+    try:
+        optimizer.attach_refresher(runtime)  # raises ValueError when already orchestrated
+        for pid, name in p.names.items():  # messages name parameters (issue 7)
+            optimizer.param_names.setdefault(pid, name)
+        if model is not None and config.hooks:
+            # issue 7: the hooks hold the runtime weakly and go when it is collected without
+            # close(), so a model that outlives its optimizer keeps no runtime (or pool) alive;
+            # none where they could not change anything (Note [Backward signals] in hooks.py)
+            signalled = [
+                i for i, pid in p.pid_of.items() if installs_on_signal(config, p.coherence, pid)
+            ]
+            p.signals = ModuleSignals(model, signalled, _weak_signal(runtime))
+            weakref.finalize(runtime, p.signals.remove)
+        p.finalizer = weakref.finalize(runtime, _shutdown, p.pool, p.spill, p.lane, p.grad_guards)
+    except BaseException:
+        p.undo(optimizer, runtime)
+        raise
 
 
 def installs_on_signal(config: RuntimeConfig, coherence: Coherence | None, pid: int) -> bool:

@@ -85,6 +85,7 @@ class Runtime:
         self.arch, self.placement = p.choices.arch, p.choices.placement
         self._lane, self._bases, self._refreshes = p.lane, p.bases, p.refreshes
         self._boundaries, self._executors = p.boundaries, p.executors
+        attach.connect(p, self, model, optimizer, c)  # the optimizer's refresher from here on
 
     # -- public read-only parts (tests and benchmarks reach the runtime through these) --------
 
