@@ -370,27 +370,31 @@ class Shampoo(KroneckerOptimizer):
     # the factor's scale: bench/shampoo_gap.py (nano, lr 1.5e-3, seeds 1-3, S = 5, roots
     # installed as computed): at 1e-4 native 2.052 and late roots 2.080 (+1.4%); at 1e-3
     # native falls to 2.076 and late roots stay +1.9%. Damping narrows the gap and does not
-    # close it, so the default stays Meta's (0.0); Note [Late roots] closes it.
+    # close it, so the default stays Meta's (0.0); Note [Late roots] brings it within 1%.
     #
     # Note [Late roots]: a runtime installs the roots of L_s at a step t > s (up to the budget
     # S later, one step later with the refresh lead). Installed as computed they cost Shampoo
-    # its quality: on bench/shampoo_gap.py's nano runs above, roots one step late every time
-    # (fixed_delay=1) end at validation loss 2.090 against native's 2.054 (+1.7%), and the
-    # runtime's defaults at 2.099 (+2.2%). One gradient of difference costs that much because
-    # L_s does not contain it: the directions G_t brings have eigenvalues near 0 in L_s, so the
-    # root multiplies them by up to epsilon^{-1/(2k)}. Under a refresher that installs late
-    # (``installs_late``) the pool computes the eigenvectors Q_s of L_s instead
+    # its quality: L_s lacks the gradients since s, whose directions have eigenvalues near 0 in
+    # it, so the root multiplies them by up to epsilon^{-1/(2k)}. Under a refresher that
+    # installs late (``installs_late``) the pool computes the eigenvectors Q_s of L_s instead
     # (``LateRootRefresh``), and the install forms the root in them with L_t's own eigenvalue
     # estimates diag(Q_s^T L_t Q_s) (matrix_functions.inverse_root_in_basis: two products, on
     # the statistics lane where it runs, since they read L_t). Q_s stays L_s's; only the
     # eigenvalues are the step's, as in the eigenvalue-corrected K-FAC of George et al. (2018).
-    # Measured the same way: one step late 2.050 (-0.2% against native), the defaults on a quiet
-    # machine 2.055 (+0.1%), always S late 2.086 (+1.6%, against 2.095 uncorrected: at five
-    # steps the basis itself is stale, and tracking the eigenvalues every step did not help,
-    # 2.089). bench/results/shampoo_gap_cpu_nano_late.json. Where the install is in the same
-    # step as the snapshot (L_t = L_s) the estimates are L_s's eigenvalues up to round-off; at
-    # ``staleness=0`` the runtime installs nothing late and the jobs stay ``RootRefresh``, so
-    # native parity stays bit for bit.
+    # With plain sums (Meta's betas) L_t >= L_s, so no direction of Q_s gets a larger scale
+    # than the late root gives it (tests/unit/test_late_roots.py). bench/shampoo_gap.py (nano,
+    # 200 steps, lr 1.5e-3, seeds 1-3, mean final validation loss, one run on a quiet machine:
+    # bench/results/shampoo_gap_cpu_nano_late.json):
+    #
+    #   installs                         formed (default)   as computed   native
+    #   the runtime's defaults (S = 5)   2.059 (+0.6%)      2.103 (+2.7%)  2.048
+    #   always one step late             2.057 (+0.5%)      2.089 (+2.0%)
+    #   always S = 5 steps late          2.084 (+1.8%)      2.099 (+2.5%)
+    #
+    # At five steps the basis itself is stale and the gap stays: fresher results (a free core
+    # for the pool) are what closes it there. Where the install is in the same step as the
+    # snapshot the estimates are L_s's eigenvalues up to round-off; at ``staleness=0`` nothing
+    # is installed late and the jobs stay ``RootRefresh``, so native parity stays bit for bit.
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
