@@ -134,7 +134,8 @@ def inverse_root(
     epsilon: float = 1e-12,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``Q diag((max(lam, 0) + epsilon)^(-1/root)) Q^T`` of a symmetric PSD ``factor``.
+    """``Q diag(lam^(-1/root)) Q^T`` of a symmetric PSD ``factor``, ``lam`` the eigenvalues of
+    ``factor + epsilon I``, shifted to a smallest of ``epsilon`` where below it (Meta's).
 
     Raises ValueError for a non-square ``factor`` or ``root`` / ``epsilon`` not > 0,
     ``MatrixFunctionError`` when the float64 retry fails too or ``factor`` has non-finite

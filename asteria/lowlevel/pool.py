@@ -223,7 +223,7 @@ class WorkerPool:
         version: int = 0,
         copy: bool = True,
     ) -> RefreshFuture[torch.Tensor]:
-        """``factor^(-1/root)`` of a symmetric PSD ``factor``, eigenvalues clamped at 0 plus
+        """``factor^(-1/root)`` of a symmetric PSD ``factor``, with Meta's perturbation by
         ``epsilon``, as ``asteria.lowlevel.inverse_root``."""
         check_real(f"block {block!r} (version {version}): factor", factor)
         return self._submit(

@@ -13,7 +13,9 @@ Owns: Shampoo's math for one block, with Meta's option names, meanings and defau
   * Kronecker factors ``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` (plain sums when ``b2 == 1``),
     bias-corrected by ``1 - b2^t`` when ``use_bias_correction`` (the factors are kept
     bias-corrected: ``_update_factors``);
-  * inverse roots ``L_i^{-1/(2k)}`` (eigenvalues plus ``epsilon``) at ``start_preconditioning_step``
+  * inverse roots ``L_i^{-1/(2k)}`` (the eigenvalues of ``L_i + epsilon I``, shifted as Meta
+    shifts them where the smallest is below ``epsilon``: Note [Singular factors] in
+    matrix_functions.py) at ``start_preconditioning_step``
     and at every multiple of ``precondition_frequency`` after it (Meta's
     ``perform_amortized_computation``);
   * the first moment ``M = lerp(M, G, 1 - b1)``, divided by ``1 - b1^t`` when
@@ -32,9 +34,6 @@ Where Asteria differs from Meta (docs/fidelity.md has the table):
     set by ``epsilon^{-1/(2k)}`` on a rank-deficient factor's round-off (frequency 1 roots a
     rank-1 factor at step 1): the test suite's small fp32 problems went to NaN within 3 steps at
     lr 3e-3. ``grafting="none"`` is Meta's default exactly;
-  * eigenvalues of a factor below zero (round-off of a PSD matrix) are clamped at zero before
-    ``epsilon`` is added, where Meta shifts every eigenvalue by the smallest when it is below
-    zero; the two agree wherever the factor's computed spectrum is non-negative;
   * a block whose roots were never computed (a runtime's first roots arriving up to ``S``
     steps late, or a first root that failed) takes the grafting direction; Meta starts from
     identity roots (the block's ``M`` rescaled to the grafting norm, which puts the whole step

@@ -172,9 +172,15 @@ at::Tensor inverse_root(const at::Tensor& factor, double root, double epsilon,
   if (!all_finite(factor)) {
     throw MatrixFunctionError("inverse_root: factor has non-finite entries");
   }
+  // Meta's perturbation, as asteria/optim/matrix_functions.py's twin (Note [Singular factors]
+  // there): eigh(factor + epsilon I), then lam - min(lam) + epsilon where min(lam) < epsilon.
   const auto run = [&factor, root, epsilon](at::ScalarType dt) -> Outputs {
-    auto [evals, evecs] = lapack::eigh(canonical(factor, dt));
-    const at::Tensor scale = (evals.clamp(0) + epsilon).pow(-1.0 / root);
+    at::Tensor f = canonical(factor, dt).clone();
+    f.diagonal().add_(epsilon);
+    auto [evals, evecs] = lapack::eigh(f);
+    const at::Tensor low = evals.min();
+    const at::Tensor lam = at::where(low < epsilon, (evals - low) + epsilon, evals);
+    const at::Tensor scale = lam.pow(-1.0 / root);
     return {lapack::matmul(evecs * scale, evecs.t())};
   };
   return with_fp64_retry(run, dtype, "inverse_root")[0];

@@ -48,7 +48,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> qr_refresh(const at::Tensor& f
                                                              bool sort = true,
                                                              at::ScalarType dtype = at::kFloat);
 
-// factor^{-1/root} = Q diag((max(lambda, 0) + epsilon)^{-1/root}) Q^T of a symmetric PSD factor.
+// factor^{-1/root} = Q diag(lambda^{-1/root}) Q^T of a symmetric PSD factor, lambda the eigenvalues
+// of factor + epsilon I shifted to min(lambda) = epsilon where below it (Meta's perturbation).
 at::Tensor inverse_root(const at::Tensor& factor, double root, double epsilon = 1e-12,
                         at::ScalarType dtype = at::kFloat);
 
