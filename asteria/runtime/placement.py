@@ -259,6 +259,7 @@ class Executors:
         self.ran_on: dict[str, str] = {}  # block name -> where its last job ran
         self.block_jobs: dict[str, dict[int, tuple[str, int]]] = {}  # name -> dim -> (kind, size)
         self.step_s: float | None = None
+        self._versions: dict[str, int] = {}  # the latest version submitted per pool block name
         self._last_step: float | None = None
         self._reserved_s = 0.0
 
@@ -285,6 +286,13 @@ class Executors:
         kind, size = job.kind, int(job.factor.shape[0])
         where = self._place(kind, size, deadline - version)
         if where == "pool":
+            # Note [Versions after a load]: the C++ pool refuses a version older than the one
+            # it holds queued for the block (a caller's mistake, in general). A load into a live
+            # runtime drops the refreshes in flight and requests again from the checkpoint's
+            # earlier steps while a dropped job may still be queued: such a submission goes in
+            # at the queued version, so it supersedes (cancels) the dropped job instead of being
+            # refused. The deadline, which orders the queue, stays the request's.
+            version = self._versions[name] = max(version, self._versions.get(name, version))
             future = job.submit(self.pool, name, version, deadline, job.factor, job.basis)
             future = testing.delayed(future, self._timeout_error)
         else:

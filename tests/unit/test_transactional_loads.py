@@ -137,6 +137,32 @@ def test_an_older_checkpoint_into_a_live_runtime_keeps_the_staleness_contract(na
     assert stats["basis_age"]["within_bound"], (stats["basis_age"], stats["blocks"])
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_an_older_checkpoint_loads_while_the_dropped_refreshes_are_still_queued(name):
+    """Note [Versions after a load] in placement.py: the refreshes the load drops may still be
+    queued in the C++ pool, at later versions than the checkpoint's next requests (which the
+    pool refuses by itself). One busy worker keeps them queued: the older requests supersede
+    them instead of failing the step (a race before: it failed when the pool had not started
+    the dropped job yet)."""
+    net, opt, rt = _trained(name, runtime=True, steps=3)
+    old_net, old_opt = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    train(net, opt, 6)
+    g = torch.randn(2000, 2000, generator=torch.Generator().manual_seed(0))
+    busy = rt.pool.submit_eigh("busy", 0, 0, g @ g.T)  # the one worker, for a second or more
+    for _ in range(6):  # until a request at a later step than the checkpoint's is queued
+        train(net, opt, 1)
+        rt.sync()  # (the statistics lane submits some of them)
+        if dict(rt.pool.stats())["queued"] > 0:
+            break
+    assert dict(rt.pool.stats())["queued"] > 0
+    net.load_state_dict(old_net)
+    opt.load_state_dict(old_opt)
+    train(net, opt, 6)
+    busy.result()
+    rt.close()
+    assert rt.stats()["basis_age"]["within_bound"]
+
+
 def test_a_runtime_state_that_cannot_be_installed_in_time_is_refused():
     net, opt, rt = _trained("soap", runtime=True, steps=5)
     saved = rt.state_dict()
