@@ -18,9 +18,6 @@ mode under variations that each isolate one candidate cause of the gap:
 * ``*_rel<e>``: the same with Shampoo's ``rel_epsilon=e`` (the damping relative to the factor's
   largest row sum, a bound on its largest eigenvalue; Note [Damping stale roots] in
   asteria/optim/shampoo.py).
-* ``*_uncorrected``: the same with ``late_root_correction=False``: late roots installed as
-  computed, without the eigenvalues of the factor at the install (Note [Late roots] in
-  asteria/optim/shampoo.py; the runtime's default forms them).
 
 Per variant: the final training loss (mean of the last 10 steps, as step_time.py), the
 validation loss at the end, the first and last step from the start (step 10) on at which a block
@@ -34,9 +31,7 @@ Usage: ``python bench/shampoo_gap.py [--variants native,asteria,fd1] [--eps 1e-6
 One ``nano`` cosine run (200 steps of 8 x 64) took 19-89 s on the shared 2-vCPU machine, a
 ``tiny`` one 8-14 minutes under load; bench/results/shampoo_gap_cpu_nano*.json:
 ``--schedule cosine --model nano --steps 200 --batch-size 8 --seq-len 64 --lr 1.5e-3 --seeds
-1,2,3`` (``shampoo_gap_cpu_nano_late.json``: ``--variants native,asteria,asteria_uncorrected,
-fd1,fd1_uncorrected,fdS,fdS_uncorrected``; the files before it are from before Note [Late
-roots], when every late root was installed as computed).
+1,2,3``.
 """
 
 from __future__ import annotations
@@ -80,10 +75,7 @@ def _runtime_config(base: str, staleness: int) -> RuntimeConfig | None:
 
 def split_variant(variant: str) -> tuple[str, dict]:
     """``fd1_eps1e-6`` -> ``("fd1", {"epsilon": 1e-6})``; ``native_rel1e-4`` -> ``rel_epsilon``
-    1e-4; ``asteria_uncorrected`` -> ``("asteria", {"late_root_correction": False})``."""
-    base, found, rest = variant.partition("_uncorrected")
-    if found and not rest:
-        return base, {"late_root_correction": False}
+    1e-4."""
     for tag, key in (("_eps", "epsilon"), ("_rel", "rel_epsilon")):
         base, found, value = variant.partition(tag)
         if found:

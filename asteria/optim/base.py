@@ -40,7 +40,6 @@ from asteria.optim.overflow import GradientChecks
 from asteria.optim.refresher import (
     BlockEnd,
     BlockKey,
-    LateRootRefresh,
     NativeRefresher,
     QRRefresh,
     Refresher,
@@ -63,7 +62,6 @@ __all__ = [
     "BlockEnd",
     "BlockKey",
     "KroneckerOptimizer",
-    "LateRootRefresh",
     "NativeRefresher",
     "PLACEHOLDER_STEP",
     "RUNTIME_STATE_KEY",

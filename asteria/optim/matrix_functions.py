@@ -20,7 +20,6 @@ __all__ = [
     "eigh_descending",
     "qr_refresh",
     "inverse_root",
-    "inverse_root_in_basis",
 ]
 
 # The shift the authors of SOAP add before eigh ("L + 1e-30 I"); kept so results match theirs.
@@ -245,31 +244,3 @@ def _perturbed(lam: torch.Tensor, epsilon: float) -> torch.Tensor:
     149.5 on a Xeon (down on an EPYC: the round-off decides); with the shift, to 134.5."""
     low = lam.min()
     return torch.where(low < epsilon, (lam - low) + epsilon, lam)
-
-
-def inverse_root_in_basis(
-    basis: torch.Tensor,
-    factor: torch.Tensor,
-    root: float,
-    epsilon: float = 1e-12,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``factor^{-1/root}`` taken in the orthonormal ``basis`` (the eigenvectors of an earlier
-    factor) with ``factor``'s own eigenvalue estimates in it: ``Q diag(lam^{-1/root}) Q^T`` with
-    ``lam = diag(Q^T (F + epsilon I) Q)`` perturbed as ``inverse_root`` perturbs its eigenvalues
-    (Note [Late roots] in asteria/optim/shampoo.py).
-
-    Where ``basis`` diagonalizes ``factor`` this is ``inverse_root(factor, ...)``; two matrix
-    products (no eigendecomposition), in ``dtype``, returned in ``dtype``."""
-    _check_square("factor", factor)
-    if basis.shape != factor.shape:
-        raise ValueError(f"basis shape {tuple(basis.shape)} != factor shape {tuple(factor.shape)}")
-    if root <= 0:
-        raise ValueError(f"root must be > 0, got {root}")
-    if epsilon <= 0:
-        raise ValueError(f"epsilon must be > 0, got {epsilon}")
-    q = _canonical(basis, dtype)
-    estimates = (q * torch.mm(_canonical(factor, dtype), q)).sum(dim=0)  # diag(Q^T F Q)
-    # diag(Q^T (F + epsilon I) Q), perturbed as inverse_root perturbs (Note [Singular factors])
-    scale = _perturbed(estimates + epsilon, epsilon).pow(-1.0 / root)
-    return (q * scale) @ q.T

@@ -1,13 +1,13 @@
 """The seam between an optimizer's step and whoever computes its refreshes.
 
-Owns: the refresh jobs (``RefreshJob``: one factor's refresh, described so that it can run here or
-on the worker pool; its kinds are types, ``QRRefresh``, ``RootRefresh`` and ``LateRootRefresh``,
-each of which knows how it runs, how it is submitted to the pool, what its result holds and how it
-is written in a checkpoint), ``Update`` (one parameter's update of a step), ``BlockEnd`` (what a
-block hands its refresher at the end of its step), the ``Refresher`` protocol the optimizers call
-during a step, and ``NativeRefresher``, the synchronous algorithm (a due refresh computed and
-installed inside the step). ``asteria.Runtime`` is the other refresher. A refresher is bound to its
-optimizer when it is made or attached, so its methods do not take the optimizer.
+Owns: the refresh jobs (``RefreshJob``: one factor's refresh, described so that it can run here
+or on the worker pool; its kinds are types, ``QRRefresh`` and ``RootRefresh``, each of which
+knows how it runs, how it is submitted to the pool, what its result holds and how it is
+written in a checkpoint), ``Update`` (one parameter's update of a step), ``BlockEnd`` (what a
+block hands its refresher at the end of its step), the ``Refresher`` protocol the optimizers
+call during a step, and ``NativeRefresher``, the synchronous algorithm (a due refresh computed
+and installed inside the step). ``asteria.Runtime`` is the other refresher. A refresher is bound
+to its optimizer when it is made or attached, so its methods do not take the optimizer.
 
 Must not: hold any algorithm's math beyond running a job's matrix function.
 """
@@ -31,7 +31,6 @@ __all__ = [
     "BlockEnd",
     "BlockKey",
     "JOB_KINDS",
-    "LateRootRefresh",
     "NativeRefresher",
     "QRRefresh",
     "RefreshJob",
@@ -184,16 +183,6 @@ class RootRefresh(RefreshJob):
             name, version, deadline, factor, self.root, self.damping(factor), self.dtype
         )
 
-    def finish(self, result: Any, factor: torch.Tensor) -> torch.Tensor:
-        """The root to install into a block whose factor is now ``factor``: ``result`` itself,
-        or, for a ``LateRootRefresh``'s ``(eigenvalues, eigenvectors)``, the root of ``factor``
-        in those eigenvectors, damped alike (Note [Late roots] in asteria/optim/shampoo.py)."""
-        if not isinstance(result, tuple):
-            return result
-        return mf.inverse_root_in_basis(
-            result[1], factor, self.root, self.damping(factor), dtype=self.dtype
-        )
-
     def without_tensors(self) -> RefreshJob:
         return replace(self, factor=None)
 
@@ -209,43 +198,8 @@ class RootRefresh(RefreshJob):
                    rel_epsilon=float(o.get("rel_epsilon", 0.0)))  # fmt: skip
 
 
-@dataclass
-class LateRootRefresh(RootRefresh):
-    """A root for a refresher that installs late (``Refresher.installs_late``): the factor's
-    eigendecomposition, ``(eigenvalues, eigenvectors)`` in descending order (the pool's
-    ``submit_eigh``); the root itself is formed when it is installed, in those eigenvectors with
-    the eigenvalue estimates of the factor at that step (``finish``; Note [Late roots] in
-    asteria/optim/shampoo.py). A result sent between ranks carries the eigenvectors alone
-    (``(None, eigenvectors)``)."""
-
-    kind: ClassVar[str] = "late_root"
-
-    def run(self) -> Any:
-        return mf.eigh_descending(self.factor, dtype=self.dtype)
-
-    def submit(self, pool, name, version, deadline, factor, basis):
-        return pool.submit_eigh(name, version, deadline, factor, self.dtype)
-
-    def parts(self, result):
-        return result[1], None
-
-    def from_parts(self, matrix, perm):
-        return None, matrix
-
-    def result_bytes(self) -> int:
-        d = int(self.factor.shape[0])
-        return (
-            super().result_bytes()
-            + d * torch.empty((), dtype=self.dtype, device="meta").element_size()
-        )
-
-
 #: Checkpoint names of the job kinds (``RefreshJob.from_options``).
-JOB_KINDS: dict[str, Any] = {
-    QRRefresh.kind: QRRefresh,
-    RootRefresh.kind: RootRefresh,
-    LateRootRefresh.kind: LateRootRefresh,
-}
+JOB_KINDS: dict[str, Any] = {QRRefresh.kind: QRRefresh, RootRefresh.kind: RootRefresh}
 
 
 class Update(NamedTuple):
@@ -323,13 +277,6 @@ class Refresher(Protocol):
         ...
 
     @property
-    def installs_late(self) -> bool:
-        """Whether a refresh may be installed at a later step than the one whose factors it was
-        computed from (a runtime with a staleness budget); False in the synchronous algorithm.
-        Shampoo then asks for ``LateRootRefresh`` (Note [Late roots] in shampoo.py)."""
-        ...
-
-    @property
     def lead(self) -> int:
         """How many steps before the step that uses it an optimizer whose update uses the
         refresh of its own step (``refresh_precedes_update``) requests a refresh: 0 in the
@@ -390,8 +337,6 @@ class NativeRefresher:
     splits_updates = False  # everything in the step's own thread
 
     lead = 0  # a due refresh is computed in the step that uses it
-
-    installs_late = False  # and installed in it
 
     def beside(self, fn, *args):
         raise RuntimeError("NativeRefresher runs the whole update in the step's thread")

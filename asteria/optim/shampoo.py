@@ -63,7 +63,6 @@ import torch
 from asteria.optim.base import (
     BlockEnd,
     KroneckerOptimizer,
-    LateRootRefresh,
     ParamsT,
     RefreshJob,
     RootRefresh,
@@ -113,11 +112,6 @@ class Shampoo(KroneckerOptimizer):
         merge_dims: merge small dims as Meta does (``False``: only squeeze size-1 dims, Meta's
             ``target_parameter_dimensionality=math.inf``).
         refresh_dtype: precision of the root computation.
-        late_root_correction: under a runtime that installs roots late (a staleness budget
-            above 0), form each root when it is installed, in the eigenvectors of the factor it
-            was computed from with the eigenvalues of the factor at that step (Note [Late
-            roots]). ``False``: install the root of the older factor as computed. No effect
-            in native mode or at ``staleness=0``.
     """
 
     bases_field = "roots"
@@ -143,7 +137,6 @@ class Shampoo(KroneckerOptimizer):
         merge_dims: bool = True,
         refresh_dtype: torch.dtype = torch.float32,
         rel_epsilon: float = 0.0,
-        late_root_correction: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -161,9 +154,7 @@ class Shampoo(KroneckerOptimizer):
             momentum=momentum,
             merge_dims=merge_dims,
             refresh_dtype=refresh_dtype,
-            late_root_correction=late_root_correction,
         )
-        self._block_groups: dict[int, tuple[dict, dict]] = {}  # _group_of's lookup
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -179,8 +170,8 @@ class Shampoo(KroneckerOptimizer):
         start = group["start_preconditioning_step"]
         if start is not None and not (isinstance(start, int) and start == -1):
             check_range("start_preconditioning_step (or -1)", start, 1, integer=True)
-        for flag in ("use_bias_correction", "merge_dims", "late_root_correction"):
-            if not isinstance(group.get(flag, True), bool):
+        for flag in ("use_bias_correction", "merge_dims"):
+            if not isinstance(group[flag], bool):
                 raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
 
     def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
@@ -364,46 +355,28 @@ class Shampoo(KroneckerOptimizer):
             f.add_(gram(g, i), alpha=weight)
 
     # Note [Damping stale roots]: a root of L_s used at a later step t amplifies the directions
-    # of the gradients since s by up to epsilon^{-1/(2k)} (1e3 for a matrix at Meta's 1e-12),
-    # and the grafting then puts the block's whole step on them. rel_epsilon damps relative to
-    # the factor's scale: bench/shampoo_gap.py (nano, lr 1.5e-3, seeds 1-3, S = 5, roots
-    # installed as computed): at 1e-4 native 2.052 and late roots 2.080 (+1.4%); at 1e-3
-    # native falls to 2.076 and late roots stay +1.9%. Damping narrows the gap and does not
-    # close it, so the default stays Meta's (0.0); Note [Late roots] brings it within 1%.
-    #
-    # Note [Late roots]: a runtime installs the roots of L_s at a step t > s (up to the budget
-    # S later, one step later with the refresh lead). Installed as computed they cost Shampoo
-    # its quality: L_s lacks the gradients since s, whose directions have eigenvalues near 0 in
-    # it, so the root multiplies them by up to epsilon^{-1/(2k)}. Under a refresher that
-    # installs late (``installs_late``) the pool computes the eigenvectors Q_s of L_s instead
-    # (``LateRootRefresh``), and the install forms the root in them with L_t's own eigenvalue
-    # estimates diag(Q_s^T L_t Q_s) (matrix_functions.inverse_root_in_basis: two products, on
-    # the statistics lane where it runs, since they read L_t). Q_s stays L_s's; only the
-    # eigenvalues are the step's, as in the eigenvalue-corrected K-FAC of George et al. (2018).
-    # With plain sums (Meta's betas) L_t >= L_s, so no direction of Q_s gets a larger scale
-    # than the late root gives it (tests/unit/test_late_roots.py). bench/shampoo_gap.py (nano,
-    # 200 steps, lr 1.5e-3, seeds 1-3, mean final validation loss, one run on a quiet machine:
-    # bench/results/shampoo_gap_cpu_nano_late.json):
-    #
-    #   installs                         formed (default)   as computed   native
-    #   the runtime's defaults (S = 5)   2.059 (+0.6%)      2.103 (+2.7%)  2.048
-    #   always one step late             2.057 (+0.5%)      2.089 (+2.0%)
-    #   always S = 5 steps late          2.084 (+1.8%)      2.099 (+2.5%)
-    #
-    # At five steps the basis itself is stale and the gap stays: fresher results (a free core
-    # for the pool) are what closes it there. Where the install is in the same step as the
-    # snapshot the estimates are L_s's eigenvalues up to round-off; at ``staleness=0`` nothing
-    # is installed late and the jobs stay ``RootRefresh``, so native parity stays bit for bit.
+    # of the gradients since s that L_s lacks by up to epsilon^{-1/(2k)} (1e3 for a matrix at
+    # Meta's 1e-12), and the grafting then puts the block's whole step on them. Native Shampoo
+    # meets this between its refreshes; roots that arrive late (a runtime's, up to S steps)
+    # meet it on more steps. Most of the gap that late roots once cost (bench/shampoo_gap.py,
+    # nano, lr 1.5e-3, seeds 1-3, S = 5: +2.7%) was not staleness but this module's clamp of
+    # a singular factor's negative round-off eigenvalues, each then scaled by the root's
+    # largest factor (Note [Singular factors] in matrix_functions.py): with Meta's perturbation
+    # late roots are +0.1% there, always one step late +0.1%, always five steps late +1.3%
+    # (docs/benchmarks.md, "Shampoo's gap to native"). rel_epsilon damps relative to the
+    # factor's scale; measured with the clamp, at 1e-4 it narrowed the gap to +1.4% and at 1e-3
+    # made native worse (2.076 against 2.052), so the default stays Meta's (0.0). Forming the
+    # late root in the late eigenvectors with the current factor's eigenvalue estimates (as
+    # eigenvalue-corrected K-FAC does) was tried and dropped: with Meta's perturbation it made
+    # the late roots worse, +0.6% at the defaults and +1.7% five steps late at lr 1.5e-3.
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """``L_i^{-1/(2k)}`` for every factor of an order-k block (``1/2`` for 1-D blocks)."""
         root = 2 * len(block["factors"])
-        late = self._refresher.installs_late and group.get("late_root_correction", True)
-        job = LateRootRefresh if late else RootRefresh  # Note [Late roots]
         return [
-            job(
+            RootRefresh(
                 f,
                 root=root,
                 epsilon=group["epsilon"],
@@ -414,31 +387,9 @@ class Shampoo(KroneckerOptimizer):
         ]
 
     def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
-        """A root (``RootRefresh``), or an eigendecomposition (``LateRootRefresh``) whose root is
-        formed now from the factor as it is (Note [Late roots])."""
-        jobs = self.refresh_jobs(block, self._group_of(block))
         block["roots"] = [
-            job.finish(r, f).to(dtype=f.dtype, device=f.device)
-            for r, f, job in zip(results, block["factors"], jobs)
+            r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
         ]
-
-    def _group_of(self, block: dict[str, Any]) -> dict[str, Any]:
-        """The param group of ``block`` (a lookup rebuilt when the state was replaced)."""
-        hit = self._block_groups.get(id(block))
-        if hit is None or hit[0] is not block:
-            self._block_groups = {id(b): (b, g) for _, _, b, g in self.blocks()}
-            hit = self._block_groups[id(block)]
-        return hit[1]
-
-    def install_cost(self, block: dict[str, Any]) -> float:
-        """Forming late roots (Note [Late roots]): two ``d^3`` products per factor; free where
-        the roots are installed as computed."""
-        if not (
-            self._refresher.installs_late
-            and self._group_of(block).get("late_root_correction", True)
-        ):
-            return 0.0
-        return float(sum(4 * f.shape[0] ** 3 for f in block["factors"]))
 
 
 def merge_small_dims_reversed(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:

@@ -1,13 +1,13 @@
 """Where a refresh runs: the executors, and the rule that places each job on one of them.
 
 Owns: ``Executors``, what the runtime's refreshes and snapshots submit to (it has the C++ pool's
-``submit_qr_refresh`` / ``submit_inverse_root`` / ``submit_eigh``, so a ``RefreshJob`` submits to it
-as to the pool), which places each job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh
+``submit_qr_refresh`` / ``submit_inverse_root``, so a ``RefreshJob`` submits to it as to the
+pool), which places each job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh
 placement]); the moving averages of the jobs' measured durations per executor, kind and size
-(``Durations``); each executor's backlog; the room the executors have for more work (what continuous
-refresh asks, Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one thread running
-jobs with torch, in deadline order, on its own lowest-priority CUDA stream, or on the CPU (the
-stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
+(``Durations``); each executor's backlog; the room the executors have for more work (what
+continuous refresh asks, Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one
+thread running jobs with torch, in deadline order, on its own lowest-priority CUDA stream, or on
+the CPU (the stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
 
 Must not: decide when a refresh is requested or installed (schedule.py), install, or change what
 a job computes (the optimizer's ``RefreshJob`` does; both executors run the same functions: the
@@ -41,7 +41,6 @@ install reads them after the thread has seen the stream finish.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import threading
@@ -51,7 +50,7 @@ from typing import Any
 
 import torch
 
-from asteria.optim.refresher import LateRootRefresh, QRRefresh, RefreshJob, RootRefresh
+from asteria.optim.refresher import QRRefresh, RefreshJob, RootRefresh
 from asteria.runtime import testing
 
 __all__ = ["Durations", "Executors", "StreamExecutor"]
@@ -228,8 +227,8 @@ def _copied(
 
     if isinstance(job, QRRefresh):
         return QRRefresh(copy(job.factor), copy(job.basis), sort=job.sort, dtype=job.dtype)
-    if isinstance(job, RootRefresh):  # and LateRootRefresh
-        return dataclasses.replace(job, factor=copy(job.factor))
+    if isinstance(job, RootRefresh):
+        return RootRefresh(copy(job.factor), root=job.root, epsilon=job.epsilon, dtype=job.dtype)
     raise TypeError(f"no device-stream form of {type(job).__name__}")
 
 
@@ -275,10 +274,6 @@ class Executors:
         self, name, version, deadline, factor, root, epsilon=1e-12, dtype=torch.float32
     ):
         job = RootRefresh(factor, root=root, epsilon=epsilon, dtype=dtype)
-        return self._submit(job, name, version, deadline)
-
-    def submit_eigh(self, name, version, deadline, factor, dtype=torch.float32):
-        job = LateRootRefresh(factor, dtype=dtype)  # (its run is the eigendecomposition)
         return self._submit(job, name, version, deadline)
 
     def _submit(self, job: RefreshJob, name: str, version: int, deadline: int) -> Any:

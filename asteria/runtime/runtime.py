@@ -199,10 +199,6 @@ class Runtime:
     def lead(self) -> int:
         return self.schedule.lead  # Note [Refresh lead] in schedule.py
 
-    @property
-    def installs_late(self) -> bool:
-        return self.schedule.budget > 0  # Note [Late roots] in asteria/optim/shampoo.py
-
     def beside(self, fn: Any, *args: Any) -> Any:
         """Part of the step's update on the statistics lane (Note [Split updates] in lane.py)."""
         return self._lane.beside(fn, *args)

@@ -195,17 +195,10 @@ def _checked_results(results: Any, jobs: list[Any], factors: list[Any], where: s
             continue
         d = int(f.shape[0])
         pair = isinstance(r, (tuple, list)) and len(r) == 2
-        paired = {
-            "qr": "(basis, permutation or None)",
-            "late_root": "(eigenvalues or None, eigenvectors)",
-        }
-        if job is not None and pair != (job.kind in paired):
-            shape = paired.get(job.kind, "a matrix")
+        if job is not None and pair != (job.kind == "qr"):
+            shape = "(basis, permutation or None)" if job.kind == "qr" else "a matrix"
             raise ValueError(f"{where}: results[{dim}] must be {shape} for a {job.kind} job")
         matrix, perm = (r[0], r[1]) if pair else (r, None)
-        evals = None
-        if job is not None and job.kind == "late_root":
-            evals, matrix, perm = r[0], r[1], None
         if (
             not isinstance(matrix, torch.Tensor)
             or tuple(matrix.shape) != (d, d)
@@ -216,8 +209,6 @@ def _checked_results(results: Any, jobs: list[Any], factors: list[Any], where: s
                 f"{where}: results[{dim}] is {got}, a floating-point {d} x {d} matrix is needed "
                 "(a checkpoint of a model of another shape?)"
             )
-        if evals is not None and (not isinstance(evals, torch.Tensor) or evals.shape != (d,)):
-            raise ValueError(f"{where}: results[{dim}] needs {d} eigenvalues (or None)")
         wants_perm = job is not None and job.permutes
         if wants_perm and (
             not isinstance(perm, torch.Tensor)
@@ -225,5 +216,5 @@ def _checked_results(results: Any, jobs: list[Any], factors: list[Any], where: s
             or tuple(perm.shape) != (d,)
         ):
             raise ValueError(f"{where}: results[{dim}] needs a permutation of {d} (int64)")
-        futures.append(Restored(tuple(r) if pair else r))
+        futures.append(Restored(r))
     return futures
