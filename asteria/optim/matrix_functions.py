@@ -81,14 +81,14 @@ def _canonical(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return a.to(dtype).contiguous()
 
 
-def _shifted(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A copy of ``a`` in ``dtype`` with ``EIGH_SHIFT`` added to its diagonal (in
-    place: the same values as ``a + EIGH_SHIFT * I`` without building the identity)."""
+def _shifted(a: torch.Tensor, dtype: torch.dtype, shift: float = EIGH_SHIFT) -> torch.Tensor:
+    """A copy of ``a`` in ``dtype`` with ``shift`` added to its diagonal (in place: the same
+    values as ``a + shift * I`` without building the identity)."""
     # Column-major, the layout LAPACK works in: eigh's own working copy is then a plain memcpy
     # (it copies any layout to the same column-major values, so the result does not change).
     out = torch.empty(a.shape[::-1], dtype=dtype, device=a.device).T
     out.copy_(a)
-    out.diagonal().add_(EIGH_SHIFT)
+    out.diagonal().add_(shift)
     return out
 
 
@@ -219,9 +219,7 @@ def inverse_root(
         raise MatrixFunctionError("inverse_root: factor has non-finite entries")
 
     def run(dt: torch.dtype):
-        f = _canonical(factor, dt).clone()
-        f.diagonal().add_(epsilon)
-        evals, evecs = torch.linalg.eigh(f)
+        evals, evecs = torch.linalg.eigh(_shifted(factor, dt, epsilon))  # factor + epsilon I
         scale = _perturbed(evals, epsilon).pow(-1.0 / root)
         return ((evecs * scale) @ evecs.T,)
 
