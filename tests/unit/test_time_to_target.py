@@ -150,9 +150,10 @@ def test_benchmark_quick_tunes_alike_and_evaluates_on_unseen_seeds(
         assert len(t["grid"]) == 4 and str(t["lr"]) in t["grid"]
         assert min(t["grid"], key=t["grid"].get) == str(t["lr"])
     runs = nano["runs"]
-    assert list(runs) == ["adamw", "soap:native", "soap:asteria"]
-    assert runs["soap:asteria"]["lr"] == runs["soap:native"]["lr"]
-    assert runs["soap:asteria"]["tuned_as"] == "soap:native"
+    assert list(runs) == ["adamw", "soap:native", "soap:asteria", "soap:continuous"]
+    for v in ("soap:asteria", "soap:continuous"):
+        assert runs[v]["lr"] == runs["soap:native"]["lr"]
+        assert runs[v]["tuned_as"] == "soap:native"
     finals = runs["adamw"]["final_val_loss"]["per_seed"]
     assert list(finals) == ["1", "2", "3"]  # evaluated on seeds the tuning never saw
     assert nano["target"] == pytest.approx(statistics.fmean(finals.values()))
@@ -162,10 +163,46 @@ def test_benchmark_quick_tunes_alike_and_evaluates_on_unseen_seeds(
         assert set(r["seconds_to_target"]) == set(r["steps_to_target"]) == {"1", "2", "3"}
         assert set(r["ratio_to_reference"]) >= {"median", "min", "max", "per_seed"}
     assert set(nano["goals"]) >= {"best_asteria", "asteria_ahead_of_native"}
+    # every Asteria mode, continuous refresh included, is judged against the native mode
+    assert set(nano["goals"]["asteria_ahead_of_native"]) == {"soap:asteria", "soap:continuous"}
+    q = nano["goals"]["asteria_quality_within_1pct"]["soap:continuous"]
+    assert set(q["paired_relative_difference"]["per_seed"]) == {"1", "2", "3"}
     assert Path(nano["plot"]).read_bytes()[:8] == PNG
-    # --cache: a second invocation reuses every run (4 + 4 tuning, 3 x 3 evaluation)
-    assert len(cache.read_text().splitlines()) == 17
+    # --cache: a second invocation reuses every run (4 + 4 tuning, 3 x 4 evaluation)
+    assert len(cache.read_text().splitlines()) == 20
     again = bench.main(argv)
-    assert len(cache.read_text().splitlines()) == 17
+    assert len(cache.read_text().splitlines()) == 20
     assert again["presets"]["nano"]["target"] == nano["target"]
     assert "cached" in capsys.readouterr().out
+
+
+def test_paired_difference_is_taken_seed_by_seed_over_the_finite_pairs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.time_to_target import paired_difference
+
+    a = {"1": 2.2, "2": 1.9, "3": None, "4": float("nan"), "5": 2.0}
+    n = {"1": 2.0, "2": 2.0, "3": 2.0, "4": 2.0, "5": None}
+    d = paired_difference(a, n)["paired_relative_difference"]
+    # seeds 3 to 5 lack a finite pair on one side and are left out, not counted as zero
+    assert d["per_seed"] == pytest.approx({"1": 0.1, "2": -0.05})
+    assert d["mean"] == pytest.approx(0.025)
+    assert d["standard_error"] == pytest.approx(statistics.stdev([0.1, -0.05]) / 2**0.5)
+    one = paired_difference({"1": 2.2}, {"1": 2.0})["paired_relative_difference"]
+    assert one["mean"] == pytest.approx(0.1) and one["standard_error"] is None
+    none = paired_difference({"1": None}, {"1": 2.0})["paired_relative_difference"]
+    assert none == {"per_seed": {}, "mean": None, "standard_error": None}
+
+
+@pytest.mark.parametrize("modes", ["asteria", "native,eager", ""])
+def test_benchmark_modes_need_native_and_known_names(
+    modes: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.time_to_target import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--quick", "--modes", modes])
+    assert exc.value.code == 2
+    assert parse_args(["--quick", "--modes", "native,continuous"]).modes == ("native", "continuous")
