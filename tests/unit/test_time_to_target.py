@@ -206,3 +206,16 @@ def test_benchmark_modes_need_native_and_known_names(
         parse_args(["--quick", "--modes", modes])
     assert exc.value.code == 2
     assert parse_args(["--quick", "--modes", "native,continuous"]).modes == ("native", "continuous")
+
+
+def test_the_demo_rates_are_the_committed_tuning() -> None:
+    # Issue 24 item 7: asteria-train's documented rates on nano and tiny are the rates the
+    # committed bench/time_to_target.py run chose (each Asteria mode takes its native mode's).
+    from asteria.train.optimizers import OPTIMIZERS
+
+    result = json.loads((ROOT / "bench/results/time_to_target_cpu.json").read_text())
+    for preset in ("nano", "tiny"):
+        tuning = result["presets"][preset]["tuning"]
+        for name, spec in OPTIMIZERS.items():
+            variant = name if name == "adamw" else f"{name}:native"
+            assert spec.lrs[preset] == pytest.approx(tuning[variant]["lr"]), (preset, name)
