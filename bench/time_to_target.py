@@ -178,9 +178,10 @@ def run_one(preset: str, budget: Budget, variant: str, lr: float, seed: int, cor
         val_batches=budget.val_batches,
     )
     rt = None
-    if mode != "native":
-        refresh = "continuous" if mode == "continuous" else "interval"
-        rt = RuntimeConfig(staleness=args.staleness, refresh=refresh)
+    if mode == "asteria":  # the runtime's defaults (staggered refresh)
+        rt = RuntimeConfig(staleness=args.staleness)
+    elif mode == "continuous":
+        rt = RuntimeConfig(staleness=args.staleness, refresh="continuous")
     start = time.perf_counter()
     result = train(cfg, corpus, runtime_config=rt, progress=False)
     keep = ("step", "step_ms", "loss", "val_loss")

@@ -394,6 +394,7 @@ def build(
         optimizer.refresh_precedes_update,
         c.refresh_lead,
         continuous=c.refresh == "continuous",
+        staggered=c.refresh == "staggered",
     )
     pid_of = {id(p): i for i, p in enumerate(params_of(optimizer))}
     p = Parts(names, block_name, pid_of, Registry(c.staleness), schedule)

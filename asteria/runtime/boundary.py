@@ -67,14 +67,16 @@ class Boundaries:
         schedule, refreshes = self.schedule, self.refreshes
         freq = group["precondition_frequency"]
         e = refreshes.entry(key)
-        due = schedule.due(e, step, freq, due)  # Note [Continuous refresh] in schedule.py
+        replicated = refreshes.replicated(key)
+        exact = schedule.fixed or replicated
+        # Notes [Continuous refresh], [Staggered refresh] in schedule.py
+        due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
         if e.version is None and _has_bases(block, self.bases_field):
             e.version = schedule.initial_version(step, freq)  # a basis made before us
         if not schedule.precedes_update:
             schedule.record_age(e, step, freq)  # the update of this step read it already
-        replicated = refreshes.replicated(key)
         if e.pending is not None and schedule.install_now(
-            e.pending, step, due or e.owed, schedule.fixed or replicated, self.pacer, key
+            e.pending, step, due or e.owed, exact, self.pacer, key
         ):
             self._install(key, e, step, block, replicated)
         elif e.pending is not None and schedule.fixed and not replicated:
@@ -83,11 +85,7 @@ class Boundaries:
             if not e.owed:
                 schedule.coalesced += 1
             e.owed = True  # requested where the refresh in flight is installed
-        elif (
-            due
-            or (e.owed and e.pending is None)
-            or schedule.wants(key, e, schedule.fixed or replicated)
-        ):
+        elif due or (e.owed and e.pending is None) or schedule.wants(key, e, exact):
             e.owed = False
             refreshes.request(key, e, block, group, step)
             if e.pending is not None and schedule.budget == 0:
@@ -147,6 +145,12 @@ class Boundaries:
 
 def _has_bases(block: dict, field: str) -> bool:
     return any(q is not None for q in block.get(field, ()))
+
+
+def _refresh_cost(block: dict) -> float:
+    """About what a block's refresh costs: an eigendecomposition (or root) of each factor,
+    ``d^3`` for a ``d x d`` one (Note [Staggered refresh] in schedule.py)."""
+    return float(sum(f.shape[0] ** 3 for f in block.get("factors", ()) if f is not None))
 
 
 # Note [All-or-nothing steps]

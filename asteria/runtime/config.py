@@ -17,8 +17,9 @@ from asteria.memory.tiers import explicit_tiers
 __all__ = ["RuntimeConfig", "default_workers"]
 
 
-#: How a block's refreshes are requested (Note [Continuous refresh] in schedule.py).
-REFRESH_MODES = ("interval", "continuous")
+#: How a block's refreshes are requested (Notes [Staggered refresh], [Continuous refresh] in
+#: schedule.py).
+REFRESH_MODES = ("interval", "staggered", "continuous")
 
 
 def default_workers() -> int:
@@ -76,12 +77,15 @@ class RuntimeConfig:
         nvme_path: an existing writable directory (a local NVMe drive) for the spill file.
         placement: ``"auto"`` (docs/memory.md, "Placement") or a dict state kind -> tier, e.g.
             ``{"bases": "device"}`` or ``{"results": "nvme"}`` (asteria.memory.tiers.PLACEABLE).
-        refresh: ``"interval"`` (default): a block's refresh is requested every
-            ``precondition_frequency`` steps. ``"continuous"``: ``precondition_frequency`` is
-            the longest interval allowed, and a block is requested again as soon as its
-            previous refresh is installed and an executor has room for it, oldest blocks
-            first (Note [Continuous refresh] in schedule.py). No effect at a budget of 0
-            (native mode).
+        refresh: ``"staggered"`` (default): a block's refresh is requested every
+            ``precondition_frequency`` steps, each block at its own slot of the interval, so
+            that the pool gets a share of the round at every step instead of all of it at once
+            (Note [Staggered refresh] in schedule.py). ``"interval"``: every block at the
+            optimizer's own refresh steps, as natively. ``"continuous"``:
+            ``precondition_frequency`` is the longest interval allowed, and a block is
+            requested again as soon as its previous refresh is installed and an executor has
+            room for it, oldest blocks first (Note [Continuous refresh] in schedule.py). No
+            effect at a budget of 0 (native mode).
         device_refresh: refreshes may run on a low-priority device stream when the CPU pool
             cannot finish them before their deadline (Note [Refresh placement] in
             placement.py). ``None`` (default): where the parameters are on a CUDA device;
@@ -110,7 +114,7 @@ class RuntimeConfig:
     nvme_path: str | os.PathLike[str] | None = None
     placement: str | Mapping[str, str] = "auto"
     statistics_lane: bool | None = None
-    refresh: str = "interval"
+    refresh: str = "staggered"
     device_refresh: bool | None = None
 
     def __post_init__(self) -> None:

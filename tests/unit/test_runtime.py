@@ -342,8 +342,12 @@ def _installs_per_step(pace: bool, cls=SOAP, blocks: int = 8, staleness: int = 4
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(12, 12)) for _ in range(blocks)]
     opt = cls(params, precondition_frequency=5)
-    config = RuntimeConfig(
-        staleness=staleness, workers=1, statistics_lane=False, pace_installs=pace
+    config = RuntimeConfig(  # every block requested at step 5: interval refresh, not staggered
+        staleness=staleness,
+        workers=1,
+        statistics_lane=False,
+        pace_installs=pace,
+        refresh="interval",
     )
     installs = []
     with Runtime(None, opt, config) as rt:

@@ -5,7 +5,8 @@ Invariant, checked after every step of every run: the basis each block's update 
 once the block has a basis; every block installs again and again; nothing in flight is ever
 cancelled by a newer request. Over optimizer x frequency 1..12 x staleness 0..8 x fixed_delay x
 an artificially slowed pool (``asteria.runtime.testing.slow_pool``) x the statistics lane on/off
-x module hooks on/off x interval or continuous refresh (Note [Continuous refresh]), drawn by
+x module hooks on/off x interval, staggered or continuous refresh (Notes [Staggered refresh],
+[Continuous refresh]), drawn by
 hypothesis (derandomized: the same examples in every run).
 The configurations that starved before (0 installs in 30 steps) are named regression tests.
 """
@@ -84,7 +85,7 @@ def _check_contract(seen, frequency, budget):
     lane=st.booleans(),
     hooks=st.booleans(),
     refresh_lead=st.booleans(),
-    refresh=st.sampled_from(["interval", "continuous"]),
+    refresh=st.sampled_from(["interval", "staggered", "continuous"]),
 )
 def test_the_basis_in_use_is_never_older_than_the_bound(
     name, frequency, staleness, fixed, delay_s, lane, hooks, refresh_lead, refresh
@@ -104,7 +105,7 @@ def test_the_basis_in_use_is_never_older_than_the_bound(
     steps = min(2 * basis_age_bound(frequency, budget) + 6, 40)
     seen = _run(name, frequency, config, steps, delay_s)
     _check_contract(seen, frequency, budget)
-    if refresh == "continuous" and budget >= 1:
+    if refresh != "interval" and budget >= 1:
         # f is the longest interval allowed: between two installs of a block, at most
         # max(f, B) + B steps (a request at most max(f, B) after the last, installed within B)
         for block in seen[-1]["refresh"]["blocks"].values():
@@ -200,6 +201,69 @@ def test_replicated_blocks_keep_the_bound_on_two_ranks(tmp_path):
         assert all(c["owned_refreshes"] > 0 for c in cases), name
 
 
+# -- staggered refresh (issue 24, Note [Staggered refresh]) ---------------------------------------
+
+
+def _request_steps(name, frequency, blocks, config, steps):
+    """Per block, the steps its refreshes were requested at (equal blocks, one 8 x 8 weight
+    each), from the runtime's block views after every step; every refresh finishes before the
+    next step (a block moves onto its slot only when its refresh is ready by then)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(blocks)]
+    opt = OPTIMIZERS[name](params, lr=1e-2, precondition_frequency=frequency)
+    requests: dict[str, list[int]] = {}
+    with asteria.Runtime(None, opt, config) as rt:
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            for e in rt.blocks().values():  # every refresh ready before the next step
+                for f in e.pending.futures if e.pending is not None else ():
+                    if f is not None:
+                        f.result(timeout_s=60)
+            opt.step()
+            for e in rt.blocks().values():
+                seen = requests.setdefault(e.name, [])
+                if e.pending is not None and (not seen or seen[-1] != e.pending.requested):
+                    seen.append(e.pending.requested)
+        assert rt.stats()["refresh"]["mode"] == "staggered"
+    return requests
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    frequency=st.integers(2, 8),
+    blocks=st.integers(1, 12),
+    staleness=st.integers(1, 6),
+    refresh_lead=st.booleans(),
+)
+def test_staggered_refresh_spreads_the_blocks_over_the_interval(
+    name, frequency, blocks, staleness, refresh_lead
+):
+    """Each block is requested every ``f`` steps once it has a basis, at most ``f`` after its
+    last request, and equal blocks share the ``f`` slots of the interval evenly: the steps of
+    one interval request ``ceil(n / f)`` blocks at most, not all ``n`` at once."""
+    config = asteria.RuntimeConfig(
+        staleness=staleness,
+        workers=1,
+        statistics_lane=False,
+        refresh="staggered",
+        refresh_lead=refresh_lead,
+    )
+    steps = 5 * frequency + staleness + 4
+    requests = _request_steps(name, frequency, blocks, config, steps)
+    assert len(requests) == blocks
+    slots: dict[int, int] = {}
+    for steps_of in requests.values():
+        gaps = [b - a for a, b in zip(steps_of, steps_of[1:])]
+        assert gaps and all(1 <= g <= frequency for g in gaps), steps_of
+        # on its slot from the third request (Shampoo's first roots: version None until installed)
+        assert all(g == frequency for g in gaps[2:]), steps_of
+        slot = steps_of[-1] % frequency
+        slots[slot] = slots.get(slot, 0) + 1
+    assert max(slots.values()) <= -(-blocks // frequency), slots
+
+
 # -- continuous refresh (issue 19, Note [Continuous refresh]) -------------------------------------
 
 
@@ -220,8 +284,9 @@ def test_continuous_refresh_installs_more_often_than_the_frequency(name):
     assert out["interval"]["refresh"]["interval_max"] >= frequency
 
 
+@pytest.mark.parametrize("refresh", ["staggered", "continuous"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_continuous_refresh_at_a_zero_budget_is_native_bit_for_bit(name):
+def test_continuous_refresh_at_a_zero_budget_is_native_bit_for_bit(name, refresh):
     def params(config):
         model = _model()
         opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, precondition_frequency=3)
@@ -236,7 +301,7 @@ def test_continuous_refresh_at_a_zero_budget_is_native_bit_for_bit(name):
         return [p.detach().clone() for p in model.parameters()]
 
     native = params(None)
-    for a, b in zip(native, params(asteria.RuntimeConfig(staleness=0, refresh="continuous"))):
+    for a, b in zip(native, params(asteria.RuntimeConfig(staleness=0, refresh=refresh))):
         assert torch.equal(a, b)
 
 
@@ -252,5 +317,6 @@ def test_continuous_refresh_under_fixed_delay_requests_at_every_install():
 
 
 def test_refresh_mode_is_validated():
-    with pytest.raises(ValueError, match="refresh must be one of 'interval', 'continuous'"):
+    match = "refresh must be one of 'interval', 'staggered', 'continuous'"
+    with pytest.raises(ValueError, match=match):
         asteria.RuntimeConfig(refresh="eager")
