@@ -37,10 +37,12 @@ machine, commit, torch version, date and duration.
 
 The JSON's ``duration_s`` is how long a run of it took: at its defaults 67 min on the shared
 2-vCPU AMD EPYC (2026-12-03, f69699c: nano 9 min, tiny 57 min, a tiny run 55-100 s), over the
-issue's 45 min; the Intel Xeon took 36 min for seven variants (f2fdf15). ``--presets nano`` takes
-about 10 min. ``--quick`` (nano, a few tiny steps, for the tests) takes about half a minute.
-``--cache FILE`` keeps each finished run (a JSON line) and reuses it when the same run is asked
-again, so that an interrupted benchmark continues where it stopped.
+issue's 45 min; the Intel Xeon took 36 min for seven variants (f2fdf15). The evaluation alone
+(the tuning's 32 runs from ``--cache``) took 41 min on the EPYC at 4c26c46 (nano 6, tiny 36).
+``--presets nano`` takes about 10 min. ``--quick`` (nano, a few tiny steps, for the tests)
+takes about half a minute. ``--cache FILE`` keeps each finished run (a JSON line) and reuses
+it when the same run is asked again, so that an interrupted benchmark continues where it
+stopped.
 
 Usage: ``python bench/time_to_target.py [--presets tiny] [--json bench/results/t.json]``.
 """
