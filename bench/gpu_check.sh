@@ -11,7 +11,8 @@
 # Phases: build (pip install --no-build-isolation --no-deps -e . with TORCH_CUDA_ARCH_LIST,
 # ASTERIA_FORCE_CUDA=1), info (python -m asteria.info, and the GPU's name), tests (tests/gpu and
 # the CUDA-relevant unit tests), step_time (AdamW, native and Asteria SOAP and KL-Shampoo, with
-# NVML energy per step), memory (bench/memory.py --measure-cuda: max_memory_allocated), capacity
+# NVML energy per step), time_to_target (bench/time_to_target.py --device cuda on the tiny
+# preset, at the committed CPU tuning's rates), memory (bench/memory.py --measure-cuda: max_memory_allocated), capacity
 # (bench/capacity.py when present, else bench/gpu_refresh_time.py: device eigh/QR vs the CPU
 # pool per factor size), summary (bench/gpu_summary.py: the figures against the goals).
 #
@@ -24,7 +25,8 @@
 # files): the results' JSON, phases.txt, gpu_summary.txt and gpu_check_logs.tar.gz (all logs).
 # Knobs (environment): PYTHON, GPU_CHECK_BUDGET_S,
 # GPU_CHECK_MODEL (olmo-150m), GPU_CHECK_LAYERS (12), GPU_CHECK_BATCH (32), GPU_CHECK_SEQ (512),
-# GPU_CHECK_STEPS (60), GPU_CHECK_WORKERS (cores - 1), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS.
+# GPU_CHECK_STEPS (60), GPU_CHECK_WORKERS (cores - 1), GPU_CHECK_TTT_PRESETS (tiny),
+# TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -52,7 +54,7 @@ while (($#)); do
     shift
 done
 
-PHASES=(build info tests step_time memory capacity summary)
+PHASES=(build info tests step_time time_to_target memory capacity summary)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a wanted <<<"$ONLY"
     for w in "${wanted[@]}"; do
@@ -110,10 +112,10 @@ TAG="<gpu>"
 GPU_NAME="<from torch.cuda.get_device_name>"
 if ((REHEARSAL)); then TAG=cpu_rehearsal GPU_NAME="cpu (rehearsal)"; fi
 
-declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [step_time]=100 [memory]=45 [capacity]=45
-    [summary]=15)
-declare -A BOX_S=([build]=240 [info]=30 [tests]=120 [step_time]=200 [memory]=90 [capacity]=90
-    [summary]=30)
+declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [step_time]=100 [time_to_target]=60
+    [memory]=45 [capacity]=45 [summary]=15)
+declare -A BOX_S=([build]=240 [info]=30 [tests]=120 [step_time]=200 [time_to_target]=180
+    [memory]=90 [capacity]=90 [summary]=30)
 if ((REHEARSAL)); then BOX_S[tests]=300; fi # the 2-core CPU runs the unit tests for minutes
 declare -A STATUS=()
 FAILED=0
@@ -286,6 +288,15 @@ run_phase tests -- "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu "${UNIT_
 run_phase step_time step_time -- "$PY" bench/step_time.py --device "$DEVICE" --model "$MODEL" \
     --layers "$LAYERS" --batch-size "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --skip "$SKIP" \
     --workers "$WORKERS" --variants "$VARIANTS" --energy --keep-going
+
+# Time to AdamW's loss on the device (issue 24): the tiny preset, every variant, seeds 1-3, at
+# the rates the committed CPU run tuned (--rates-from: the same optimizers and model; the device
+# trains in bf16 autocast), the runtime's workers on the host's cores. The plot stays with the
+# logs (the device tool brings back at most 8 files).
+if ((REHEARSAL)); then TTT_ARGS=(--quick); else TTT_ARGS=(--presets "${GPU_CHECK_TTT_PRESETS:-tiny}"); fi
+run_phase time_to_target time_to_target -- "$PY" bench/time_to_target.py --device "$DEVICE" \
+    "${TTT_ARGS[@]}" --rates-from bench/results/time_to_target_cpu.json \
+    --plots "$LOG_DIR/plots" --cache "$LOG_DIR/time_to_target_runs.jsonl"
 
 run_phase memory memory -- "$PY" bench/memory.py --measure-cuda --model "$MODEL" \
     --layers "$LAYERS" --batch-size "$((BATCH < 8 ? BATCH : 8))" --seq-len "$SEQ" \

@@ -74,7 +74,7 @@ from asteria.train.data import DEFAULT_MAX_BYTES, load_corpus  # noqa: E402
 from asteria.train.loop import TrainConfig, train  # noqa: E402
 from asteria.train.plots import plot_loss  # noqa: E402
 from asteria.train.targets import time_to_target  # noqa: E402
-from bench._common import emit_json, env_header, print_table  # noqa: E402
+from bench._common import device_tag, emit_json, env_header, print_table  # noqa: E402
 
 OPTIMIZERS = ("adamw", "soap", "kl-shampoo", "shampoo")
 SECOND_ORDER = OPTIMIZERS[1:]
@@ -137,6 +137,7 @@ def _split(variant: str) -> tuple[str, str]:
 def _key(preset: str, budget: Budget, variant: str, lr: float, seed: int, args) -> str:
     return json.dumps(
         [preset, budget.__dict__, variant, lr, seed, args.staleness, args.data_bytes, args.threads]
+        + ([] if args.device == "cpu" else [args.device])
     )
 
 
@@ -185,7 +186,7 @@ def run_one(preset: str, budget: Budget, variant: str, lr: float, seed: int, cor
     elif mode == "continuous":
         rt = RuntimeConfig(staleness=args.staleness, refresh="continuous")
     start = time.perf_counter()
-    result = train(cfg, corpus, runtime_config=rt, progress=False)
+    result = train(cfg, corpus, runtime_config=rt, progress=False, device=args.device)
     keep = ("step", "step_ms", "loss", "val_loss")
     records = [{k: r[k] for k in keep if k in r} for r in result.records]
     s = result.summary()
@@ -230,6 +231,9 @@ def tune(preset: str, budget: Budget, names, corpus, cache: Cache, args) -> dict
     out: dict[str, dict] = {}
     for variant in variants(names, args.modes):
         name, mode = _split(variant)
+        if args.rates_from is not None:  # the tuning of an earlier run, taken as it chose
+            out[variant] = _tuned_from(args.rates_from, preset, variant, args.tune_each_mode)
+            continue
         if mode != "native" and not args.tune_each_mode:
             native = out[f"{name}:native"]
             out[variant] = {**native, "tuned_as": f"{name}:native"}
@@ -248,6 +252,32 @@ def tune(preset: str, budget: Budget, names, corpus, cache: Cache, args) -> dict
             "tuned_as": variant,
         }
     return out
+
+
+def warm_up(preset: str, budget: Budget, names, corpus, args) -> None:
+    """On a GPU, a few untimed steps of each optimizer first: the lazy initialisations (the CUDA
+    context, cuBLAS and cuSOLVER handles, the kernels' first loads) would otherwise land in the
+    first timed run's first steps and count against whichever variant runs first."""
+    for name in names:
+        cfg = TrainConfig(
+            model=preset, optimizer=name, mode="native", steps=12, batch_size=budget.batch_size,
+            seq_len=budget.seq_len, lr=1e-3, seed=0, val_every=12, val_batches=1,
+        )  # fmt: skip
+        train(cfg, corpus, progress=False, device=args.device)
+
+
+def _tuned_from(payload: dict, preset: str, variant: str, each_mode: bool) -> dict:
+    """``variant``'s tuning in an earlier run's JSON (``--rates-from``): its own, or (an Asteria
+    mode not tuned on its own) its native mode's."""
+    tuning = payload.get("presets", {}).get(preset, {}).get("tuning", {})
+    name, mode = _split(variant)
+    own = variant if (mode == "native" or each_mode) else f"{name}:native"
+    if own not in tuning:
+        raise SystemExit(
+            f"--rates-from: {payload.get('_path')} has no tuning of {own} on {preset} "
+            f"(it tuned {', '.join(tuning) or 'nothing'} there)"
+        )
+    return {**tuning[own], "tuned_as": own}
 
 
 def evaluate(preset, budget, tuned, corpus, cache: Cache, args) -> dict[str, dict[int, dict]]:
@@ -427,6 +457,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plots", type=Path, default=Path("bench/results"), help="plot folder")
     p.add_argument("--json", type=Path, help="also write the JSON here")
     p.add_argument("--cache", type=Path, help="JSON lines of finished runs, reused when asked")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (training on the GPU)")
+    p.add_argument(
+        "--rates-from", type=Path,
+        help="skip the tuning: take each variant's rate from this earlier run's JSON",
+    )  # fmt: skip
     args = p.parse_args(argv)
     args.presets = [x.strip() for x in args.presets.split(",") if x.strip()]
     if args.quick:
@@ -449,8 +484,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.grid = [float(x) for x in args.grid.split(",") if x.strip()]
         if len(args.grid) < 4:
             p.error("--grid: at least four learning rates")
+    if args.device not in ("cpu", "cuda"):
+        p.error("--device: cpu or cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    if args.rates_from is not None:
+        try:
+            lines = args.rates_from.read_text("utf-8").strip().splitlines()
+            args.rates_from = {**json.loads(lines[-1]), "_path": str(args.rates_from)}
+        except (OSError, IndexError, ValueError) as e:
+            p.error(f"--rates-from {args.rates_from}: not a benchmark JSON ({e})")
+        missing = [x for x in args.presets if x not in args.rates_from.get("presets", {})]
+        if missing:
+            p.error(f"--rates-from: no tuning of the presets {missing} there")
     if args.threads is None:
-        args.threads = training_threads(None, torch.device("cpu"), False)[0]
+        args.threads = training_threads(None, torch.device(args.device), False)[0]
     return args
 
 
@@ -462,6 +510,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = env_header("asteria bench/time_to_target.py")
     corpus = load_corpus(max_bytes=args.data_bytes, min_tokens=256)
     cache = Cache(args.cache)
+    tag = "cpu" if args.device == "cpu" else device_tag(torch.cuda.get_device_name())
     payload: dict[str, Any] = {
         "benchmark": "time_to_target",
         "env": env,
@@ -476,6 +525,14 @@ def main(argv: list[str] | None = None) -> dict:
             "tune_each_mode": args.tune_each_mode,
             "staleness": args.staleness,
             "threads": torch.get_num_threads(),
+            "device": args.device,
+            "rates_from": None
+            if args.rates_from is None
+            else {
+                "path": args.rates_from["_path"],
+                "commit": args.rates_from.get("commit"),
+                "date": args.rates_from.get("date"),
+            },
             "data_bytes": args.data_bytes,
         },
         "presets": {},
@@ -486,6 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.steps is not None:
             budget = dataclasses.replace(budget, steps=args.steps)
         print(f"\n== {preset}: {budget}", flush=True)
+        if args.device == "cuda":
+            warm_up(preset, budget, args.optimizers, corpus, args)
         tuned = tune(preset, budget, args.optimizers, corpus, cache, args)
         runs = evaluate(preset, budget, tuned, corpus, cache, args)
         by_seed = {v: {s: r["records"] for s, r in seeds.items()} for v, seeds in runs.items()}
@@ -494,7 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
         g = goals(figures)
         report_preset(preset, tuned, figures, g, args.tune_seed)
         args.plots.mkdir(parents=True, exist_ok=True)
-        plot = args.plots / f"time_to_target_cpu_{preset}.png"
+        plot = args.plots / f"time_to_target_{tag}_{preset}.png"
         plot_loss(
             plot, by_seed, time=True, target=figures["target"], train=False,
             title=f"{preset}: validation loss, mean of seeds {args.eval_seeds} (band: min-max); "

@@ -17,7 +17,7 @@ from bench._common import device_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
-PHASES = ["build", "info", "tests", "step_time", "memory", "capacity", "summary"]
+PHASES = ["build", "info", "tests", "step_time", "time_to_target", "memory", "capacity", "summary"]
 
 
 def _dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -55,12 +55,15 @@ def test_dry_run_lists_every_phase_and_runs_nothing(tmp_path):
     step = phases["step_time"]
     assert "--device cuda" in step and "--energy" in step and "--model olmo-150m" in step
     assert "adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria" in step
+    ttt = phases["time_to_target"]
+    assert "bench/time_to_target.py --device cuda --presets tiny" in ttt
+    assert "--rates-from bench/results/time_to_target_cpu.json" in ttt
     assert "bench/memory.py --measure-cuda" in phases["memory"]
     if not os.path.exists(os.path.join(ROOT, "bench", "capacity.py")):
         assert "bench/gpu_refresh_time.py --device cuda" in phases["capacity"]
         assert "--sizes 256,512,1024,2048,4096" in phases["capacity"]
     assert "bench/gpu_summary.py" in phases["summary"]
-    for name in ("step_time", "memory", "gpu_summary"):
+    for name in ("step_time", "time_to_target", "memory", "gpu_summary"):
         assert f"bench/results/{name}_" in proc.stdout
     for phase in PHASES:  # every phase is time-boxed
         assert "(timeout " in phases[phase]
@@ -73,6 +76,7 @@ def test_dry_run_rehearsal_and_only(tmp_path):
     phases = _phase_lines(proc.stdout)
     assert "build" not in phases  # a rehearsal never rebuilds the CPU extension
     assert "--device cpu" in phases["step_time"] and "--model nano" in phases["step_time"]
+    assert "--device cpu --quick" in phases["time_to_target"]
     assert "cpu_rehearsal.json" in proc.stdout
 
     proc = _dry_run(tmp_path, "--only", "memory,summary")

@@ -220,3 +220,62 @@ def test_the_demo_rates_are_the_committed_tuning() -> None:
         for variant in variants(tuple(OPTIMIZERS), ("native",)):
             lr = OPTIMIZERS[_split(variant)[0]].lrs[preset]
             assert lr == pytest.approx(tuning[variant]["lr"]), (preset, variant)
+
+
+def test_benchmark_rates_from_an_earlier_run_skip_the_tuning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --rates-from (the GPU check's run): each variant trains at the rate the earlier run chose,
+    # an Asteria mode at its native mode's, and no tuning run is made.
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import time_to_target as bench
+
+    earlier = {
+        "commit": "abc1234",
+        "presets": {
+            "nano": {
+                "tuning": {
+                    "adamw": {"grid": {"0.003": 2.2}, "lr": 0.003, "at_edge": False},
+                    "soap:native": {"grid": {"0.02": 2.1}, "lr": 0.02, "at_edge": False},
+                }
+            }
+        },
+    }
+    src = tmp_path / "earlier.json"
+    src.write_text("progress lines\n" + json.dumps(earlier) + "\n")
+    cache = tmp_path / "runs.jsonl"
+    argv = ["--quick", "--optimizers", "adamw,soap", "--modes", "native,asteria"]
+    argv += ["--plots", str(tmp_path), "--cache", str(cache), "--rates-from", str(src)]
+    payload = bench.main(argv)
+    runs = [json.loads(line)["run"] for line in cache.read_text().splitlines()]
+    assert len(runs) == 9 and {r["seed"] for r in runs} == {1, 2, 3}  # evaluation alone
+    assert {r["variant"]: r["lr"] for r in runs} == {
+        "adamw": 0.003, "soap:native": 0.02, "soap:asteria": 0.02,
+    }  # fmt: skip
+    assert payload["config"]["rates_from"] == {
+        "path": str(src), "commit": "abc1234", "date": None,
+    }  # fmt: skip
+    assert payload["presets"]["nano"]["runs"]["soap:asteria"]["tuned_as"] == "soap:native"
+
+    # a file without the preset's tuning, or not a benchmark's JSON, is a usage error
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--presets", "tiny", "--rates-from", str(src)])
+    assert exc.value.code == 2
+    (tmp_path / "bad.json").write_text("not json\n")
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--quick", "--rates-from", str(tmp_path / "bad.json")])
+    assert exc.value.code == 2
+    # a variant the earlier run did not tune is named
+    with pytest.raises(SystemExit, match="no tuning of shampoo:native"):
+        bench.main([*argv[:2], "adamw,shampoo", *argv[3:]])
+
+
+@pytest.mark.no_gpu
+def test_benchmark_on_cuda_needs_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.time_to_target import parse_args
+
+    for device in ("cuda", "tpu"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--quick", "--device", device])
+        assert exc.value.code == 2
