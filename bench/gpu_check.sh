@@ -84,6 +84,7 @@ fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$CORES}
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1 # a crash prints every thread's Python stack into the phase's log
 VARIANTS=adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria
 UNIT_TESTS=(tests/unit/test_extension.py tests/unit/test_host_memory.py tests/unit/test_window.py
     tests/unit/test_tiers.py)
@@ -283,7 +284,9 @@ print(device_tag(sys.argv[1]))' "$GPU_NAME")
     fi
 fi
 
-run_phase tests -- "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu "${UNIT_TESTS[@]}"
+# One pytest per file (tools/pytest_each.sh): a test that crashes the interpreter costs its own
+# file's report, not the others'.
+run_phase tests -- tools/pytest_each.sh "$PY" tests/gpu/test_*.py "${UNIT_TESTS[@]}"
 
 run_phase step_time step_time -- "$PY" bench/step_time.py --device "$DEVICE" --model "$MODEL" \
     --layers "$LAYERS" --batch-size "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --skip "$SKIP" \

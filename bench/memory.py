@@ -202,6 +202,14 @@ def spill_run(
 # ---- part 1: accounting ------------------------------------------------------------------------
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo}
+
+
+def measured_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """``--measure-cuda``'s optimizer ``name`` (a key of OPTIMIZERS) as asteria-train builds it
+    (its registry spells ``kl-shampoo``)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
+    return build_optimizer(name.replace("_", "-"), params)
 MODELS = {  # name: (d_model, layers, MLP width per projection, vocab)
     "olmo2-1b": (2048, 24, 8192, 100352),
     "olmo2-7b": (4096, 32, 11008, 100352),
@@ -388,7 +396,7 @@ def _cuda_run(kind: str, name: str, args: argparse.Namespace) -> dict[str, objec
     tokens = tokens.to(device)
     opt = rt = report = None
     if kind != "none":
-        opt = build_optimizer(name, model.parameters())
+        opt = measured_optimizer(name, model.parameters())
     try:
         if kind == "asteria":
             rt = Runtime(model, opt, RuntimeConfig(staleness=args.staleness, workers=args.workers))
@@ -526,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda.add_argument("--measure-steps", type=int, default=24)
     cuda.add_argument("--staleness", type=int, default=5)
     cuda.add_argument("--workers", type=int, default=None, help="pool workers (cores - 1)")
-    cuda.add_argument("--optimizers", default="soap,kl_shampoo")
+    cuda.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     args = parser.parse_args(argv)
     if args.measure_cuda:
         if args.measure_steps < 1 or args.batch_size < 1 or args.seq_len < 2:

@@ -55,6 +55,7 @@ from asteria.optim.tensors import (
     basis_zeros,
     block_views,
     local_tensor,
+    no_autocast,
     state_dtype,
 )
 
@@ -317,6 +318,10 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with no_autocast():  # Note [Autocast]: the closure alone runs under the caller's
+            return self._step(loss)
+
+    def _step(self, loss: float | None) -> float | None:
         todo: list[tuple[int, dict[str, Any], torch.Tensor]] = []
         pid = -1
         for group in self.param_groups:

@@ -8,6 +8,8 @@ Must not: know an optimizer class or the runtime. asteria.optim.base re-exports 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -20,6 +22,36 @@ T = TypeVar("T")
 def state_dtype(param: torch.Tensor) -> torch.dtype:
     """Optimizer state is at least fp32: bf16/fp16 parameters get fp32 state."""
     return torch.promote_types(param.dtype, torch.float32)
+
+
+#: The device types whose autocast ``no_autocast`` turns off (Note [Autocast]).
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+@contextlib.contextmanager
+def no_autocast() -> Iterator[None]:
+    """Autocast off on every device type where the caller turned it on (Note [Autocast])."""
+    with contextlib.ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+# Note [Autocast]
+# ~~~~~~~~~~~~~~~
+# Under ``torch.autocast`` (the usual mixed-precision training: bf16 on a GPU) matrix products
+# run and return in the lower precision. The optimizers' math is in their state dtype (fp32 at
+# least, ``state_dtype``), so it must not run under the caller's autocast: the runtime installs
+# a ready refresh from a module's forward pre-hook, inside the model's autocast region, and
+# there SOAP's rotation of ``exp_avg`` into the new basis came back in bf16 and was stored so;
+# the next step's fp32 rotation then raised "expected mat1 and mat2 to have the same dtype"
+# (seen on the H200, the first GPU run; reproduced with CPU autocast). An optimizer step called
+# inside an autocast region (after a closure that needs it, say) would have done the same to
+# every projection. So ``KroneckerOptimizer.step`` (after its closure) and every entry of the
+# runtime that can run optimizer math from the caller's context (the module signals,
+# ``close()``) run with autocast off; threads of their own (the pool, the statistics lane, the
+# device-stream executor) never inherit it, autocast being per thread.
 
 
 #: Bytes: gradient shards not aligned to this are copied before use (``_checked_grad``).

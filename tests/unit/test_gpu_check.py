@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bench import gpu_summary
 from bench._common import device_tag
@@ -109,6 +110,17 @@ def test_measured_memory_mode_skips_cleanly_without_cuda(capsys):
     assert payload["benchmark"] == "memory" and payload["mode"] == "measure_cuda"
     assert "no CUDA device" in payload["skipped"]
     assert "measured" not in payload
+
+
+def test_measured_memory_builds_each_default_optimizer():
+    # the first GPU run failed kl_shampoo here: asteria-train's registry spells it kl-shampoo
+    from bench import memory
+
+    for name in memory.OPTIMIZERS:  # the default --optimizers, soap,kl_shampoo
+        opt = memory.measured_optimizer(name, [torch.nn.Parameter(torch.zeros(4, 4))])
+        assert isinstance(opt, memory.OPTIMIZERS[name])
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        memory.measured_optimizer("adam", [torch.nn.Parameter(torch.zeros(2))])
 
 
 def test_measured_summary_ratios():
