@@ -210,6 +210,8 @@ def measured_optimizer(name: str, params) -> torch.optim.Optimizer:
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
     return build_optimizer(name.replace("_", "-"), params)
+
+
 MODELS = {  # name: (d_model, layers, MLP width per projection, vocab)
     "olmo2-1b": (2048, 24, 8192, 100352),
     "olmo2-7b": (4096, 32, 11008, 100352),
