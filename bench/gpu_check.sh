@@ -26,6 +26,7 @@
 # Knobs (environment): PYTHON, GPU_CHECK_BUDGET_S,
 # GPU_CHECK_MODEL (olmo-150m), GPU_CHECK_LAYERS (12), GPU_CHECK_BATCH (32), GPU_CHECK_SEQ (512),
 # GPU_CHECK_STEPS (60), GPU_CHECK_WORKERS (cores - 1), GPU_CHECK_TTT_PRESETS (tiny),
+# GPU_CHECK_TTT_ARGS (more words for time_to_target, e.g. --modes native,asteria),
 # TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -298,7 +299,7 @@ run_phase step_time step_time -- "$PY" bench/step_time.py --device "$DEVICE" --m
 # logs (the device tool brings back at most 8 files).
 if ((REHEARSAL)); then TTT_ARGS=(--quick); else TTT_ARGS=(--presets "${GPU_CHECK_TTT_PRESETS:-tiny}"); fi
 run_phase time_to_target time_to_target -- "$PY" bench/time_to_target.py --device "$DEVICE" \
-    "${TTT_ARGS[@]}" --rates-from bench/results/time_to_target_cpu.json \
+    "${TTT_ARGS[@]}" --rates-from bench/results/time_to_target_cpu.json ${GPU_CHECK_TTT_ARGS:-} \
     --plots "$LOG_DIR/plots" --cache "$LOG_DIR/time_to_target_runs.jsonl"
 
 run_phase memory memory -- "$PY" bench/memory.py --measure-cuda --model "$MODEL" \
