@@ -145,7 +145,7 @@ def _extension(with_cuda: bool):
     )
 
 
-def _build_info_text(ext, with_cuda: bool) -> str:
+def _build_info_text(ext, with_cuda: bool, link: list[str] | None = None) -> str:
     fields = {
         "TORCH_VERSION": torch.__version__,
         "CUDA": with_cuda,
@@ -154,6 +154,8 @@ def _build_info_text(ext, with_cuda: bool) -> str:
         "CXX_FLAGS": ext.extra_compile_args["cxx"],
         "NVCC_FLAGS": ext.extra_compile_args.get("nvcc") if with_cuda else None,
         "SOURCES": ext.sources,
+        # the shared-library link command (Note [One libstdc++] in tests/unit/test_extension.py)
+        "LINK": link,
     }
     lines = [
         '"""How asteria._C was built. Written by setup.py; do not edit (gitignored)."""',
@@ -183,7 +185,10 @@ class BuildExtension(cpp_extension.BuildExtension):
         for ext in self.extensions:
             target = Path(self.get_ext_fullpath(ext.name)).parent / "_build_info.py"
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(_build_info_text(ext, WITH_CUDA))
+            # setuptools links C++ with linker_so_cxx where it has one (>= 72), else linker_so
+            cmd = getattr(self.compiler, "linker_so_cxx", None) or self.compiler.linker_so
+            link = list(cmd or []) or None
+            target.write_text(_build_info_text(ext, WITH_CUDA, link))
 
 
 WITH_CUDA = _use_cuda()

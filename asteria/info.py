@@ -59,6 +59,7 @@ def collect(spill_dir: str | None = None) -> dict[str, Any]:
         "per_worker_lapack_threads": bool(ext["thread_local_mkl"] or ext["thread_local_openmp"]),
         "default_workers": int(ext["default_workers"]),
         "cxx_flags": recorded.get("CXX_FLAGS"),
+        "link": recorded.get("LINK"),
         "capabilities": capabilities(spill_dir).as_dict(),
     }
 
@@ -91,6 +92,7 @@ def format_report(info: dict[str, Any]) -> str:
         ("per-worker LAPACK threads", "yes" if info["per_worker_lapack_threads"] else "no"),
         ("default worker count", str(info["default_workers"])),
         ("C++ flags", " ".join(info["cxx_flags"] or []) or "unknown"),
+        ("link command", " ".join(info.get("link") or []) or "unknown"),
     ]
     rows += _capability_rows(info["capabilities"])
     width = max(len(name) for name, _ in rows)

@@ -265,7 +265,7 @@ if [[ -n $OUT ]]; then echo "   copies to: \$OUT=$OUT"; fi
 # enforces (Note [Supported torch] in asteria/_supported.py): this check builds against whatever
 # torch is installed, so it says so (setup.py warns) instead of stopping at the build.
 run_phase build -- env ASTERIA_FORCE_CUDA=1 ASTERIA_UNSUPPORTED_TORCH=1 \
-    TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" MAX_JOBS="$MAX_JOBS" "$PY" -m pip install --disable-pip-version-check --no-build-isolation \
+    TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" MAX_JOBS="$MAX_JOBS" "$PY" -m pip install --disable-pip-version-check -v --no-build-isolation \
     --no-deps -e .
 
 run_phase info -- "$PY" -m asteria.info

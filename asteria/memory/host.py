@@ -112,7 +112,9 @@ def device_view(host: torch.Tensor, device: int | str | torch.device | None = No
     use it for data read once or on unified-memory machines (GH200, GB10); copy per-step operands
     to the device instead. The view keeps the host memory alive; keep it (or ``host``) alive until
     the kernels that use it have completed. Raises RuntimeError on a CPU-only build or without a
-    GPU, ValueError for memory that is not from ``host_empty``/a staging slot or is not pinned.
+    GPU, ValueError for memory that is not from ``host_empty``/a staging slot or is not pinned,
+    and for a view that would span two 256 MiB registration chunks of its block (the driver
+    refuses copies across registrations: view slices of at most one chunk).
     """
     return _C.device_view(host, _device_index(device))
 

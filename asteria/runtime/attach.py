@@ -321,9 +321,21 @@ def executors(
     stream = None
     if testing.device_stream_forced():
         stream = StreamExecutor(None, timeout_error)
-    elif cuda and config.device_refresh is not False:
+    elif device_stream_allowed(config, cuda):
         stream = StreamExecutor(device, timeout_error)
     return Executors(pool, stream, config.resolved_workers, budget, timeout_error)
+
+
+def device_stream_allowed(config: RuntimeConfig, cuda: bool) -> bool:
+    """Whether refreshes may move to the device stream (Note [Refresh placement]): on a CUDA
+    device unless ``device_refresh=False``; under ``fixed_delay`` only when asked for
+    (``device_refresh=True``). The executor is chosen by measured times, and cuSOLVER's results
+    are not LAPACK's bit for bit, so the default keeps a fixed-delay run on the pool, where it
+    is reproducible as ``fixed_delay`` promises (two H200 runs through the bases window and
+    with the bases on the device differed at fixed_delay=3, 2026-12-04)."""
+    if not cuda or config.device_refresh is False:
+        return False
+    return config.device_refresh is True or config.fixed_delay is None
 
 
 # -- the parts, made from the choices -----------------------------------------------------------

@@ -88,8 +88,11 @@ class RuntimeConfig:
             effect at a budget of 0 (native mode).
         device_refresh: refreshes may run on a low-priority device stream when the CPU pool
             cannot finish them before their deadline (Note [Refresh placement] in
-            placement.py). ``None`` (default): where the parameters are on a CUDA device;
-            ``True``: there too, a ``ValueError`` without one; ``False``: the pool only.
+            placement.py). ``None`` (default): where the parameters are on a CUDA device,
+            unless ``fixed_delay`` is set (the executor is chosen by measured times and the
+            device's results are not the pool's bit for bit: a fixed-delay run stays on the pool,
+            reproducible); ``True``: there too, a ``ValueError`` without one; ``False``: the pool
+            only.
         statistics_lane: run the factor statistics of CPU-resident parameters on a background
             thread (Note [Statistics lane] in lane.py). ``None`` (default): on when every
             parameter is a plain CPU tensor and torch's intra-op threads leave a core free

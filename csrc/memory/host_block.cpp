@@ -118,21 +118,23 @@ void* HostBlock::device_pointer(size_t offset, size_t bytes, int device) const {
                             std::to_string(bytes) + ") is outside a block of " +
                             std::to_string(size_) + " bytes");
   }
+  // Note [Device views across registrations]: each chunk is its own registration, and the CUDA
+  // driver refuses a copy whose range spans two of them (cudaErrorInvalidValue on an H200,
+  // driver 580, 2026-12-04) even where their device addresses are contiguous; a view must stay
+  // inside one chunk.
   const size_t last = offset + std::max<size_t>(bytes, 1) - 1;
   const size_t first_chunk = offset / kMaxRegistrationBytes;
   const size_t last_chunk = std::min(last / kMaxRegistrationBytes, chunks_.size() - 1);
+  if (last_chunk != first_chunk) {
+    throw std::invalid_argument(
+        "device view of bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+        ") spans " + std::to_string(last_chunk - first_chunk + 1) +
+        " host registration chunks (each at most " + std::to_string(kMaxRegistrationBytes >> 20) +
+        " MiB); the CUDA driver refuses copies across registrations: take device views of "
+        "slices that stay inside one chunk");
+  }
   const Chunk& head = chunks_[first_chunk];
   char* base = static_cast<char*>(cuda::host_device_pointer(data_ + head.offset, device));
-  for (size_t i = first_chunk + 1; i <= last_chunk; ++i) {
-    const Chunk& chunk = chunks_[i];
-    char* expected = base + (chunk.offset - head.offset);
-    if (cuda::host_device_pointer(data_ + chunk.offset, device) != expected) {
-      throw std::runtime_error(
-          "this tensor spans host registration chunks that the GPU does not see contiguously "
-          "(no unified addressing); keep device views under " +
-          std::to_string(kMaxRegistrationBytes >> 20) + " MiB");
-    }
-  }
   return base + (offset - head.offset);
 }
 

@@ -21,9 +21,8 @@
 // * Accounting: process-wide counters of live blocks and bytes (allocated size) and of registered
 //   blocks and bytes, updated on allocation and free; host_memory_stats() reads them. Thread-safe.
 // * Device addresses: device_pointer(offset, bytes, device) is where the GPU sees a byte range of a
-//   pinned block (cudaHostGetDevicePointer). A range spanning several registration chunks must map
-//   to contiguous device addresses (always so with unified addressing, i.e. every 64-bit platform
-//   CUDA supports today); otherwise it throws.
+//   pinned block (cudaHostGetDevicePointer). A range must lie inside one registration chunk
+//   (Note [Device views across registrations] in host_block.cpp); otherwise it throws.
 //
 // Torch-free: built by setup.py and by CMakeLists.txt (tests/cpp/test_memory.cpp).
 #pragma once

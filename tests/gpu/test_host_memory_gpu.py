@@ -76,11 +76,18 @@ def test_a_block_larger_than_one_registration_chunk():
     assert _stats()["registered_bytes"] == before["registered_bytes"] + 600 * MiB
     assert t.is_pinned() and t[-1:].is_pinned() and t[n // 2 :].is_pinned()
     t.copy_(torch.arange(n, dtype=torch.float32).remainder_(4099.0))
-    dv = device_view(t)  # spans all three chunks: needs them contiguous in device memory
     boundary = 256 * MiB // 4
-    for k in (boundary, 2 * boundary):
-        assert torch.equal(dv[k - 3 : k + 3].cpu(), t[k - 3 : k + 3])
-    assert torch.equal(dv, t.cuda()), "a kernel reading the mapped block saw other values"
+    # Note [Device views across registrations]: the driver refuses a copy across two
+    # registrations (seen on the H200), so a view may not span a chunk boundary ...
+    with pytest.raises(ValueError, match="spans 3 host registration chunks"):
+        device_view(t)
+    with pytest.raises(ValueError, match="spans 2 host registration chunks"):
+        device_view(t[boundary - 3 : boundary + 3])
+    # ... and every view inside one chunk works, in each chunk
+    for lo, hi in ((0, boundary), (boundary, 2 * boundary), (2 * boundary, n)):
+        dv = device_view(t[lo:hi])
+        assert torch.equal(dv.cpu(), t[lo:hi])
+        assert torch.equal(dv, t[lo:hi].cuda()), "a kernel reading the mapped chunk saw others"
     del t, dv
     assert _stats()["registered_bytes"] == before["registered_bytes"]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -441,3 +443,28 @@ def test_count_nonfinite_on_cpu():
     assert _C.count_nonfinite(torch.arange(4)).item() == 0
     assert _C.count_nonfinite(torch.empty(0)).item() == 0
     assert _C.count_nonfinite(torch.ones(3)).dtype == torch.long
+
+
+# Note [One libstdc++]: the extension must use the process's shared libstdc++ for iostreams and
+# locales. The first H200 build (2026-12-04, the image's toolchain, torch 2.11, Python 3.12)
+# exported its own copies of std::basic_ostream<char>::_M_insert<long> and the codecvt facets:
+# every message formatted with ``<<`` of an integer (a cancelled job's "(version N)", a bad
+# size's ValueError) segfaulted in num_put, whose facet id that copy never initialised. This
+# names the symptom wherever nm is there to read the symbol table, before any test crashes.
+_IOSTREAM_SYMBOLS = re.compile(
+    r" std::(locale|basic_ostream|basic_istream|basic_ios|ios_base|codecvt|num_put|num_get|ctype)\b"
+)
+
+
+def test_the_extension_uses_the_shared_libstdcxx_for_iostreams():
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    out = subprocess.run(
+        [nm, "-D", "--defined-only", "-C", _C.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    own = [line.split(" ", 2)[-1] for line in out.splitlines() if _IOSTREAM_SYMBOLS.search(line)]
+    assert not own, (
+        f"{_C.__file__} defines {len(own)} libstdc++ iostream/locale symbols of its own (a "
+        f"statically linked libstdc++: check the link command's flags), e.g. {own[:3]}"
+    )

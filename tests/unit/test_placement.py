@@ -5,8 +5,12 @@ when it is fast."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asteria
 from asteria._ext import load_extension
@@ -135,3 +139,28 @@ def test_device_refresh_needs_a_cuda_device():
         asteria.Runtime(None, opt, asteria.RuntimeConfig(device_refresh=True))
     with pytest.raises(ValueError, match="device_refresh must be True, False or None"):
         asteria.RuntimeConfig(device_refresh="yes")
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    staleness=st.integers(0, 6),
+    delay=st.one_of(st.none(), st.integers(0, 6)),
+    device_refresh=st.sampled_from([None, True, False]),
+    cuda=st.booleans(),
+)
+def test_a_fixed_delay_run_stays_on_the_pool_unless_asked(staleness, delay, device_refresh, cuda):
+    # fixed_delay promises a reproducible run; the executor is chosen by measured times and the
+    # device's eigh/QR are not LAPACK's bit for bit, so by default a fixed-delay run never gets
+    # the device stream (two H200 runs at fixed_delay=3 differed, 2026-12-04)
+    from asteria.runtime.attach import device_stream_allowed
+
+    delay = None if delay is None else min(delay, staleness)
+    config = asteria.RuntimeConfig(staleness=staleness, fixed_delay=delay)
+    config = dataclasses.replace(config, device_refresh=device_refresh)
+    allowed = device_stream_allowed(config, cuda)
+    if not cuda or device_refresh is False:
+        assert not allowed
+    elif device_refresh is True:
+        assert allowed  # asked for: honoured, reproducible or not
+    else:
+        assert allowed == (delay is None)
