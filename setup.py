@@ -130,11 +130,23 @@ def _sources(with_cuda: bool) -> list[str]:
     return [s for s in cpp if not re.fullmatch(r"csrc/cuda/.*_cpu\.cpp", s)] + cu
 
 
+# Note [One libstdc++]: the extension shares the process's libstdc++ (torch's). The first H200
+# build (2026-12-04: the image's toolchain, torch 2.11, Python 3.12) carried a static copy of it
+# whose symbols it exported: the process resolved some of them to the shared libstdc++ and some to
+# the copy, and every ``<<`` of a number into a stream in the extension (a cancelled job's message,
+# a FutureTimeoutError's, a bad size's ValueError) segfaulted in num_put. So a -static-libstdc++
+# in the link command is dropped (with a warning), and whatever a static archive brings in stays
+# hidden inside the extension (--exclude-libs); tests/unit/test_extension.py checks the symbols.
+LINK_ARGS = ["-Wl,--exclude-libs,ALL"]
+STATIC_CXX_RUNTIME = ("-static-libstdc++",)
+
+
 def _extension(with_cuda: bool):
     kwargs = {
         "name": "asteria._C",
         "sources": _sources(with_cuda),
         "include_dirs": [str(ROOT / "csrc")],
+        "extra_link_args": LINK_ARGS,
     }
     if not with_cuda:
         return cpp_extension.CppExtension(extra_compile_args={"cxx": CXX_FLAGS}, **kwargs)
@@ -179,6 +191,17 @@ class BuildExtension(cpp_extension.BuildExtension):
             self.build_temp = str(
                 ROOT / "build" / f"temp-editable-{'cuda' if WITH_CUDA else 'cpu'}"
             )
+
+    def build_extensions(self) -> None:
+        for attr in ("linker_so", "linker_so_cxx"):  # Note [One libstdc++]
+            cmd = getattr(self.compiler, attr, None)
+            dropped = [a for a in cmd or [] if a in STATIC_CXX_RUNTIME]
+            if dropped:
+                print(f"setup.py: WARNING: dropped {' '.join(dropped)} from the link command "
+                      "(Note [One libstdc++]: the extension must share torch's libstdc++)",
+                      file=sys.stderr)  # fmt: skip
+                setattr(self.compiler, attr, [a for a in cmd if a not in STATIC_CXX_RUNTIME])
+        super().build_extensions()
 
     def run(self) -> None:
         super().run()

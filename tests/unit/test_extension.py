@@ -449,8 +449,10 @@ def test_count_nonfinite_on_cpu():
 # locales. The first H200 build (2026-12-04, the image's toolchain, torch 2.11, Python 3.12)
 # exported its own copies of std::basic_ostream<char>::_M_insert<long> and the codecvt facets:
 # every message formatted with ``<<`` of an integer (a cancelled job's "(version N)", a bad
-# size's ValueError) segfaulted in num_put, whose facet id that copy never initialised. This
-# names the symptom wherever nm is there to read the symbol table, before any test crashes.
+# size's ValueError) segfaulted in num_put. Reproduced here by linking with -static-libstdc++
+# (LDFLAGS) and the old setup.py: 424 such symbols, and "(version 1)" printed as "(version ".
+# setup.py now drops that flag and hides what static archives bring (--exclude-libs). This names
+# the symptom wherever nm is there to read the symbol table, before any test crashes.
 _IOSTREAM_SYMBOLS = re.compile(
     r" std::(locale|basic_ostream|basic_istream|basic_ios|ios_base|codecvt|num_put|num_get|ctype)\b"
 )
