@@ -176,6 +176,9 @@ class StreamExecutor:
                 if self._stream is None:
                     future._value = job.run()
                 else:
+                    # the job's inputs were copied on the copies stream, not waited for at
+                    # submission (_copied): the refresh stream waits for them on the device
+                    self._stream.wait_stream(self._copies)
                     with torch.cuda.stream(self._stream):
                         future._value = job.run()
                     self._stream.synchronize()
@@ -209,19 +212,27 @@ def _copied(
     job: RefreshJob, device: torch.device | None, copies: Any = None, stream: Any = None
 ) -> RefreshJob:
     """``job`` on copies of its inputs: on the CPU, or on ``device`` through the ``copies``
-    stream, waited for here (a device input after the caller's stream's writes to it), and
-    marked as used by the refresh's ``stream``."""
+    stream (a device input after the caller's stream's writes to it, and before its later ones;
+    the refresh's ``stream`` waits for the copies before the job runs, and the copies are
+    marked as used by it). Only a host input is waited for here, by the host."""
 
     def copy(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
         if device is None:
             return t.detach().clone()
-        if t.is_cuda:
-            copies.wait_stream(torch.cuda.current_stream(t.device))
+        current = torch.cuda.current_stream(t.device) if t.is_cuda else None
+        if current is not None:
+            copies.wait_stream(current)  # after the training stream's writes to it
         with torch.cuda.stream(copies):
             out = t.to(device, copy=True, non_blocking=True)
-        copies.synchronize()  # the source may be reused once submit returns
+        if current is not None:
+            # the training stream rewrites the factor in place from the next step on: its later
+            # work waits for the copy on the device, and the host goes on (a host wait here
+            # would drain the training stream at every device-placed submission)
+            current.wait_stream(copies)
+        else:
+            copies.synchronize()  # a host source may be rewritten once submit returns
         out.record_stream(stream)
         return out
 
