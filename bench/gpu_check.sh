@@ -90,14 +90,16 @@ VARIANTS=adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria
 UNIT_TESTS=(tests/unit/test_extension.py tests/unit/test_host_memory.py tests/unit/test_window.py
     tests/unit/test_tiers.py)
 
-# The python: $PYTHON, else the first of these whose torch has CUDA (any torch in a rehearsal).
+# The python: $PYTHON, else the first of these whose torch has CUDA (in a rehearsal: whose
+# asteria imports).
 pick_python() {
     local c
     for c in .venv-cuda/bin/python .venv/bin/python python3 python; do
         command -v "$c" >/dev/null 2>&1 || continue
         if ((DRY_RUN)); then echo "$c"; return 0; fi
         if ((REHEARSAL)); then
-            "$c" -c 'import torch' >/dev/null 2>&1 && { echo "$c"; return 0; }
+            # the first whose built extension loads (.venv-cuda's torch is not the CPU build's)
+            "$c" -c 'import asteria' >/dev/null 2>&1 && { echo "$c"; return 0; }
         else
             "$c" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' >/dev/null 2>&1 &&
                 { echo "$c"; return 0; }
@@ -330,7 +332,8 @@ result_path() {
 }
 run_phase summary gpu_summary -- "$PY" bench/gpu_summary.py \
     --step-time "$(result_path step_time)" --memory "$(result_path memory)" \
-    --capacity "$(result_path "$CAPACITY")" --device-name "$GPU_NAME"
+    --capacity "$(result_path "$CAPACITY")" --time-to-target "$(result_path time_to_target)" \
+    --device-name "$GPU_NAME"
 
 # -- phases ------------------------------------------------------------------------------------
 echo

@@ -10,13 +10,16 @@ Goals:
   * each Asteria variant's spike ratio (max / median step) <= 1.15;
   * Asteria-SOAP's median step <= 1.10x AdamW's;
   * Asteria's device optimizer memory <= 0.75x native SOAP's (measured, max_memory_allocated);
-  * energy per step of each Asteria variant <= 1.10x AdamW's (NVML; RAPL for a CPU run).
+  * energy per step of each Asteria variant <= 1.10x AdamW's (NVML; RAPL for a CPU run);
+  * with ``--time-to-target``: the best Asteria variant reaches AdamW's final validation loss in
+    <= 0.7x AdamW's time on every seed (issue 24's goal), per preset.
 Figures without a goal (the native variants, KL-Shampoo's memory, the refresh capacity per
-factor size) are listed as ``info``.
+factor size or job, each variant's time and step against AdamW's) are listed as ``info``.
 
 Last line: JSON with the rows and the counts ``met``, ``missed``, ``unmeasured``. The exit code
 is 0 whether or not goals are met (a missed goal is a result, not a failure); 2 on bad arguments.
-Usage: ``python bench/gpu_summary.py [--step-time F] [--memory F] [--capacity F] [--out F]``.
+Usage: ``python bench/gpu_summary.py [--step-time F] [--memory F] [--capacity F]
+[--time-to-target F]``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ SPIKE_GOAL = 1.15
 SOAP_STEP_GOAL = 1.10
 MEMORY_GOAL = 0.75
 ENERGY_GOAL = 1.10
+TIME_GOAL = 0.7  # issue 24: the best Asteria variant's time to AdamW's loss, every seed
 ASTERIA_VARIANTS = ("soap_asteria", "kl_shampoo_asteria")
 NATIVE_VARIANTS = ("soap_native", "kl_shampoo_native")
 
@@ -132,6 +136,18 @@ def memory_rows(memory: dict | None, why: str | None) -> list[dict]:
 def capacity_rows(capacity: dict | None, why: str | None) -> list[dict]:
     if capacity is None:
         return [_row("refresh capacity (pool / device)", None, None, why)]
+    if isinstance(capacity.get("job_s"), dict):  # bench/capacity.py: one core against the device
+        device = capacity.get("device_job_s") or {}
+        rows = [
+            _row(
+                f"{job} one core / device time",
+                core / device[job] if device.get(job) else None,
+                None,
+                None if device.get(job) else "no device time (capacity ran without CUDA)",
+            )  # fmt: skip
+            for job, core in capacity["job_s"].items()
+        ]
+        return rows or [_row("refresh capacity (pool / device)", None, None, "no jobs timed")]
     sizes = capacity.get("sizes")
     if not isinstance(sizes, list) or not all(isinstance(s, dict) for s in sizes):
         return [_row("refresh capacity (pool / device)", None, None, "no per-size figures")]
@@ -148,13 +164,43 @@ def capacity_rows(capacity: dict | None, why: str | None) -> list[dict]:
     return rows or [_row("refresh capacity (pool / device)", None, None, "no per-size figures")]
 
 
+def time_to_target_rows(ttt: dict | None, why: str | None) -> list[dict]:
+    """bench/time_to_target.py --device cuda: per preset, the best Asteria variant's worst time
+    to AdamW's loss as a ratio to AdamW's (the issue's goal: <= 0.7), and each variant's median
+    ratio and training step against AdamW's (info)."""
+    best = "time to AdamW's loss, best Asteria / AdamW (worst seed)"
+    presets = _get(ttt, "presets")
+    if not isinstance(presets, dict) or not presets:
+        return [_row(best, None, TIME_GOAL, why or "no presets in time_to_target's result")]
+    rows = []
+    for preset, p in presets.items():
+        worst = _get(p, "goals", "best_asteria_worst_ratio")
+        note = None if worst is not None else "no Asteria variant reached it on every seed"
+        rows.append(_row(f"{preset}: {best}", worst, TIME_GOAL, note))
+        for variant, r in (_get(p, "runs") or {}).items():
+            if variant == "adamw":
+                continue
+            ratio = _get(r, "ratio_to_reference", "median")
+            rows.append(
+                _row(f"{preset}: {variant} time to AdamW's loss / AdamW (median)", ratio, None,
+                     None if ratio is not None else "did not reach it on most seeds")
+            )  # fmt: skip
+            step = _get(r, "step_time_vs_reference", "median")
+            rows.append(_row(f"{preset}: {variant} median step / AdamW", step, None))
+    return rows
+
+
 def build_summary(
     step: tuple[dict | None, str | None],
     memory: tuple[dict | None, str | None],
     capacity: tuple[dict | None, str | None],
+    time_to_target: tuple[dict | None, str | None] | None = None,
 ) -> dict[str, Any]:
-    """Every row, and how many goals were met, missed, or could not be judged."""
+    """Every row, and how many goals were met, missed, or could not be judged; the
+    time-to-target rows only where that result was asked for."""
     rows = step_rows(*step) + memory_rows(*memory) + capacity_rows(*capacity)
+    if time_to_target is not None:
+        rows += time_to_target_rows(*time_to_target)
     goals = [r for r in rows if r["goal"] is not None]
     return {
         "rows": rows,
@@ -188,10 +234,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-time", help="bench/step_time.py's JSON")
     parser.add_argument("--memory", help="bench/memory.py --measure-cuda's JSON")
     parser.add_argument("--capacity", help="bench/gpu_refresh_time.py's or capacity.py's JSON")
+    parser.add_argument("--time-to-target", help="bench/time_to_target.py's JSON (optional)")
     parser.add_argument("--device-name", default=None, help="shown in the heading")
     args = parser.parse_args(argv)
     summary = build_summary(
-        load_result(args.step_time), load_result(args.memory), load_result(args.capacity)
+        load_result(args.step_time),
+        load_result(args.memory),
+        load_result(args.capacity),
+        None if args.time_to_target is None else load_result(args.time_to_target),
     )
     print(f"== asteria GPU check summary{f' ({args.device_name})' if args.device_name else ''}")
     print_summary(summary)
@@ -200,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             "benchmark": "gpu_summary",
             "device": args.device_name,
             "inputs": {"step_time": args.step_time, "memory": args.memory,
-                       "capacity": args.capacity},
+                       "capacity": args.capacity, "time_to_target": args.time_to_target},
             **summary,
         }
     )  # fmt: skip

@@ -238,6 +238,41 @@ def test_summary_says_why_a_figure_is_missing(tmp_path):
     assert all(r["note"] for r in missing["rows"])
 
 
+def test_summary_time_to_target_and_capacity_rows(tmp_path):
+    # bench/time_to_target.py's figures (the goal: best Asteria <= 0.7x AdamW on every seed) and
+    # bench/capacity.py's one-core and device job times, as gpu_check.sh passes them
+    load = gpu_summary.load_result
+    run = {"ratio_to_reference": {"median": 0.8}, "step_time_vs_reference": {"median": 1.5}}
+    never = {"ratio_to_reference": {"median": None}, "step_time_vs_reference": {"median": 2.0}}
+    ttt = {
+        "benchmark": "time_to_target",
+        "presets": {
+            "tiny": {"goals": {"best_asteria_worst_ratio": 0.9},
+                     "runs": {"adamw": run, "soap:native": never, "soap:asteria": run}},
+            "nano": {"goals": {"best_asteria_worst_ratio": 0.6}, "runs": {"adamw": run}},
+        },
+    }  # fmt: skip
+    capacity = {"job_s": {"qr:1024": 0.067, "root:2048": 0.84}, "device_job_s": {"qr:1024": 0.0046}}
+    summary = gpu_summary.build_summary(
+        load(None), load(None),
+        load(_write(tmp_path / "capacity.json", capacity)),
+        load(_write(tmp_path / "ttt.json", ttt)),
+    )  # fmt: skip
+    rows = _by_figure(summary)
+    best = "time to AdamW's loss, best Asteria / AdamW (worst seed)"
+    assert rows[f"tiny: {best}"]["status"] == "MISSED" and rows[f"nano: {best}"]["status"] == "met"
+    assert rows["tiny: soap:asteria time to AdamW's loss / AdamW (median)"]["value"] == 0.8
+    assert rows["tiny: soap:native time to AdamW's loss / AdamW (median)"]["status"] == "n/a"
+    assert rows["tiny: soap:native median step / AdamW"]["status"] == "info"
+    assert rows["qr:1024 one core / device time"]["value"] == pytest.approx(0.067 / 0.0046)
+    assert "no device time" in rows["root:2048 one core / device time"]["note"]
+    # asked for but missing: one unmeasured goal, with its reason; not asked for: no rows
+    missing = gpu_summary.build_summary(load(None), load(None), load(None), load("/nonexistent"))
+    assert _by_figure(missing)[best]["status"] == "n/a" and missing["unmeasured"] == 7
+    assert not any("AdamW's loss" in r["figure"] for r in gpu_summary.build_summary(
+        load(None), load(None), load(None))["rows"])  # fmt: skip
+
+
 def test_refresh_time_on_cpu(capsys):
     from bench import gpu_refresh_time
 
