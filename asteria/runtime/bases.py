@@ -271,5 +271,19 @@ def to_device(result: Any, block: dict) -> Any:
         return None
     device = next(t for t in block["factors"] if t is not None).device
     if isinstance(result, tuple):
-        return tuple(None if r is None else r.to(device) for r in result)
-    return result.to(device)
+        return tuple(None if r is None else _moved(r, device) for r in result)
+    return _moved(result, device)
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. A pool result is pageable host memory, and torch's blocking copy from
+    it to a GPU synchronizes the training stream: the host would wait at every install for the
+    GPU to drain (a likely part of why the H200's ``tiny`` steps doubled under the runtime,
+    docs/gpu.md; not yet measured). Through pinned memory the copy is queued on the stream like
+    a kernel (torch's pinned-memory cache keeps the buffer until the copy has run). The window's
+    copy of new bases back to host memory (``WindowBases._host_bases``) still waits."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
