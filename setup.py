@@ -166,7 +166,7 @@ def _build_info_text(ext, with_cuda: bool, link: list[str] | None = None) -> str
         "CXX_FLAGS": ext.extra_compile_args["cxx"],
         "NVCC_FLAGS": ext.extra_compile_args.get("nvcc") if with_cuda else None,
         "SOURCES": ext.sources,
-        # the shared-library link command (Note [One libstdc++] in tests/unit/test_extension.py)
+        # the shared-library link command (Note [One libstdc++] above)
         "LINK": link,
     }
     lines = [

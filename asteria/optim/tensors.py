@@ -48,10 +48,10 @@ def no_autocast() -> Iterator[None]:
 # the next step's fp32 rotation then raised "expected mat1 and mat2 to have the same dtype"
 # (seen on the H200, the first GPU run; reproduced with CPU autocast). An optimizer step called
 # inside an autocast region (after a closure that needs it, say) would have done the same to
-# every projection. So ``KroneckerOptimizer.step`` (after its closure) and every entry of the
-# runtime that can run optimizer math from the caller's context (the module signals,
-# ``close()``) run with autocast off; threads of their own (the pool, the statistics lane, the
-# device-stream executor) never inherit it, autocast being per thread.
+# every projection. So ``KroneckerOptimizer.step`` (after its closure) and the runtime's one way
+# into ``install_refresh`` (``Refreshes.install_results``, whichever entry reaches it: a module
+# signal, ``close()``, a step's boundary) run with autocast off; threads of their own (the pool,
+# the statistics lane, the device-stream executor) never inherit it, autocast being per thread.
 
 
 #: Bytes: gradient shards not aligned to this are copied before use (``_checked_grad``).

@@ -25,6 +25,7 @@ import torch
 
 from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
 from asteria.optim.matrix_functions import MatrixFunctionError
+from asteria.optim.tensors import no_autocast
 from asteria.runtime.bases import BasesAccess
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.lane import StatisticsLaneError
@@ -336,8 +337,11 @@ class Refreshes:
         step: int,
         results: list[Any],
     ) -> None:
-        """Install ``results`` (of ``pending``) into ``block``, as installed at ``step``."""
-        self.bases.install(key, block, results)
+        """Install ``results`` (of ``pending``) into ``block``, as installed at ``step``: with
+        the caller's autocast off, since a signal installs inside the model's forward (Note
+        [Autocast])."""
+        with no_autocast():
+            self.bases.install(key, block, results)
         if e.pending is pending:
             e.pending = None
         self.registry.record_install(e, pending.requested, step)

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from asteria.optim.base import BlockKey, KroneckerOptimizer, NativeRefresher
-from asteria.optim.tensors import no_autocast
 from asteria.runtime import attach, report, state, testing
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.registry import BlockView
@@ -125,7 +124,7 @@ class Runtime:
         if self._closed:
             return
         p = self._parts
-        with self._lock, no_autocast():  # installs do optimizer math (Note [Autocast])
+        with self._lock:
             self._closed = True
             if p.signals is not None:
                 p.signals.remove()
@@ -229,8 +228,7 @@ class Runtime:
     def _on_signal(self, param_ids: tuple[int, ...], event: str) -> None:
         if self._closed:
             return
-        # a forward pre-hook runs inside the model's autocast region (Note [Autocast])
-        with self._lock, no_autocast():
+        with self._lock:
             self._boundaries.finish_interrupted()  # between steps: the last one raised
             for i in param_ids:
                 pid = self._parts.pid_of[i]
