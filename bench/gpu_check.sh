@@ -12,9 +12,10 @@
 # ASTERIA_FORCE_CUDA=1), info (python -m asteria.info, and the GPU's name), tests (tests/gpu and
 # the CUDA-relevant unit tests), step_time (AdamW, native and Asteria SOAP and KL-Shampoo, with
 # NVML energy per step), time_to_target (bench/time_to_target.py --device cuda on the tiny
-# preset, at the committed CPU tuning's rates), memory (bench/memory.py --measure-cuda: max_memory_allocated), capacity
-# (bench/capacity.py when present, else bench/gpu_refresh_time.py: device eigh/QR vs the CPU
-# pool per factor size), summary (bench/gpu_summary.py: the figures against the goals).
+# preset, at the committed CPU tuning's rates), memory (bench/memory.py --measure-cuda:
+# max_memory_allocated), capacity (bench/capacity.py when present, else
+# bench/gpu_refresh_time.py: device eigh/QR vs the CPU pool per factor size), summary
+# (bench/gpu_summary.py: the figures against the goals).
 #
 # Each phase runs under `timeout`: its own limit, cut so that the phases after it keep their
 # minimum within GPU_CHECK_BUDGET_S (default 540 s). A failing phase does not stop later ones;
