@@ -10,12 +10,13 @@
 #
 # Phases: build (pip install --no-build-isolation --no-deps -e . with TORCH_CUDA_ARCH_LIST,
 # ASTERIA_FORCE_CUDA=1), info (python -m asteria.info, and the GPU's name), tests (tests/gpu and
-# the CUDA-relevant unit tests), step_time (AdamW, native and Asteria SOAP and KL-Shampoo, with
-# NVML energy per step), time_to_target (bench/time_to_target.py --device cuda on the tiny
-# preset, at the committed CPU tuning's rates), memory (bench/memory.py --measure-cuda:
-# max_memory_allocated), capacity (bench/capacity.py when present, else
-# bench/gpu_refresh_time.py: device eigh/QR vs the CPU pool per factor size), summary
-# (bench/gpu_summary.py: the figures against the goals).
+# the CUDA-relevant unit tests), profile (bench/profile_step.py on the tiny preset: where the
+# host time of native and Asteria steps goes, torch.profiler and cProfile), step_time (AdamW,
+# native and Asteria SOAP and KL-Shampoo, with NVML energy per step), time_to_target
+# (bench/time_to_target.py --device cuda on the tiny preset, at the committed CPU tuning's
+# rates), memory (bench/memory.py --measure-cuda: max_memory_allocated), capacity
+# (bench/capacity.py when present, else bench/gpu_refresh_time.py: device eigh/QR vs the CPU
+# pool per factor size), summary (bench/gpu_summary.py: the figures against the goals).
 #
 # Each phase runs under `timeout`: its own limit, cut so that the phases after it keep their
 # minimum within GPU_CHECK_BUDGET_S (default 540 s). A failing phase does not stop later ones;
@@ -56,7 +57,7 @@ while (($#)); do
     shift
 done
 
-PHASES=(build info tests step_time time_to_target memory capacity summary)
+PHASES=(build info tests profile step_time time_to_target memory capacity summary)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a wanted <<<"$ONLY"
     for w in "${wanted[@]}"; do
@@ -117,9 +118,10 @@ TAG="<gpu>"
 GPU_NAME="<from torch.cuda.get_device_name>"
 if ((REHEARSAL)); then TAG=cpu_rehearsal GPU_NAME="cpu (rehearsal)"; fi
 
-declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [step_time]=100 [time_to_target]=60
+declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [profile]=40 [step_time]=100 [time_to_target]=60
     [memory]=45 [capacity]=45 [summary]=15)
-declare -A BOX_S=([build]=240 [info]=30 [tests]=150 [step_time]=200 [time_to_target]=240
+declare -A BOX_S=([build]=240 [info]=30 [tests]=150 [profile]=120 [step_time]=200
+    [time_to_target]=240
     [memory]=90 [capacity]=90 [summary]=30)
 if ((REHEARSAL)); then BOX_S[tests]=300; fi # the 2-core CPU runs the unit tests for minutes
 declare -A STATUS=()
@@ -291,6 +293,13 @@ fi
 # One pytest per file (tools/pytest_each.sh): a test that crashes the interpreter costs its own
 # file's report, not the others'.
 run_phase tests -- tools/pytest_each.sh "$PY" tests/gpu/test_*.py "${UNIT_TESTS[@]}"
+
+# Where the host time of a step goes (issue 24: Asteria's tiny step on the H200 was 35-40 ms
+# longer than native's): native and Asteria SOAP and Shampoo, and Asteria with one part of the
+# runtime off at a time (the bases window, the module hooks, the device stream).
+if ((REHEARSAL)); then PROFILE_ARGS=(--model nano --steps 4 --skip 2 --profile-steps 2); else PROFILE_ARGS=(--model tiny); fi
+run_phase profile profile_step -- "$PY" bench/profile_step.py --device "$DEVICE" \
+    "${PROFILE_ARGS[@]}" --workers "$WORKERS" --keep-going
 
 run_phase step_time step_time -- "$PY" bench/step_time.py --device "$DEVICE" --model "$MODEL" \
     --layers "$LAYERS" --batch-size "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --skip "$SKIP" \

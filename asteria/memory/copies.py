@@ -12,6 +12,17 @@ snapshots.py) and host-to-device copies of the bases window (window.py).
 
 Must not: decide what is copied or when, or own the memory it copies (the callers keep sources
 and destinations alive until the copy's event has completed).
+
+Note [Host writes]: the bases window keeps the bases in use in pinned host memory, so each
+install copies new bases from the device back there (``to_host``). A blocking copy would make
+the host wait for the GPU to drain the step's queued kernels at every install: with installs
+from module hooks, in the middle of the forward pass. ``to_host`` issues the copies on the main
+stream instead (they read what its kernels just wrote, and the caching allocator reuses a freed
+source only in that stream's order, so the source may be dropped at once) and remembers the
+event after them. Two kinds of reader see the host tensors before that event may have
+completed, and each waits for it: every later ``copy`` on the copy stream (the window's fills,
+the snapshots) waits for it on the device, and a reader on the host (a snapshot the pool copies
+itself, ``state_dict`` through ``Runtime.sync``) calls ``host_sync()`` first.
 """
 
 from __future__ import annotations
@@ -43,7 +54,17 @@ class Copies(Protocol):
         ...
 
     def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[Any]) -> Any:
-        """On the copy stream: wait for ``waits``, copy each src into its dst, record an event."""
+        """On the copy stream: wait for ``waits`` (and for the ``to_host`` copies not yet
+        complete), copy each src into its dst, record an event."""
+        ...
+
+    def to_host(self, dsts: Tensors, srcs: Tensors) -> Any:
+        """Copy device tensors ``srcs`` into host tensors ``dsts`` without waiting for them
+        (Note [Host writes]); return the event after the copies."""
+        ...
+
+    def host_sync(self) -> None:
+        """Wait on the host for the ``to_host`` copies (before the host reads their dsts)."""
         ...
 
     def wait(self, event: Any) -> None:
@@ -64,6 +85,7 @@ class CudaCopies:
         self.device = torch.device(device)
         least, _greatest = torch.cuda.Stream.priority_range()  # (lowest, highest) priority
         self.stream = torch.cuda.Stream(self.device, priority=least)
+        self._host_writes: torch.cuda.Event | None = None  # after the last ``to_host`` copies
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -74,6 +96,12 @@ class CudaCopies:
         return event
 
     def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[Any]) -> torch.cuda.Event:
+        waits = list(waits)
+        if self._host_writes is not None:
+            if self._host_writes.query():
+                self._host_writes = None
+            else:
+                waits.append(self._host_writes)
         with torch.cuda.stream(self.stream):
             for event in waits:
                 self.stream.wait_event(event)
@@ -86,12 +114,24 @@ class CudaCopies:
             done.record(self.stream)
         return done
 
+    def to_host(self, dsts: Tensors, srcs: Tensors) -> torch.cuda.Event:
+        for dst, src in zip(dsts, srcs):  # on the main stream (Note [Host writes])
+            dst.copy_(src, non_blocking=True)
+        self._host_writes = self.record()
+        return self._host_writes
+
+    def host_sync(self) -> None:
+        if self._host_writes is not None:
+            self._host_writes.synchronize()
+            self._host_writes = None
+
     def wait(self, event: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
+        self._host_writes = None
 
 
 class HostEvent:
@@ -123,7 +163,9 @@ class HostCopies:
     ``auto_complete``: events recorded on the "main stream" are complete at once (the CPU runs
     the kernels before it returns; what the runtime uses). ``False``: they stay pending until a
     test completes them by hand (``HostEvent.complete``) and calls ``run()``. ``log`` lists
-    ``("record", event)`` and ``("copy", event, waits)`` in the order they happened.
+    ``("record", event)``, ``("copy", event, waits)`` and ``("to_host", event)`` in the order
+    they happened. ``to_host`` copies at once (the CPU ran the kernels that wrote the sources);
+    its event, recorded on the main stream, is what later copies and ``host_sync`` wait for.
     """
 
     stream = None  # no stream: fences of its copies are the CPU stand-in's
@@ -132,6 +174,7 @@ class HostCopies:
         self.auto_complete = auto_complete
         self._order = itertools.count()
         self._queue: list[tuple[list, Tensors, Tensors, HostEvent]] = []
+        self._host_writes: HostEvent | None = None
         self.log: list[tuple] = []
 
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -143,10 +186,25 @@ class HostCopies:
         return event
 
     def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[HostEvent]) -> HostEvent:
+        waits = list(waits)
+        if self._host_writes is not None and not self._host_writes.query():
+            waits.append(self._host_writes)
         done = HostEvent(next(self._order))
-        self._queue.append((list(waits), dsts, srcs, done))
+        self._queue.append((waits, dsts, srcs, done))
         self.run()
         return done
+
+    def to_host(self, dsts: Tensors, srcs: Tensors) -> HostEvent:
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+        self._host_writes = event = HostEvent(next(self._order), done=self.auto_complete)
+        self.log.append(("to_host", event))
+        return event
+
+    def host_sync(self) -> None:
+        if self._host_writes is not None:
+            self._host_writes.synchronize()
+            self._host_writes = None
 
     def run(self) -> None:
         """Run queued copies, in order, until one waits for an event not yet complete."""
@@ -175,6 +233,7 @@ class HostCopies:
             raise RuntimeError(
                 f"stand-in: {len(self._queue)} copies wait for events that are not complete"
             )
+        self.host_sync()
 
 
 def copies_for(device: torch.device) -> Copies:

@@ -62,6 +62,10 @@ class BasesAccess:
         """``install_refresh`` of ``results`` into ``block``, where this strategy keeps bases."""
         self.optimizer.install_refresh(block, [to_device(r, block) for r in results])
 
+    def host_sync(self) -> None:
+        """Wait for the copies of bases to host memory still in flight (before the host reads
+        the block's bases: ``Runtime.sync``; Note [Host writes] in asteria/memory/copies.py)."""
+
     def step_end(self) -> None:
         """The step's last block is updated."""
 
@@ -248,14 +252,24 @@ class WindowBases(BasesAccess):
             self._fit(key, need, self.window)
         return self.window.use(key, srcs, upcoming)
 
+    def host_sync(self) -> None:
+        self.window.copies.host_sync()
+
     def _host_bases(self, block: dict) -> list[Any]:
         """Move ``block``'s bases that are not in Asteria host memory there (pinned on CUDA, in
-        their own layout); the copy is synchronous, like the installs' host-to-device copies."""
+        their own layout). The copies are not waited for (Note [Host writes] in
+        asteria/memory/copies.py): the window's fills wait for them on the device, and the
+        host's readers through ``host_sync``."""
         bases = block[self.field]
+        dsts, srcs = [], []
         for i, q in enumerate(bases):
             if q is not None and not is_host_tensor(q):
                 flat = host_empty(q.numel(), q.dtype, pinned=q.is_cuda)
-                bases[i] = view_like(flat, q).copy_(q)  # q's layout: the same arithmetic
+                bases[i] = view_like(flat, q)  # q's layout: the same arithmetic
+                dsts.append(bases[i])
+                srcs.append(q)
+        if dsts:
+            self.window.copies.to_host(dsts, srcs)
         return bases
 
     def _block_or_none(self, key: BlockKey) -> dict | None:
@@ -281,7 +295,7 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     GPU to drain (a likely part of why the H200's ``tiny`` steps doubled under the runtime,
     docs/gpu.md; not yet measured). Through pinned memory the copy is queued on the stream like
     a kernel (torch's pinned-memory cache keeps the buffer until the copy has run). The window's
-    copy of new bases back to host memory (``WindowBases._host_bases``) still waits."""
+    copy of new bases back to host memory does not wait either (``WindowBases._host_bases``)."""
     if device.type != "cuda" or t.device == device:
         return t.to(device)
     if t.device.type == "cpu" and not t.is_pinned():

@@ -204,9 +204,11 @@ class Runtime:
         return self._lane.beside(fn, *args)
 
     def sync(self) -> None:
-        """Wait for the statistics lane (everything queued there has run)."""
+        """Wait for the statistics lane (everything queued there has run) and for the copies
+        of bases to host memory (the host is about to read the state: ``state_dict``)."""
         if self._lane is not None:
             self._lane.wait_all()
+        self._bases.host_sync()
 
     def block_boundary(self, key: BlockKey, block: dict, group: dict, step: int, due: bool) -> None:
         """Note [Staleness contract] (schedule.py), carried out by boundary.py: install what is

@@ -203,7 +203,8 @@ class StagedSnapshots(Snapshots):
     def take(self, key, dim, name, version, deadline, job, keep):
         srcs = [t for t in (job.factor, job.basis) if t is not None]
         snap = self._snapshot(srcs)
-        if snap is None:
+        if snap is None:  # the pool reads the basis on the host: a window's copy of it first
+            self._copies.host_sync()  # (Note [Host writes] in asteria/memory/copies.py)
             self.unstaged += len(srcs)
             return _Staged(None, job.factor, job.basis)
         snap.release()  # the slots are free again once the copies landed and the views are gone

@@ -69,6 +69,22 @@ def test_the_main_stream_reads_a_slot_only_after_its_copy():
     assert read.item() == D * D * 4.0, "the main stream read the slot before its copy landed"
 
 
+def test_copies_to_host_do_not_wait_and_the_window_reads_them_after_they_land():
+    """Note [Host writes]: ``to_host`` returns while the main stream is still busy; a fill of
+    the window from its destinations waits for it on the device, and ``host_sync`` on the host."""
+    window, copies = _window()
+    src = [torch.full((D, D), 7.0 + i, device="cuda") for i in range(2)]
+    dst = _pinned(0.0)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the main stream is busy: the copies to host run late
+    written = copies.to_host(dst, src)
+    assert not written.query(), "to_host waited for the main stream"
+    got = window.use("a", dst)  # the fill waits for the writes on the device
+    total = got[0].sum() + got[1].sum()
+    copies.host_sync()
+    assert written.query() and torch.all(dst[0] == 7.0) and torch.all(dst[1] == 8.0)
+    assert total.item() == D * D * 15.0, "the window copied the host bases before they landed"
+
+
 def test_a_host_tensor_replaced_while_its_copy_is_in_flight_stays_alive():
     window, copies = _window(slots=1)
     a = _pinned(5.0)

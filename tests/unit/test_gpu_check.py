@@ -18,7 +18,7 @@ from bench._common import device_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
-PHASES = ["build", "info", "tests", "step_time", "time_to_target", "memory", "capacity", "summary"]
+PHASES = ["build", "info", "tests", "profile", "step_time", "time_to_target", "memory", "capacity", "summary"]
 
 
 def _dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -53,6 +53,7 @@ def test_dry_run_lists_every_phase_and_runs_nothing(tmp_path):
     assert "ASTERIA_UNSUPPORTED_TORCH=1" in phases["build"]
     assert "-m asteria.info" in phases["info"]
     assert "tests/gpu" in phases["tests"] and "tests/unit/test_window.py" in phases["tests"]
+    assert "bench/profile_step.py --device cuda --model tiny" in phases["profile"]
     step = phases["step_time"]
     assert "--device cuda" in step and "--energy" in step and "--model olmo-150m" in step
     assert "adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria" in step

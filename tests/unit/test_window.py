@@ -104,6 +104,25 @@ def test_new_host_tensors_are_copied_again_and_old_ones_are_never_handed_out():
     assert window.use("none", [None, None]) == [None, None]
 
 
+def test_copies_wait_for_the_host_writes_before_them_and_the_host_waits_in_host_sync():
+    """Note [Host writes]: ``to_host`` does not wait; later copies and ``host_sync`` do."""
+    copies = HostCopies(auto_complete=False)
+    src, dst = torch.full((3,), 5.0), torch.zeros(3)
+    written = copies.to_host([dst], [src])
+    assert not written.query()
+    with pytest.raises(RuntimeError, match="never completes"):
+        copies.host_sync()  # the host would read dst before its copy completed
+    slot = torch.zeros(3)
+    copies.copy([slot], [dst], [])  # a fill of the window from dst: queued behind the writes
+    assert copies.pending() == 1 and torch.equal(slot, torch.zeros(3))
+    written.complete()
+    copies.run()
+    copies.host_sync()
+    assert torch.equal(slot, src) and copies.pending() == 0
+    copies.copy([slot], [torch.ones(3)], [])  # once complete, nothing more waits for it
+    assert copies.pending() == 0 and torch.equal(slot, torch.ones(3))
+
+
 # ---- the runtime's window on the stand-in --------------------------------------------------------
 
 
@@ -234,3 +253,22 @@ def test_native_mode_hands_the_optimizer_its_own_bases():
         opt.step()
         key, _, block, _ = next(iter(opt.blocks()))
         assert opt.refresher.bases(key, block) is block[opt.bases_field]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_dict_waits_for_the_copies_of_bases_to_host_memory(name, discrete_gpu, monkeypatch):
+    """The host reads the bases in ``state_dict``: ``Runtime.sync`` waits for the window's
+    copies back to host memory first (Note [Host writes])."""
+    synced = []
+    original = HostCopies.host_sync
+    monkeypatch.setattr(HostCopies, "host_sync", lambda self: synced.append(1) or original(self))
+    model = mlp_24_32_32_4()
+    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=2, max_preconditioner_dim=16)
+    with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 24)).square().mean().backward()
+            opt.step()
+        synced.clear()
+        opt.state_dict()
+        assert synced, "state_dict read host bases without waiting for their copies"
