@@ -8,10 +8,10 @@ that short leaves no room for guesses. This benchmark trains each variant for ``
 * the step time (forward, backward, optimizer step, ``loss.item()``): median and p95;
 * ``torch.profiler`` over ``--profile-steps`` steps: the device's busy time per step (its
   kernels' and copies' own times: a step much longer than it is host-bound), the operators and
-  CUDA runtime calls with the most host (self CPU) time, per step, and the calls that make the
-  host wait for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
-  ``cudaEventSynchronize``, blocking ``cudaMemcpy``) or allocate pinned memory
-  (``cudaHostAlloc``, ``cudaHostRegister``), with their count and time per step;
+  CUDA runtime calls with the most host (self CPU) time, the kernels and copies with the most
+  device time, and the calls that make the host wait for the device (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking ``cudaMemcpy``) or allocate
+  pinned memory (``cudaHostAlloc``, ``cudaHostRegister``), with their count and time per step;
 * ``cProfile`` over as many other steps: the Python functions with the most own time per step,
   and the runtime's entry points (``asteria/``) by cumulative time.
 
@@ -37,6 +37,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -99,23 +100,32 @@ def parse_variant(variant: str) -> tuple[str, str, dict]:
     return name, mode, extra
 
 
-def top_profiler_rows(prof, steps: int, n: int) -> tuple[list[dict], dict[str, dict], float]:
-    """The ``n`` events with the most self CPU time, the waiting calls, and the device's busy
-    time (the sum of its kernels' and copies' own times), per step."""
+def top_profiler_rows(prof, steps: int, n: int) -> dict:
+    """Per step: the ``n`` events with the most self CPU time (``top_ops``) and with the most
+    own device time (``top_device``: kernels and copies), the waiting calls (``waits``), and
+    the device's busy time (``device_busy_ms``, the sum of its kernels' and copies' own times)."""
     rows, waits, device_us = [], {}, 0.0
     for e in prof.key_averages():
-        device_us += getattr(e, "self_device_time_total", 0.0) or 0.0
+        own_device = getattr(e, "self_device_time_total", 0.0) or 0.0
+        device_us += own_device
         row = {
             "name": e.key,
             "calls": e.count / steps,
             "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps,
             "cpu_ms": e.cpu_time_total / 1e3 / steps,
+            "self_device_ms": own_device / 1e3 / steps,
         }
         rows.append(row)
         if e.key in WAITS:
             waits[e.key] = {"calls": row["calls"], "ms": row["cpu_ms"]}
-    rows.sort(key=lambda r: -r["self_cpu_ms"])
-    return rows[:n], waits, device_us / 1e3 / steps
+    by_cpu = sorted(rows, key=lambda r: -r["self_cpu_ms"])[:n]
+    by_device = [r for r in sorted(rows, key=lambda r: -r["self_device_ms"]) if r["self_device_ms"]]
+    return {
+        "top_ops": by_cpu,
+        "top_device": by_device[:n],
+        "waits": waits,
+        "device_busy_ms": device_us / 1e3 / steps,
+    }
 
 
 def top_python(profile: cProfile.Profile, steps: int, n: int) -> tuple[list[dict], list[dict]]:
@@ -192,9 +202,7 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
             for _ in range(args.profile_steps):
                 step()
             synchronize(device)
-        out["top_ops"], out["waits"], out["device_busy_ms"] = top_profiler_rows(
-            prof, args.profile_steps, args.top
-        )
+        out.update(top_profiler_rows(prof, args.profile_steps, args.top))
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.profile_steps):
@@ -257,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
                 raise
             errors[v] = f"{type(e).__name__}: {e}"
             print(f"   FAILED: {errors[v]}", flush=True)
+            traceback.print_exc(file=sys.stdout)
             continue
         results[v] = r
         print(
@@ -270,6 +279,14 @@ def main(argv: list[str] | None = None) -> dict:
                 for o in r["top_ops"]
             ],
         )
+        if r["top_device"]:
+            print_table(
+                ["on the device (own time)", "calls/step", "device ms/step"],
+                [
+                    [o["name"][:60], f"{o['calls']:.1f}", f"{o['self_device_ms']:.2f}"]
+                    for o in r["top_device"]
+                ],
+            )
         if r["waits"]:
             print_table(
                 ["host wait / pinned alloc", "calls/step", "ms/step"],

@@ -67,12 +67,18 @@ void register_pieces(char* base, const std::vector<std::pair<size_t, size_t>>& p
 
 }  // namespace detail
 
-std::shared_ptr<HostBlock> HostBlock::allocate(size_t bytes, HostPinning pinning) {
+std::shared_ptr<HostBlock> HostBlock::allocate(size_t bytes, HostPinning pinning,
+                                               size_t chunk_bytes) {
+  if (chunk_bytes == 0 || chunk_bytes % kHostAlignment != 0) {
+    throw std::invalid_argument("HostBlock: chunk_bytes must be a positive multiple of " +
+                                std::to_string(kHostAlignment) + ", got " +
+                                std::to_string(chunk_bytes));
+  }
   const size_t size = round_up(std::max<size_t>(bytes, 1));
   if (size < bytes) throw std::bad_alloc();  // the rounding overflowed
   void* data = nullptr;
   if (posix_memalign(&data, kHostAlignment, size) != 0) throw std::bad_alloc();
-  std::shared_ptr<HostBlock> block(new HostBlock(static_cast<char*>(data), size));
+  std::shared_ptr<HostBlock> block(new HostBlock(static_cast<char*>(data), size, chunk_bytes));
   note_allocated(static_cast<int64_t>(size));
   const bool pin = pinning == HostPinning::kPinned ||
                    (pinning == HostPinning::kAuto && cuda::host_registration_available());
@@ -81,7 +87,7 @@ std::shared_ptr<HostBlock> HostBlock::allocate(size_t bytes, HostPinning pinning
 }
 
 void HostBlock::pin(int device) {
-  const auto pieces = detail::split_chunks(size_, kMaxRegistrationBytes);
+  const auto pieces = detail::split_chunks(size_, chunk_bytes_);
   chunks_.reserve(pieces.size());
   detail::register_pieces(
       data_, pieces, [device](void* p, size_t n) { cuda::host_register(p, n, device); },
@@ -123,13 +129,13 @@ void* HostBlock::device_pointer(size_t offset, size_t bytes, int device) const {
   // driver 580, 2026-12-04) even where their device addresses are contiguous; a view must stay
   // inside one chunk.
   const size_t last = offset + std::max<size_t>(bytes, 1) - 1;
-  const size_t first_chunk = offset / kMaxRegistrationBytes;
-  const size_t last_chunk = std::min(last / kMaxRegistrationBytes, chunks_.size() - 1);
+  const size_t first_chunk = offset / chunk_bytes_;
+  const size_t last_chunk = std::min(last / chunk_bytes_, chunks_.size() - 1);
   if (last_chunk != first_chunk) {
     throw std::invalid_argument(
         "device view of bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
         ") spans " + std::to_string(last_chunk - first_chunk + 1) +
-        " host registration chunks (each at most " + std::to_string(kMaxRegistrationBytes >> 20) +
+        " host registration chunks (each at most " + std::to_string(chunk_bytes_ >> 20) +
         " MiB); the CUDA driver refuses copies across registrations: take device views of "
         "slices that stay inside one chunk");
   }

@@ -8,7 +8,9 @@
 //   O_DIRECT asks of buffers. Contents are uninitialized. posix_memalign, never torch's caching
 //   host allocator (which rounds pinned requests up to a power of two).
 // * Pinning: kPinned registers the block with the CUDA driver (cuda/host_memory.h, Mapped |
-//   Portable) in chunks of at most kMaxRegistrationBytes, unregistering the chunks already done if
+//   Portable) in chunks of `chunk_bytes` (default kMaxRegistrationBytes; a caller that copies
+//   fixed-size pieces, the staging ring, passes a multiple of their size so that no piece spans
+//   two registrations: Note [Device views across registrations]), unregistering the chunks already done if
 //   one fails, and throws when this build or machine cannot pin. kAuto pins where it can (a CUDA
 //   build that sees a GPU) and is pageable elsewhere; kPageable never pins. A pinned block is also
 //   madvise(MADV_DONTFORK)'d, so fork() does not copy its locked pages into the child (the child
@@ -47,7 +49,9 @@ constexpr size_t round_up(size_t bytes, size_t alignment = kHostAlignment) {
 
 class HostBlock {
  public:
-  static std::shared_ptr<HostBlock> allocate(size_t bytes, HostPinning pinning);
+  // `chunk_bytes`: the size of each registration (a multiple of kHostAlignment, > 0).
+  static std::shared_ptr<HostBlock> allocate(size_t bytes, HostPinning pinning,
+                                             size_t chunk_bytes = kMaxRegistrationBytes);
   ~HostBlock();
   HostBlock(const HostBlock&) = delete;
   HostBlock& operator=(const HostBlock&) = delete;
@@ -56,6 +60,7 @@ class HostBlock {
   size_t size() const { return size_; }
   bool pinned() const { return !chunks_.empty(); }
   int device() const { return device_; }  // the device it was registered on; -1 when pageable
+  size_t chunk_bytes() const { return chunk_bytes_; }  // of each registration (when pinned)
   void* device_pointer(size_t offset, size_t bytes, int device) const;
 
  private:
@@ -63,11 +68,13 @@ class HostBlock {
     size_t offset;
     size_t bytes;
   };
-  HostBlock(char* data, size_t size) : data_(data), size_(size) {}
+  HostBlock(char* data, size_t size, size_t chunk_bytes)
+      : data_(data), size_(size), chunk_bytes_(chunk_bytes) {}
   void pin(int device);
 
   char* data_;
   size_t size_;
+  size_t chunk_bytes_;
   int device_ = -1;
   std::vector<Chunk> chunks_;  // registered chunks; empty when pageable
 };

@@ -114,11 +114,25 @@ at::Tensor device_view(const at::Tensor& host, int device) {
                     "device_view: the tensor's host memory is not pinned; allocate it with "
                     "pinned=True (or pinned=None on a machine with a GPU)");
   if (device < 0) device = cuda::host_current_device();
-  void* data = ctx->block->device_pointer(ctx->offset, host.storage().nbytes(), device);
+  // The bytes the tensor reaches, not its whole storage: a slice of a block larger than one
+  // registration chunk maps when it lies inside one chunk (Note [Device views across
+  // registrations] in host_block.cpp).
+  const size_t item = c10::elementSize(host.scalar_type());
+  size_t extent = 0;  // elements from the first one the tensor reaches
+  if (host.numel() > 0) {
+    extent = 1;
+    for (int64_t d = 0; d < host.dim(); ++d) {
+      TORCH_CHECK_VALUE(host.stride(d) >= 0, "device_view: negative strides are not supported");
+      extent += static_cast<size_t>(host.size(d) - 1) * static_cast<size_t>(host.stride(d));
+    }
+  }
+  const size_t first = ctx->offset + static_cast<size_t>(host.storage_offset()) * item;
+  void* data = ctx->block->device_pointer(first, extent * item, device);
   auto view_ctx = std::make_unique<HostContext>(*ctx);
+  view_ctx->offset = first;
   view_ctx->on_device = true;
-  return make(std::move(view_ctx), data, host.sizes(), host.strides(), host.storage_offset(),
-              host.scalar_type(), c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  return make(std::move(view_ctx), data, host.sizes(), host.strides(), 0, host.scalar_type(),
+              c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
 Timeout to_timeout(const char* what, std::optional<double> timeout_s) {

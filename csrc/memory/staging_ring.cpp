@@ -171,7 +171,11 @@ StagingRing::StagingRing(int slots, size_t slot_bytes, HostPinning pinning)
     throw std::invalid_argument("StagingRing: slots * slot_bytes overflows");
   }
   state_->slot_bytes = rounded;
-  state_->block = HostBlock::allocate(rounded * slots, pinning);
+  // Each registration holds whole slots: the driver refuses a copy whose host range spans two
+  // registrations (Note [Device views across registrations] in host_block.cpp), and a copy into
+  // a slot is one such range. A slot larger than kMaxRegistrationBytes is a registration alone.
+  const size_t per_chunk = std::max<size_t>(1, kMaxRegistrationBytes / rounded);
+  state_->block = HostBlock::allocate(rounded * slots, pinning, per_chunk * rounded);
   state_->slots.resize(slots);
 }
 

@@ -179,6 +179,31 @@ TEST(ring_hands_out_slots_in_order) {
   CHECK_EQ(h->index(), 0);
 }
 
+// Note [Device views across registrations]: a copy into a slot is one host range, and the driver
+// refuses a range across two registrations, so each registration chunk of the ring's block holds
+// whole slots, for slots of every size (smaller than a chunk, not dividing it, larger than it).
+TEST(ring_slots_never_span_two_registration_chunks) {
+  const size_t mib = size_t{1} << 20;
+  for (const size_t bytes : {size_t{2362368}, 3 * mib + 4096, 100 * mib, 255 * mib + 1, 300 * mib}) {
+    const int slots = static_cast<int>(std::max<size_t>(2, 3 * kMaxRegistrationBytes / bytes));
+    StagingRing ring(slots, bytes, HostPinning::kPageable);
+    const size_t chunk = ring.block()->chunk_bytes();
+    CHECK(chunk % ring.slot_bytes() == 0);
+    CHECK(chunk <= std::max(kMaxRegistrationBytes, ring.slot_bytes()));
+    for (int i = 0; i < slots; ++i) {
+      auto lease = ring.acquire(0ns);
+      const size_t first = lease->offset();
+      const size_t last = first + ring.slot_bytes() - 1;
+      CHECK_EQ(first / chunk, last / chunk);
+      CHECK(last < ring.block()->size());
+    }
+  }
+  CHECK_THROWS(HostBlock::allocate(4096, HostPinning::kPageable, 0), std::invalid_argument);
+  CHECK_THROWS(HostBlock::allocate(4096, HostPinning::kPageable, 4097), std::invalid_argument);
+  CHECK_EQ(HostBlock::allocate(4096, HostPinning::kPageable)->chunk_bytes(),
+           kMaxRegistrationBytes);
+}
+
 TEST(ring_waits_for_pins) {
   StagingRing ring(1, 4096, HostPinning::kPageable);
   auto lease = ring.acquire(0ns);
