@@ -156,13 +156,19 @@ def count_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
 class WaitTimeoutError(TimeoutError):
     """StagingRing.acquire or SpillFuture.result ran out of time."""
 
-def host_empty(sizes: list[int], dtype: torch.dtype, pinned: bool | None = None) -> torch.Tensor:
-    """An uninitialized contiguous CPU tensor over a fresh 4 KiB-aligned host block; pinned: None
-    pins where a GPU is visible, True requires it, False never pins."""
+def host_empty(
+    sizes: list[int], dtype: torch.dtype, pinned: bool | None = None, reuse: bool = False
+) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor over a 4 KiB-aligned host block; pinned: None
+    pins where a GPU is visible, True requires it, False never pins; reuse: the block comes from
+    (and goes back to) the cache of reused blocks."""
+
+def release_host_cache() -> int:
+    """Free every block in the cache of reused host blocks; the bytes freed."""
 
 def host_memory_stats() -> dict[str, int]:
     """live_blocks, live_bytes, registered_blocks, registered_bytes, peak_bytes,
-    allocated_blocks."""
+    allocated_blocks, cached_blocks, cached_bytes, reused_blocks."""
 
 def device_view(host: torch.Tensor, device: int = -1) -> torch.Tensor:
     """A CUDA tensor aliasing pinned host memory (zero-copy); keeps the memory alive."""

@@ -7,8 +7,9 @@
   (the ``torch.ops.asteria.*`` custom ops, traceable by ``torch.compile``);
 * host memory: ``host_empty`` (aligned, pinned and mapped where a GPU is visible),
   ``host_empty_like``, ``host_copy``, ``device_view`` (zero-copy CUDA views of pinned memory),
-  ``host_memory_stats``, ``host_tensor_info``, ``is_host_tensor``; every tensor owns its memory
-  through its storage;
+  ``host_memory_stats``, ``host_tensor_info``, ``is_host_tensor``, ``release_host_cache`` (the
+  blocks ``host_empty(..., reuse=True)`` left for reuse); every tensor owns its memory through
+  its storage;
 * the staging path: ``StagingRing`` / ``StagingSlot`` (fenced, reusable pinned slots),
   ``copy_stream`` (the low-priority copy stream, ``CopyStream``), ``snapshot`` / ``Snapshot``
   (device-to-host copies into ring slots with their fences);
@@ -47,6 +48,7 @@ from asteria.memory.host import (
     host_memory_stats,
     host_tensor_info,
     is_host_tensor,
+    release_host_cache,
 )
 from asteria.memory.nvme import (
     SpillChecksumError,
@@ -90,5 +92,6 @@ __all__ = [
     "inverse_root",
     "is_host_tensor",
     "qr_refresh",
+    "release_host_cache",
     "snapshot",
 ]

@@ -15,6 +15,7 @@ from asteria.memory.host import (
     host_memory_stats,
     host_tensor_info,
     is_host_tensor,
+    release_host_cache,
 )
 from asteria.memory.nvme import SpillChecksumError, SpillFuture, SpillIOError, SpillStore
 
@@ -32,4 +33,5 @@ __all__ = [
     "host_memory_stats",
     "host_tensor_info",
     "is_host_tensor",
+    "release_host_cache",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "host_memory_stats",
     "host_tensor_info",
     "is_host_tensor",
+    "release_host_cache",
 ]
 
 Shape = int | Sequence[int] | torch.Size
@@ -61,7 +62,10 @@ def _device_index(device: int | str | torch.device | None) -> int:
 
 
 def host_empty(
-    shape: Shape, dtype: torch.dtype = torch.float32, pinned: bool | None = None
+    shape: Shape,
+    dtype: torch.dtype = torch.float32,
+    pinned: bool | None = None,
+    reuse: bool = False,
 ) -> torch.Tensor:
     """An uninitialized, contiguous CPU tensor over a fresh 4 KiB-aligned host block.
 
@@ -69,8 +73,20 @@ def host_empty(
     and stays pageable elsewhere; True requires pinning (RuntimeError on a CPU-only build or
     machine); False never pins. Pinned memory makes ``copy_(..., non_blocking=True)`` truly
     asynchronous and allows ``device_view``.
+
+    ``reuse``: the block comes from the process's cache of reused blocks when one of the same
+    size and pinning is there, and goes back to it (still pinned) when the tensor's memory is
+    freed, instead of being registered and unregistered again: for memory replaced often, like
+    the bases window's (Note [Reused host blocks] in csrc/memory/host_block.cpp). The cache
+    holds at most 4 GiB; ``release_host_cache()`` frees it.
     """
-    return _C.host_empty(_sizes(shape), dtype, pinned)
+    return _C.host_empty(_sizes(shape), dtype, pinned, reuse)
+
+
+def release_host_cache() -> int:
+    """Free the blocks that ``host_empty(..., reuse=True)`` tensors left in the cache of reused
+    blocks (unregistering the pinned ones); return the bytes freed."""
+    return _C.release_host_cache()
 
 
 def host_empty_like(tensor: torch.Tensor, pinned: bool | None = None) -> torch.Tensor:
@@ -85,8 +101,10 @@ def host_copy(tensor: torch.Tensor, pinned: bool | None = None) -> torch.Tensor:
 
 def host_memory_stats() -> dict[str, int]:
     """Process-wide counters of Asteria's host blocks: ``live_blocks``, ``live_bytes``,
-    ``registered_blocks``, ``registered_bytes`` (pinned), ``peak_bytes`` and
-    ``allocated_blocks`` (ever). Bytes are allocated sizes (requests rounded up to 4 KiB)."""
+    ``registered_blocks``, ``registered_bytes`` (pinned, cached blocks included),
+    ``peak_bytes``, ``allocated_blocks`` (ever), ``cached_blocks`` and ``cached_bytes`` (in the
+    cache of reused blocks, not live) and ``reused_blocks`` (allocations the cache served, ever).
+    Bytes are allocated sizes (requests rounded up to 4 KiB)."""
     return dict(_C.host_memory_stats())
 
 

@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from asteria.memory.host import device_view, host_copy, host_empty, is_host_tensor
+from asteria.memory.host import (
+    device_view,
+    host_copy,
+    host_empty,
+    is_host_tensor,
+    release_host_cache,
+)
 from asteria.memory.window import BasesWindow, view_like
 from asteria.optim.base import BlockKey, KroneckerOptimizer
 from asteria.runtime.lane import StatisticsLane
@@ -225,6 +231,7 @@ class WindowBases(BasesAccess):
             for i, q in enumerate(bases):
                 if q is not None and q.device != p.device:
                     bases[i] = q.to(p.device)
+        release_host_cache()  # the host bases just dropped (Note [Reused host blocks])
 
     def buffers(self) -> list[torch.Tensor]:
         return self.window.buffers()
@@ -259,12 +266,14 @@ class WindowBases(BasesAccess):
         """Move ``block``'s bases that are not in Asteria host memory there (pinned on CUDA, in
         their own layout). The copies are not waited for (Note [Host writes] in
         asteria/memory/copies.py): the window's fills wait for them on the device, and the
-        host's readers through ``host_sync``."""
+        host's readers through ``host_sync``. The blocks are reused (Note [Reused host blocks] in
+        csrc/memory/host_block.cpp): an install replaces a block's bases, and registering fresh
+        pinned memory each time cost milliseconds per install."""
         bases = block[self.field]
         dsts, srcs = [], []
         for i, q in enumerate(bases):
             if q is not None and not is_host_tensor(q):
-                flat = host_empty(q.numel(), q.dtype, pinned=q.is_cuda)
+                flat = host_empty(q.numel(), q.dtype, pinned=q.is_cuda, reuse=True)
                 bases[i] = view_like(flat, q)  # q's layout: the same arithmetic
                 dsts.append(bases[i])
                 srcs.append(q)

@@ -161,11 +161,14 @@ void register_cuda(py::module_& m) {
 void register_host_memory(py::module_& m) {
   namespace mem = asteria::memory;
   m.def("host_empty", &mem::host_empty, py::arg("sizes"), py::arg("dtype"),
-        py::arg("pinned") = py::none(), ReleaseGil(),
-        "An uninitialized contiguous CPU tensor over a fresh 4 KiB-aligned host block.");
+        py::arg("pinned") = py::none(), py::arg("reuse") = false, ReleaseGil(),
+        "An uninitialized contiguous CPU tensor over a 4 KiB-aligned host block (fresh, or with "
+        "reuse=True one from the cache of reused blocks).");
+  m.def("release_host_cache", &mem::release_host_cache, ReleaseGil(),
+        "Free every block in the cache of reused host blocks; the bytes freed.");
   m.def("host_memory_stats", &mem::host_memory_stats_dict,
         "live_blocks, live_bytes, registered_blocks, registered_bytes, peak_bytes, "
-        "allocated_blocks.");
+        "allocated_blocks, cached_blocks, cached_bytes, reused_blocks.");
   m.def("device_view", &mem::device_view, py::arg("host"), py::arg("device") = -1,
         "A CUDA tensor aliasing pinned host memory (zero-copy); keeps the memory alive.");
   m.def("host_tensor_info", &mem::host_tensor_info, py::arg("tensor"),

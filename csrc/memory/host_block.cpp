@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <list>
+#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -21,6 +23,9 @@ struct Counters {
   std::atomic<int64_t> registered_bytes{0};
   std::atomic<int64_t> peak_bytes{0};
   std::atomic<int64_t> allocated_blocks{0};
+  std::atomic<int64_t> cached_blocks{0};
+  std::atomic<int64_t> cached_bytes{0};
+  std::atomic<int64_t> reused_blocks{0};
 };
 
 Counters& counters() {
@@ -28,14 +33,36 @@ Counters& counters() {
   return c;
 }
 
-void note_allocated(int64_t bytes) {
+void note_live(int64_t bytes) {
   Counters& c = counters();
   c.live_blocks.fetch_add(1);
-  c.allocated_blocks.fetch_add(1);
   const int64_t live = c.live_bytes.fetch_add(bytes) + bytes;
   int64_t peak = c.peak_bytes.load();
   while (live > peak && !c.peak_bytes.compare_exchange_weak(peak, live)) {
   }
+}
+
+// Note [Reused host blocks]: the bases window keeps the bases in use in pinned host memory and
+// replaces a block's bases at every install (new tensors, so that a copy still reading the old
+// ones is never overwritten: Note [Bases window]). Registering fresh memory with the driver costs
+// milliseconds per megabyte range (on the H200 machine 6 registrations and unregistrations a step
+// of the tiny preset took 2.2 ms, and OLMo-2-style models have bases of tens of megabytes), so a
+// block allocated with `reuse` is cached when its last owner drops it and handed to the next
+// `reuse` allocation of the same size, pinning, chunking and device. Reusing is as safe as
+// freeing: an owner keeps a block alive until the copies that read or write it completed (the
+// window retires a slot's sources with their copy's event; the runtime keeps a pending copy's
+// destination in the block's state), so the last owner drops it only once nothing uses it. The
+// cache is never destroyed (a block stays registered until the process exits, so nothing is
+// unregistered after the CUDA runtime has shut down); it holds at most kMaxCachedHostBytes.
+struct HostCache {
+  std::mutex mu;
+  std::list<HostBlock*> blocks;  // the oldest first
+  size_t bytes = 0;
+};
+
+HostCache& host_cache() {
+  static auto* cache = new HostCache;  // never destroyed (see the Note)
+  return *cache;
 }
 
 }  // namespace
@@ -68,7 +95,7 @@ void register_pieces(char* base, const std::vector<std::pair<size_t, size_t>>& p
 }  // namespace detail
 
 std::shared_ptr<HostBlock> HostBlock::allocate(size_t bytes, HostPinning pinning,
-                                               size_t chunk_bytes) {
+                                               size_t chunk_bytes, bool reuse) {
   if (chunk_bytes == 0 || chunk_bytes % kHostAlignment != 0) {
     throw std::invalid_argument("HostBlock: chunk_bytes must be a positive multiple of " +
                                 std::to_string(kHostAlignment) + ", got " +
@@ -76,14 +103,84 @@ std::shared_ptr<HostBlock> HostBlock::allocate(size_t bytes, HostPinning pinning
   }
   const size_t size = round_up(std::max<size_t>(bytes, 1));
   if (size < bytes) throw std::bad_alloc();  // the rounding overflowed
-  void* data = nullptr;
-  if (posix_memalign(&data, kHostAlignment, size) != 0) throw std::bad_alloc();
-  std::shared_ptr<HostBlock> block(new HostBlock(static_cast<char*>(data), size, chunk_bytes));
-  note_allocated(static_cast<int64_t>(size));
   const bool pin = pinning == HostPinning::kPinned ||
                    (pinning == HostPinning::kAuto && cuda::host_registration_available());
+  if (reuse) {  // Note [Reused host blocks]
+    const int device = pin ? cuda::host_current_device() : -1;
+    HostCache& cache = host_cache();
+    HostBlock* hit = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(cache.mu);
+      for (auto it = cache.blocks.begin(); it != cache.blocks.end(); ++it) {
+        HostBlock* b = *it;
+        if (b->size_ == size && b->chunk_bytes_ == chunk_bytes && b->pinned() == pin &&
+            b->device_ == device) {
+          hit = b;
+          cache.blocks.erase(it);
+          cache.bytes -= size;
+          break;
+        }
+      }
+      if (hit != nullptr) {
+        hit->cached_ = false;
+        Counters& c = counters();
+        c.cached_blocks.fetch_sub(1);
+        c.cached_bytes.fetch_sub(static_cast<int64_t>(size));
+        c.reused_blocks.fetch_add(1);
+        note_live(static_cast<int64_t>(size));
+      }
+    }
+    if (hit != nullptr) return std::shared_ptr<HostBlock>(hit, &HostBlock::recycle);
+  }
+  void* data = nullptr;
+  if (posix_memalign(&data, kHostAlignment, size) != 0) throw std::bad_alloc();
+  std::unique_ptr<HostBlock> block(new HostBlock(static_cast<char*>(data), size, chunk_bytes));
+  counters().allocated_blocks.fetch_add(1);
+  note_live(static_cast<int64_t>(size));
   if (pin) block->pin(cuda::host_current_device());  // on failure ~HostBlock frees the memory
-  return block;
+  if (reuse) return std::shared_ptr<HostBlock>(block.release(), &HostBlock::recycle);
+  return std::shared_ptr<HostBlock>(block.release());
+}
+
+void HostBlock::recycle(HostBlock* block) {
+  const size_t size = block->size_;
+  if (size > kMaxCachedHostBytes) {
+    delete block;
+    return;
+  }
+  HostCache& cache = host_cache();
+  std::vector<HostBlock*> evicted;
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    block->cached_ = true;
+    Counters& c = counters();
+    c.live_blocks.fetch_sub(1);
+    c.live_bytes.fetch_sub(static_cast<int64_t>(size));
+    c.cached_blocks.fetch_add(1);
+    c.cached_bytes.fetch_add(static_cast<int64_t>(size));
+    cache.blocks.push_back(block);
+    cache.bytes += size;
+    while (cache.bytes > kMaxCachedHostBytes) {
+      evicted.push_back(cache.blocks.front());
+      cache.bytes -= cache.blocks.front()->size_;
+      cache.blocks.pop_front();
+    }
+  }
+  for (HostBlock* b : evicted) delete b;  // unregistering takes time: outside the lock
+}
+
+size_t release_host_cache() {
+  HostCache& cache = host_cache();
+  std::list<HostBlock*> blocks;
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    blocks.swap(cache.blocks);
+    bytes = cache.bytes;
+    cache.bytes = 0;
+  }
+  for (HostBlock* b : blocks) delete b;
+  return bytes;
 }
 
 void HostBlock::pin(int device) {
@@ -109,8 +206,14 @@ HostBlock::~HostBlock() {
     counters().registered_bytes.fetch_sub(static_cast<int64_t>(size_));
   }
   std::free(data_);
-  counters().live_blocks.fetch_sub(1);
-  counters().live_bytes.fetch_sub(static_cast<int64_t>(size_));
+  Counters& c = counters();
+  if (cached_) {
+    c.cached_blocks.fetch_sub(1);
+    c.cached_bytes.fetch_sub(static_cast<int64_t>(size_));
+  } else {
+    c.live_blocks.fetch_sub(1);
+    c.live_bytes.fetch_sub(static_cast<int64_t>(size_));
+  }
 }
 
 void* HostBlock::device_pointer(size_t offset, size_t bytes, int device) const {
@@ -153,6 +256,9 @@ HostMemoryStats host_memory_stats() {
   s.registered_bytes = c.registered_bytes.load();
   s.peak_bytes = c.peak_bytes.load();
   s.allocated_blocks = c.allocated_blocks.load();
+  s.cached_blocks = c.cached_blocks.load();
+  s.cached_bytes = c.cached_bytes.load();
+  s.reused_blocks = c.reused_blocks.load();
   return s;
 }
 

@@ -10,18 +10,25 @@
 // * Pinning: kPinned registers the block with the CUDA driver (cuda/host_memory.h, Mapped |
 //   Portable) in chunks of `chunk_bytes` (default kMaxRegistrationBytes; a caller that copies
 //   fixed-size pieces, the staging ring, passes a multiple of their size so that no piece spans
-//   two registrations: Note [Device views across registrations]), unregistering the chunks already done if
-//   one fails, and throws when this build or machine cannot pin. kAuto pins where it can (a CUDA
-//   build that sees a GPU) and is pageable elsewhere; kPageable never pins. A pinned block is also
-//   madvise(MADV_DONTFORK)'d, so fork() does not copy its locked pages into the child (the child
-//   must not touch it). On free the chunks are unregistered, on the device they were registered
-//   on, before the memory goes back to the C library.
+//   two registrations: Note [Device views across registrations]), unregistering the chunks already
+//   done if one fails, and throws when this build or machine cannot pin. kAuto pins where it can (a
+//   CUDA build that sees a GPU) and is pageable elsewhere; kPageable never pins. A pinned block is
+//   also madvise(MADV_DONTFORK)'d, so fork() does not copy its locked pages into the child (the
+//   child must not touch it). On free the chunks are unregistered, on the device they were
+//   registered on, before the memory goes back to the C library.
 // * Lifetime: blocks are shared (std::shared_ptr); the last owner frees, on whatever thread it
 //   runs. Torch tensors over a block hold it through their storage (memory/host_tensor.h). Freeing
 //   does not wait for the GPU: keep a block alive until kernels and copies that use it completed
 //   (the staging ring's fences do that for its slots).
 // * Accounting: process-wide counters of live blocks and bytes (allocated size) and of registered
 //   blocks and bytes, updated on allocation and free; host_memory_stats() reads them. Thread-safe.
+// * Reuse (Note [Reused host blocks] in host_block.cpp): a block allocated with `reuse` goes, when
+//   its last owner drops it, to a process-wide cache instead of back to the C library (still
+//   registered when pinned), and a later `reuse` allocation of the same size, pinning, chunking
+//   and device takes it back: registering and unregistering pinned memory costs milliseconds per
+//   megabyte range, which a runtime replacing its bases at every install must not pay. The cache
+//   holds at most kMaxCachedHostBytes (the oldest blocks are freed first); release_host_cache()
+//   frees it all. Cached blocks count as cached_*, not live_*, and stay in registered_*.
 // * Device addresses: device_pointer(offset, bytes, device) is where the GPU sees a byte range of a
 //   pinned block (cudaHostGetDevicePointer). A range must lie inside one registration chunk
 //   (Note [Device views across registrations] in host_block.cpp); otherwise it throws.
@@ -39,6 +46,7 @@ namespace asteria::memory {
 
 constexpr size_t kHostAlignment = 4096;
 constexpr size_t kMaxRegistrationBytes = size_t{256} << 20;
+constexpr size_t kMaxCachedHostBytes = size_t{4} << 30;
 
 enum class HostPinning { kPageable, kPinned, kAuto };
 
@@ -49,9 +57,11 @@ constexpr size_t round_up(size_t bytes, size_t alignment = kHostAlignment) {
 
 class HostBlock {
  public:
-  // `chunk_bytes`: the size of each registration (a multiple of kHostAlignment, > 0).
+  // `chunk_bytes`: the size of each registration (a multiple of kHostAlignment, > 0); `reuse`:
+  // from and back to the cache of reused blocks (see Reuse above).
   static std::shared_ptr<HostBlock> allocate(size_t bytes, HostPinning pinning,
-                                             size_t chunk_bytes = kMaxRegistrationBytes);
+                                             size_t chunk_bytes = kMaxRegistrationBytes,
+                                             bool reuse = false);
   ~HostBlock();
   HostBlock(const HostBlock&) = delete;
   HostBlock& operator=(const HostBlock&) = delete;
@@ -71,13 +81,18 @@ class HostBlock {
   HostBlock(char* data, size_t size, size_t chunk_bytes)
       : data_(data), size_(size), chunk_bytes_(chunk_bytes) {}
   void pin(int device);
+  static void recycle(HostBlock* block);  // the deleter of a block allocated with `reuse`
 
   char* data_;
   size_t size_;
   size_t chunk_bytes_;
   int device_ = -1;
   std::vector<Chunk> chunks_;  // registered chunks; empty when pageable
+  bool cached_ = false;        // in the cache of reused blocks (not live)
 };
+
+// Frees every block in the cache of reused blocks; returns the bytes freed.
+size_t release_host_cache();
 
 struct HostMemoryStats {
   int64_t live_blocks = 0;
@@ -86,6 +101,9 @@ struct HostMemoryStats {
   int64_t registered_bytes = 0;
   int64_t peak_bytes = 0;        // the most live bytes at any time so far
   int64_t allocated_blocks = 0;  // blocks allocated since the process started
+  int64_t cached_blocks = 0;     // in the cache of reused blocks
+  int64_t cached_bytes = 0;
+  int64_t reused_blocks = 0;  // allocations served from that cache since the start
 };
 
 HostMemoryStats host_memory_stats();

@@ -75,11 +75,12 @@ at::Tensor tensor_over_block(std::shared_ptr<HostBlock> block, size_t offset, at
   return make(std::move(ctx), data, sizes, std::nullopt, 0, dtype, c10::Device(c10::kCPU));
 }
 
-at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, std::optional<bool> pinned) {
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, std::optional<bool> pinned,
+                      bool reuse) {
   const size_t nbytes = nbytes_of("host_empty", sizes, dtype);
   std::shared_ptr<HostBlock> block;
   try {
-    block = HostBlock::allocate(nbytes, pinning_from(pinned));
+    block = HostBlock::allocate(nbytes, pinning_from(pinned), kMaxRegistrationBytes, reuse);
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, "host_empty(pinned=True): ", e.what(),
                 "; pass pinned=None to pin only where a GPU is available");
@@ -182,7 +183,10 @@ std::map<std::string, int64_t> host_memory_stats_dict() {
           {"registered_blocks", s.registered_blocks},
           {"registered_bytes", s.registered_bytes},
           {"peak_bytes", s.peak_bytes},
-          {"allocated_blocks", s.allocated_blocks}};
+          {"allocated_blocks", s.allocated_blocks},
+          {"cached_blocks", s.cached_blocks},
+          {"cached_bytes", s.cached_bytes},
+          {"reused_blocks", s.reused_blocks}};
 }
 
 }  // namespace asteria::memory

@@ -41,7 +41,8 @@
 
 namespace asteria::memory {
 
-at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, std::optional<bool> pinned);
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, std::optional<bool> pinned,
+                      bool reuse = false);
 
 // A CPU tensor over bytes [offset, offset + nbytes of sizes x dtype) of `block`, owning it.
 at::Tensor tensor_over_block(std::shared_ptr<HostBlock> block, size_t offset, at::IntArrayRef sizes,

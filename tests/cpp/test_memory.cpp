@@ -179,12 +179,68 @@ TEST(ring_hands_out_slots_in_order) {
   CHECK_EQ(h->index(), 0);
 }
 
+// Note [Reused host blocks]: a reuse block goes back to the cache when its last owner drops it and
+// is handed to the next reuse allocation of its size (and pinning); others never enter the cache.
+TEST(reused_blocks_come_back_from_the_cache) {
+  memory::release_host_cache();
+  const auto before = memory::host_memory_stats();
+  void* first = nullptr;
+  {
+    auto a = HostBlock::allocate(3 * 4096, HostPinning::kPageable, kMaxRegistrationBytes, true);
+    first = a->data();
+    auto plain = HostBlock::allocate(3 * 4096, HostPinning::kPageable);  // never cached
+  }
+  auto cached = memory::host_memory_stats();
+  CHECK_EQ(cached.cached_blocks, before.cached_blocks + 1);
+  CHECK_EQ(cached.cached_bytes, before.cached_bytes + 3 * 4096);
+  CHECK_EQ(cached.live_blocks, before.live_blocks);
+  auto other = HostBlock::allocate(4 * 4096, HostPinning::kPageable, kMaxRegistrationBytes, true);
+  CHECK(other->data() != first);  // another size: a fresh block
+  auto again = HostBlock::allocate(3 * 4096 - 5, HostPinning::kPageable, kMaxRegistrationBytes,
+                                   true);  // rounds to the same size
+  CHECK(again->data() == first);
+  auto after = memory::host_memory_stats();
+  CHECK_EQ(after.reused_blocks, before.reused_blocks + 1);
+  CHECK_EQ(after.cached_blocks, before.cached_blocks);
+  CHECK_EQ(after.live_blocks, before.live_blocks + 2);
+  CHECK_EQ(after.allocated_blocks, before.allocated_blocks + 3);
+  other.reset();
+  again.reset();
+  CHECK_EQ(memory::release_host_cache(), size_t{7 * 4096});
+  const auto released = memory::host_memory_stats();
+  CHECK_EQ(released.cached_blocks, 0);
+  CHECK_EQ(released.live_bytes, before.live_bytes);
+}
+
+TEST(the_reuse_cache_frees_the_oldest_blocks_beyond_its_bound) {
+  memory::release_host_cache();
+  const size_t big = memory::kMaxCachedHostBytes / 2;
+  {
+    auto a = HostBlock::allocate(big, HostPinning::kPageable, kMaxRegistrationBytes, true);
+    auto b = HostBlock::allocate(big, HostPinning::kPageable, kMaxRegistrationBytes, true);
+    auto c = HostBlock::allocate(4096, HostPinning::kPageable, kMaxRegistrationBytes, true);
+    a.reset();  // cached first: the one freed when c pushes the cache over its bound
+    b.reset();
+  }
+  const auto stats = memory::host_memory_stats();
+  CHECK(stats.cached_bytes <= static_cast<int64_t>(memory::kMaxCachedHostBytes));
+  CHECK_EQ(stats.cached_blocks, 2);  // b and c; a was freed
+  CHECK_EQ(stats.cached_bytes, static_cast<int64_t>(big + 4096));
+  auto d = HostBlock::allocate(big, HostPinning::kPageable, kMaxRegistrationBytes, true);
+  CHECK_EQ(memory::host_memory_stats().reused_blocks, stats.reused_blocks + 1);  // b's block
+  CHECK_EQ(memory::host_memory_stats().cached_blocks, 1);
+  d.reset();
+  memory::release_host_cache();
+  CHECK_EQ(memory::host_memory_stats().cached_blocks, 0);
+}
+
 // Note [Device views across registrations]: a copy into a slot is one host range, and the driver
 // refuses a range across two registrations, so each registration chunk of the ring's block holds
 // whole slots, for slots of every size (smaller than a chunk, not dividing it, larger than it).
 TEST(ring_slots_never_span_two_registration_chunks) {
   const size_t mib = size_t{1} << 20;
-  for (const size_t bytes : {size_t{2362368}, 3 * mib + 4096, 100 * mib, 255 * mib + 1, 300 * mib}) {
+  for (const size_t bytes :
+       {size_t{2362368}, 3 * mib + 4096, 100 * mib, 255 * mib + 1, 300 * mib}) {
     const int slots = static_cast<int>(std::max<size_t>(2, 3 * kMaxRegistrationBytes / bytes));
     StagingRing ring(slots, bytes, HostPinning::kPageable);
     const size_t chunk = ring.block()->chunk_bytes();
@@ -200,8 +256,7 @@ TEST(ring_slots_never_span_two_registration_chunks) {
   }
   CHECK_THROWS(HostBlock::allocate(4096, HostPinning::kPageable, 0), std::invalid_argument);
   CHECK_THROWS(HostBlock::allocate(4096, HostPinning::kPageable, 4097), std::invalid_argument);
-  CHECK_EQ(HostBlock::allocate(4096, HostPinning::kPageable)->chunk_bytes(),
-           kMaxRegistrationBytes);
+  CHECK_EQ(HostBlock::allocate(4096, HostPinning::kPageable)->chunk_bytes(), kMaxRegistrationBytes);
 }
 
 TEST(ring_waits_for_pins) {

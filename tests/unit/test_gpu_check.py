@@ -18,7 +18,17 @@ from bench._common import device_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
-PHASES = ["build", "info", "tests", "profile", "step_time", "time_to_target", "memory", "capacity", "summary"]
+PHASES = [
+    "build",
+    "info",
+    "tests",
+    "profile",
+    "step_time",
+    "time_to_target",
+    "memory",
+    "capacity",
+    "summary",
+]
 
 
 def _dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:

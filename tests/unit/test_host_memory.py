@@ -13,6 +13,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asteria import _C
 from asteria.memory import (
@@ -24,6 +26,7 @@ from asteria.memory import (
     host_memory_stats,
     host_tensor_info,
     is_host_tensor,
+    release_host_cache,
 )
 from asteria.memory.copies import HostCopies
 
@@ -80,6 +83,47 @@ def test_counters_follow_allocation_and_free():
     assert _live() == (blocks + 1, nbytes + 8192)
     del b
     assert _live() == (blocks, nbytes)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 3 * 4096), min_size=1, max_size=12),
+    order=st.randoms(use_true_random=False),
+)
+@settings(max_examples=40, deadline=None)
+def test_reused_blocks_are_handed_back_only_to_the_same_size_and_only_once_free(sizes, order):
+    """Note [Reused host blocks]: a reuse=True block returns to the cache when its last tensor
+    goes; a later reuse=True tensor of the same rounded size gets it (never a block still
+    referenced); plain host_empty never touches the cache; release_host_cache frees it all."""
+    release_host_cache()
+    blocks, nbytes = _live()
+    live = [host_empty((n,), torch.uint8, reuse=True) for n in sizes]
+    for x in live:
+        x.fill_(7)
+    del x
+    addresses = {t.data_ptr() for t in live}
+    freed = order.sample(live, len(live) // 2)
+    kept = [t for t in live if all(t is not f for f in freed)]
+    freed_sizes = [-(-t.numel() // 4096) * 4096 for t in freed]
+    del live
+    freed_ptrs = {t.data_ptr() for t in freed}
+    del freed
+    gc.collect()
+    stats = host_memory_stats()
+    assert stats["cached_blocks"] == len(freed_sizes)
+    assert stats["cached_bytes"] == sum(freed_sizes)
+    reused_before = stats["reused_blocks"]
+    plain = host_empty((4096,), torch.uint8)  # never from the cache
+    assert host_memory_stats()["cached_blocks"] == len(freed_sizes)
+    again = [host_empty((n,), torch.uint8, reuse=True) for n in freed_sizes]
+    assert host_memory_stats()["reused_blocks"] == reused_before + len(freed_sizes)
+    assert {t.data_ptr() for t in again} == freed_ptrs  # the same blocks, none still in use
+    assert not {t.data_ptr() for t in again} & {t.data_ptr() for t in kept}
+    assert all(bool((t == 7).all()) for t in kept)
+    assert {t.data_ptr() for t in kept} <= addresses
+    del again, kept, plain
+    assert release_host_cache() == sum(-(-n // 4096) * 4096 for n in sizes)
+    assert _live() == (blocks, nbytes)
+    assert host_memory_stats()["cached_blocks"] == 0
 
 
 def test_a_view_outlives_its_base_and_the_last_view_frees_the_block():

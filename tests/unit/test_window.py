@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asteria.memory import is_host_tensor
+from asteria.memory import host_memory_stats, is_host_tensor, release_host_cache
 from asteria.memory.accounting import estimate_blocks
 from asteria.memory.copies import HostCopies
 from asteria.memory.tiers import Arch
@@ -272,3 +272,24 @@ def test_state_dict_waits_for_the_copies_of_bases_to_host_memory(name, discrete_
         synced.clear()
         opt.state_dict()
         assert synced, "state_dict read host bases without waiting for their copies"
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_installs_reuse_the_host_blocks_of_replaced_bases_and_close_frees_them(name, discrete_gpu):
+    """Note [Reused host blocks]: each install replaces a block's host bases; from the second
+    refresh on, the new ones take the blocks the old ones left (no fresh registration), and
+    ``close()`` gives the cache back."""
+    release_host_cache()
+    before = host_memory_stats()
+    model = mlp_24_32_32_4()
+    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=2, max_preconditioner_dim=16)
+    with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)):
+        for _ in range(12):
+            opt.zero_grad()
+            model(torch.randn(8, 24)).square().mean().backward()
+            opt.step()
+        during = host_memory_stats()
+    reused = during["reused_blocks"] - before["reused_blocks"]
+    fresh = during["allocated_blocks"] - before["allocated_blocks"]
+    assert reused > fresh, f"{reused} reused, {fresh} fresh blocks"
+    assert host_memory_stats()["cached_blocks"] == 0
