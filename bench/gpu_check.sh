@@ -89,8 +89,9 @@ export MAX_JOBS=${MAX_JOBS:-$CORES}
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1 # a crash prints every thread's Python stack into the phase's log
 VARIANTS=adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria
-UNIT_TESTS=(tests/unit/test_extension.py tests/unit/test_host_memory.py tests/unit/test_window.py
-    tests/unit/test_tiers.py)
+# test_extension last: it took 85 s on the H200 host (its pool tests), the others seconds
+UNIT_TESTS=(tests/unit/test_host_memory.py tests/unit/test_window.py tests/unit/test_tiers.py
+    tests/unit/test_extension.py)
 
 # The python: $PYTHON, else the first of these whose torch has CUDA (in a rehearsal: whose
 # asteria imports).
@@ -297,7 +298,12 @@ run_phase tests -- tools/pytest_each.sh "$PY" tests/gpu/test_*.py "${UNIT_TESTS[
 # Where the host time of a step goes (issue 24: Asteria's tiny step on the H200 was 35-40 ms
 # longer than native's): native and Asteria SOAP and Shampoo, and Asteria with one part of the
 # runtime off at a time (the bases window, the module hooks, the device stream).
-if ((REHEARSAL)); then PROFILE_ARGS=(--model nano --steps 4 --skip 2 --profile-steps 2); else PROFILE_ARGS=(--model tiny); fi
+if ((REHEARSAL)); then
+    PROFILE_ARGS=(--model nano --steps 4 --skip 2 --profile-steps 2)
+else # about 75 s on the H200 host for four variants at these lengths
+    PROFILE_ARGS=(--model tiny --steps 20 --skip 10 --profile-steps 5 --variants
+        soap_native,soap_asteria,soap_asteria+bases_device,soap_asteria+pool,shampoo_asteria)
+fi
 run_phase profile profile_step -- "$PY" bench/profile_step.py --device "$DEVICE" \
     "${PROFILE_ARGS[@]}" --workers "$WORKERS" --keep-going
 

@@ -127,12 +127,15 @@ at::Tensor device_view(const at::Tensor& host, int device) {
       extent += static_cast<size_t>(host.size(d) - 1) * static_cast<size_t>(host.stride(d));
     }
   }
-  const size_t first = ctx->offset + static_cast<size_t>(host.storage_offset()) * item;
-  void* data = ctx->block->device_pointer(first, extent * item, device);
+  const size_t skipped = static_cast<size_t>(host.storage_offset()) * item;
+  char* first =
+      static_cast<char*>(ctx->block->device_pointer(ctx->offset + skipped, extent * item, device));
+  // The view keeps the host tensor's storage offset (its storage starts `skipped` bytes before
+  // the first byte it reaches; those bytes are never read through it).
   auto view_ctx = std::make_unique<HostContext>(*ctx);
-  view_ctx->offset = first;
   view_ctx->on_device = true;
-  return make(std::move(view_ctx), data, host.sizes(), host.strides(), 0, host.scalar_type(),
+  return make(std::move(view_ctx), first - skipped, host.sizes(), host.strides(),
+              host.storage_offset(), host.scalar_type(),
               c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
