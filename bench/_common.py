@@ -60,6 +60,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The language-model loss of ``tokens`` (forward only), in bf16 autocast on a GPU: how every
+    benchmark's training step runs its model."""
+    if tokens.device.type == "cuda":
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(input_ids=tokens, labels=tokens).loss
+    return model(input_ids=tokens, labels=tokens).loss
+
+
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Wall time of one call of ``fn`` in milliseconds, with the device drained before and after."""
     synchronize(device)

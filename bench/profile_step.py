@@ -47,7 +47,7 @@ from asteria.runtime import Runtime, RuntimeConfig  # noqa: E402
 from asteria.train.data import VOCAB_SIZE, load_corpus, train_batches  # noqa: E402
 from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import build_optimizer  # noqa: E402
-from bench._common import emit_json, env_header, print_table, synchronize  # noqa: E402
+from bench._common import emit_json, env_header, lm_loss, print_table, synchronize  # noqa: E402
 
 VARIANTS = (
     "adamw",
@@ -171,15 +171,9 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     batches = train_batches(
         corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
     )
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
 
     def step() -> float:
-        tokens = next(batches).to(device)
-        if autocast is not None:
-            with autocast:
-                loss = model(input_ids=tokens, labels=tokens).loss
-        else:
-            loss = model(input_ids=tokens, labels=tokens).loss
+        loss = lm_loss(model, next(batches).to(device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

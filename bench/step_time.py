@@ -44,7 +44,7 @@ from asteria.train.data import VOCAB_SIZE, load_corpus, train_batches  # noqa: E
 from asteria.train.energy import EnergyMeter  # noqa: E402
 from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import build_optimizer  # noqa: E402
-from bench._common import emit_json, env_header, print_table, synchronize  # noqa: E402
+from bench._common import emit_json, env_header, lm_loss, print_table, synchronize  # noqa: E402
 
 VARIANTS = [
     "adamw",
@@ -86,7 +86,6 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     batches = train_batches(
         corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
     )
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     step_ms, opt_ms, losses = [], [], []
     meter = EnergyMeter.probe(use_nvml=device.type == "cuda") if args.energy else None
     joules = None
@@ -97,11 +96,7 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
             if meter is not None and step == args.skip:
                 meter.start()
             t0 = time.perf_counter()
-            if autocast is not None:
-                with autocast:
-                    loss = model(input_ids=tokens, labels=tokens).loss
-            else:
-                loss = model(input_ids=tokens, labels=tokens).loss
+            loss = lm_loss(model, tokens)
             loss.backward()
             synchronize(device)
             t1 = time.perf_counter()

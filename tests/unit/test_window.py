@@ -255,6 +255,19 @@ def test_native_mode_hands_the_optimizer_its_own_bases():
         assert opt.refresher.bases(key, block) is block[opt.bases_field]
 
 
+def _mlp(name: str):
+    model = mlp_24_32_32_4()
+    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=2, max_preconditioner_dim=16)
+    return model, opt
+
+
+def _steps(model, opt, n: int) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(8, 24)).square().mean().backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_state_dict_waits_for_the_copies_of_bases_to_host_memory(name, discrete_gpu, monkeypatch):
     """The host reads the bases in ``state_dict``: ``Runtime.sync`` waits for the window's
@@ -262,13 +275,9 @@ def test_state_dict_waits_for_the_copies_of_bases_to_host_memory(name, discrete_
     synced = []
     original = HostCopies.host_sync
     monkeypatch.setattr(HostCopies, "host_sync", lambda self: synced.append(1) or original(self))
-    model = mlp_24_32_32_4()
-    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=2, max_preconditioner_dim=16)
+    model, opt = _mlp(name)
     with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)):
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(8, 24)).square().mean().backward()
-            opt.step()
+        _steps(model, opt, 3)
         synced.clear()
         opt.state_dict()
         assert synced, "state_dict read host bases without waiting for their copies"
@@ -281,13 +290,9 @@ def test_installs_reuse_the_host_blocks_of_replaced_bases_and_close_frees_them(n
     ``close()`` gives the cache back."""
     release_host_cache()
     before = host_memory_stats()
-    model = mlp_24_32_32_4()
-    opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=2, max_preconditioner_dim=16)
+    model, opt = _mlp(name)
     with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)):
-        for _ in range(12):
-            opt.zero_grad()
-            model(torch.randn(8, 24)).square().mean().backward()
-            opt.step()
+        _steps(model, opt, 12)
         during = host_memory_stats()
     reused = during["reused_blocks"] - before["reused_blocks"]
     fresh = during["allocated_blocks"] - before["allocated_blocks"]
