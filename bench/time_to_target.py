@@ -50,12 +50,14 @@ Usage: ``python bench/time_to_target.py [--presets tiny] [--json bench/results/t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
 import io
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -226,9 +228,45 @@ def _cached_run(cache: Cache, preset, budget, variant, lr, seed, corpus, args) -
 # -- the protocol ---------------------------------------------------------------------------------
 
 
+def _tuning_run(preset: str, budget: Budget, variant: str, lr: float, seed: int, args) -> dict:
+    """One tuning run in a process of its own (``--tune-jobs``): the same run as in the main
+    process (the corpus is read again, the threads set alike), so its result is too."""
+    torch.set_num_threads(args.threads)
+    corpus = load_corpus(max_bytes=args.data_bytes, min_tokens=256)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run_one(preset, budget, variant, lr, seed, corpus, args)
+
+
+def _run_tuning_in_parallel(preset, budget, runs, cache: Cache, args) -> None:
+    """Note [Parallel tuning]: the native tuning runs not in the cache, ``args.tune_jobs`` at a
+    time in processes of their own; each lands in the cache, where ``tune`` reads it."""
+    todo = [
+        (variant, lr)
+        for variant, lr in runs
+        if cache.get(_key(preset, budget, variant, lr, args.tune_seed, args)) is None
+    ]
+    if args.tune_jobs < 2 or len(todo) < 2:
+        return
+    print(f"   tuning: {len(todo)} runs, {args.tune_jobs} at a time", flush=True)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.tune_jobs, mp_context=ctx) as pool:
+        futures = {
+            pool.submit(_tuning_run, preset, budget, v, lr, args.tune_seed, args): (v, lr)
+            for v, lr in todo
+        }
+        for future in concurrent.futures.as_completed(futures):
+            variant, lr = futures[future]
+            cache.put(_key(preset, budget, variant, lr, args.tune_seed, args), future.result())
+
+
 def tune(preset: str, budget: Budget, names, corpus, cache: Cache, args) -> dict[str, dict]:
     """variant -> {"grid": {lr: final val loss}, "lr": chosen, "at_edge", "tuned_as"}."""
     out: dict[str, dict] = {}
+    if args.rates_from is None and args.device == "cpu":
+        grid_of = (lambda name: GRIDS[preset][name]) if args.grid is None else (lambda _: args.grid)
+        native = [v for v in variants(names, args.modes) if _split(v)[1] == "native"]
+        runs = [(v, lr) for v in native for lr in grid_of(_split(v)[0])]
+        _run_tuning_in_parallel(preset, budget, runs, cache, args)
     for variant in variants(names, args.modes):
         name, mode = _split(variant)
         if args.rates_from is not None:  # the tuning of an earlier run, taken as it chose
@@ -371,6 +409,19 @@ def paired_difference(a: dict[str, float | None], n: dict[str, float | None]) ->
 # floor; ``--eval-seeds`` takes more seeds, and the table prints the difference with its error.
 
 
+# Note [Parallel tuning]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# The tuning judges a rate by its final validation loss alone, never by time, and a native run
+# has no runtime whose refreshes land by the clock: at fixed threads it is the same run in any
+# process and under any load. So the native tuning runs go ``--tune-jobs`` at a time (by
+# default as many as the cores hold at the training's threads: two on the 2-core machine), each
+# in a process of its own, and land in the cache the serial loop then reads; the evaluation,
+# whose times are the figures, stays one run at a time. Asteria tuning runs
+# (``--tune-each-mode``) stay serial: their refreshes land by the clock, which load changes.
+# tests/unit/test_time_to_target.py checks that a parallel tuning picks what a serial one does,
+# with the same losses.
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -449,6 +500,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     p.add_argument("--tune-each-mode", action="store_true", help="tune Asteria modes too")
     p.add_argument("--grid", help="comma-separated rates for every optimizer (default: GRIDS)")
+    p.add_argument(
+        "--tune-jobs", type=int,
+        help="native tuning runs at a time, each in its own process (default: cores / threads)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, help="override every preset's steps")
     p.add_argument("--staleness", type=int, default=5, help="RuntimeConfig.staleness (S)")
     p.add_argument("--threads", type=int, help="training threads (default: all cores but one)")
@@ -499,6 +554,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--rates-from: no tuning of the presets {missing} there")
     if args.threads is None:
         args.threads = training_threads(None, torch.device(args.device), False)[0]
+    if args.tune_jobs is None:  # Note [Parallel tuning]: as many runs as the cores hold
+        threads = args.threads or torch.get_num_threads()
+        args.tune_jobs = max(1, (os.cpu_count() or 1) // threads) if args.device == "cpu" else 1
+    if args.tune_jobs < 1:
+        p.error("--tune-jobs must be >= 1")
     return args
 
 

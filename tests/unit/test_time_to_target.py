@@ -279,3 +279,27 @@ def test_benchmark_on_cuda_needs_a_device(monkeypatch: pytest.MonkeyPatch) -> No
         with pytest.raises(SystemExit) as exc:
             parse_args(["--quick", "--device", device])
         assert exc.value.code == 2
+
+
+def test_parallel_tuning_makes_the_serial_tunings_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # Note [Parallel tuning]: native runs in processes of their own end at the losses the serial
+    # loop gets, so the rates chosen are the same; only the tuning runs leave the main process.
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import time_to_target as bench
+
+    def tuning(jobs: int) -> dict:
+        argv = ["--quick", "--optimizers", "adamw,soap", "--modes", "native"]
+        argv += ["--plots", str(tmp_path), "--tune-jobs", str(jobs)]
+        argv += ["--cache", str(tmp_path / f"runs{jobs}.jsonl")]
+        return bench.main(argv)["presets"]["nano"]["tuning"]
+
+    serial = tuning(1)
+    assert "at a time" not in capsys.readouterr().out
+    parallel = tuning(2)
+    assert "tuning: 8 runs, 2 at a time" in capsys.readouterr().out
+    assert parallel == serial
+    assert all(len(t["grid"]) == 4 for t in parallel.values())
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--tune-jobs", "0"])
