@@ -40,6 +40,7 @@ import time
 import traceback
 
 import torch
+from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,30 +102,42 @@ def parse_variant(variant: str) -> tuple[str, str, dict]:
 
 
 def top_profiler_rows(prof, steps: int, n: int) -> dict:
-    """Per step: the ``n`` events with the most self CPU time (``top_ops``) and with the most
-    own device time (``top_device``: kernels and copies), the waiting calls (``waits``), and
-    the device's busy time (``device_busy_ms``, the sum of its kernels' and copies' own times)."""
-    rows, waits, device_us = [], {}, 0.0
+    """Per step: the ``n`` events with the most self CPU time (``top_ops``), the ``n`` kernels and
+    copies with the most device time (``top_device``), the waiting calls (``waits``), and the
+    sum of every kernel's and copy's time (``device_busy_ms``; streams that overlap count twice).
+    The device rows come from the events that ran on the device, not from the operators'
+    ``self_device_time_total``, which counts each kernel again under the operator that launched
+    it (and a user annotation such as ``Optimizer.step`` spans its kernels and the gaps between
+    them)."""
+    rows, waits = [], {}
     for e in prof.key_averages():
-        own_device = getattr(e, "self_device_time_total", 0.0) or 0.0
-        device_us += own_device
         row = {
             "name": e.key,
             "calls": e.count / steps,
             "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps,
             "cpu_ms": e.cpu_time_total / 1e3 / steps,
-            "self_device_ms": own_device / 1e3 / steps,
         }
         rows.append(row)
         if e.key in WAITS:
             waits[e.key] = {"calls": row["calls"], "ms": row["cpu_ms"]}
-    by_cpu = sorted(rows, key=lambda r: -r["self_cpu_ms"])[:n]
-    by_device = [r for r in sorted(rows, key=lambda r: -r["self_device_ms"]) if r["self_device_ms"]]
+    on_device: dict[str, list[float]] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        if getattr(e, "is_user_annotation", False):
+            continue
+        calls_us = on_device.setdefault(e.name, [0, 0.0])
+        calls_us[0] += 1
+        calls_us[1] += e.time_range.elapsed_us()
+    by_device = sorted(on_device.items(), key=lambda kv: -kv[1][1])
     return {
-        "top_ops": by_cpu,
-        "top_device": by_device[:n],
+        "top_ops": sorted(rows, key=lambda r: -r["self_cpu_ms"])[:n],
+        "top_device": [
+            {"name": k, "calls": c / steps, "device_ms": us / 1e3 / steps}
+            for k, (c, us) in by_device[:n]
+        ],
         "waits": waits,
-        "device_busy_ms": device_us / 1e3 / steps,
+        "device_busy_ms": sum(us for _, us in on_device.values()) / 1e3 / steps,
     }
 
 
@@ -277,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
             print_table(
                 ["on the device (own time)", "calls/step", "device ms/step"],
                 [
-                    [o["name"][:60], f"{o['calls']:.1f}", f"{o['self_device_ms']:.2f}"]
+                    [o["name"][:60], f"{o['calls']:.1f}", f"{o['device_ms']:.2f}"]
                     for o in r["top_device"]
                 ],
             )

@@ -60,6 +60,7 @@ def test_a_short_cpu_run_reports_the_step_the_profiles_and_the_ratio_to_native()
         r = last["results"][v]
         assert len(r["step_ms"]) == 3 and r["median_ms"] > 0
         assert 0 < len(r["top_ops"]) <= 4 and all(o["calls"] > 0 for o in r["top_ops"])
+        assert r["top_device"] == [] and r["device_busy_ms"] == 0  # nothing ran on a device
         assert r["top_python"] and r["top_python"][0]["own_ms"] >= r["top_python"][-1]["own_ms"]
     asteria = last["results"]["soap_asteria+no_hooks"]
     assert asteria["options"] == {"hooks": False}
