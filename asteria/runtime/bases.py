@@ -270,15 +270,15 @@ class WindowBases(BasesAccess):
         csrc/memory/host_block.cpp): an install replaces a block's bases, and registering fresh
         pinned memory each time cost milliseconds per install."""
         bases = block[self.field]
-        dsts, srcs = [], []
-        for i, q in enumerate(bases):
-            if q is not None and not is_host_tensor(q):
-                flat = host_empty(q.numel(), q.dtype, pinned=q.is_cuda, reuse=True)
-                bases[i] = view_like(flat, q)  # q's layout: the same arithmetic
-                dsts.append(bases[i])
-                srcs.append(q)
-        if dsts:
-            self.window.copies.to_host(dsts, srcs)
+        moved = {
+            i: view_like(host_empty(q.numel(), q.dtype, pinned=q.is_cuda, reuse=True), q)
+            for i, q in enumerate(bases)
+            if q is not None and not is_host_tensor(q)
+        }  # q's layout: the same arithmetic
+        if moved:  # the block takes the host tensors only once their copies are issued
+            self.window.copies.to_host(list(moved.values()), [bases[i] for i in moved])
+            for i, h in moved.items():
+                bases[i] = h
         return bases
 
     def _block_or_none(self, key: BlockKey) -> dict | None:

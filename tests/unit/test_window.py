@@ -298,3 +298,29 @@ def test_installs_reuse_the_host_blocks_of_replaced_bases_and_close_frees_them(n
     fresh = during["allocated_blocks"] - before["allocated_blocks"]
     assert reused > fresh, f"{reused} reused, {fresh} fresh blocks"
     assert host_memory_stats()["cached_blocks"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_failed_copy_to_host_leaves_the_blocks_bases_as_they_were(
+    name, discrete_gpu, monkeypatch
+):
+    """All or nothing: a block takes its new host tensors only once their copies are issued, so
+    a copy that raises (a CUDA error, an interrupt) leaves it reading its own bases."""
+    model, opt = _mlp(name)
+    with Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)):
+        _steps(model, opt, 4)
+        fails = RuntimeError("copy to host failed")
+        monkeypatch.setattr(HostCopies, "to_host", lambda self, d, s: (_ for _ in ()).throw(fails))
+        for _, _, block, _ in opt.blocks():
+            bases = block[opt.bases_field]
+            if any(q is not None for q in bases):
+                new = [None if q is None else q.clone() for q in bases]
+                before = list(new)
+                bases[:] = new
+                with pytest.raises(RuntimeError, match="copy to host failed"):
+                    opt._refresher._bases._host_bases(block)
+                assert all(a is b for a, b in zip(bases, before))
+                break
+        else:
+            pytest.fail("no block had bases")
+        monkeypatch.undo()
