@@ -71,8 +71,10 @@ class Boundaries:
         exact = schedule.fixed or replicated
         # Notes [Continuous refresh], [Staggered refresh] in schedule.py
         due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
-        if e.version is None and _has_bases(block, self.bases_field):
+        has_bases = _has_bases(block, self.bases_field)
+        if e.version is None and has_bases:
             e.version = schedule.initial_version(step, freq)  # a basis made before us
+        due, wait = schedule.first_refresh(e, due, has_bases)  # Note [First roots]
         if not schedule.precedes_update:
             schedule.record_age(e, step, freq)  # the update of this step read it already
         if e.pending is not None and schedule.install_now(
@@ -88,7 +90,7 @@ class Boundaries:
         elif due or (e.owed and e.pending is None) or schedule.wants(key, e, exact):
             e.owed = False
             refreshes.request(key, e, block, group, step)
-            if e.pending is not None and schedule.budget == 0:
+            if e.pending is not None and (schedule.budget == 0 or wait):
                 self._install(key, e, step, block, replicated)
         if schedule.precedes_update:
             schedule.record_age(e, step, freq)  # installed above, read by this step
@@ -140,6 +142,7 @@ class Boundaries:
         self.in_step, self.error = False, None
         for e in self.registry.entries.values():
             e.version, e.owed, e.consecutive_failures = None, False, 0
+            e.first_owed = False
             e.boundary_step = -1
 
 

@@ -64,6 +64,12 @@ class RuntimeConfig:
             optimizer whose update uses the refresh of its own step (Shampoo) requests it one
             step ahead, so that it can arrive in time for that step (Note [Refresh lead] in
             schedule.py). ``False``: at the step itself, the result used from a later step.
+        wait_first_refresh: such an optimizer's first refresh of a block (Shampoo's first
+            roots) is computed from the statistics of the step that first uses it, and that
+            step waits for it, as natively (Note [First roots] in schedule.py): once per block,
+            where native mode waits at every refresh. ``False``: requested like every later one
+            (with the lead, from the step before), the steps before it arrives taking the
+            grafting direction. No effect under ``fixed_delay`` or at a budget of 0.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;
@@ -109,6 +115,7 @@ class RuntimeConfig:
     pace_installs: bool = False
     split_updates: bool = True
     refresh_lead: bool = True
+    wait_first_refresh: bool = True
     barrier_timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     hooks: bool = True
@@ -170,6 +177,10 @@ class RuntimeConfig:
             raise ValueError(f"split_updates must be True or False, got {self.split_updates!r}")
         if not isinstance(self.refresh_lead, bool):
             raise ValueError(f"refresh_lead must be True or False, got {self.refresh_lead!r}")
+        if not isinstance(self.wait_first_refresh, bool):
+            raise ValueError(
+                f"wait_first_refresh must be True or False, got {self.wait_first_refresh!r}"
+            )
         if self.statistics_lane is not None and not isinstance(self.statistics_lane, bool):
             raise ValueError(
                 f"statistics_lane must be True, False or None, got {self.statistics_lane!r}"

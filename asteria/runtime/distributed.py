@@ -545,6 +545,7 @@ def describe(optimizer: KroneckerOptimizer, config: Any, ranks_per_node: int) ->
         "staleness": config.staleness,
         "fixed_delay": config.fixed_delay,
         "refresh_lead": config.refresh_lead,  # when Shampoo's replicated blocks request
+        "wait_first_refresh": config.wait_first_refresh,
         "barrier_timeout_s": config.barrier_timeout_s,
         "max_consecutive_failures": config.max_consecutive_failures,
         "ranks_per_node": ranks_per_node,

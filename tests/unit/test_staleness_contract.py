@@ -190,10 +190,11 @@ def test_replicated_blocks_keep_the_bound_on_two_ranks(tmp_path):
                 assert case["coalesced"] > 0
                 assert case["replicas_agree"], (name, label)
             # continuous refresh at f = 10, B = 3: every replicated block is requested again at
-            # its install, every 3 steps on both ranks, each computed by its owner only
+            # its install, every 3 steps on both ranks, each computed by its owner only; Shampoo's
+            # first roots, waited for at step 10 (Note [First roots]), from the step after: 4
             case = r[f"{name}/continuous3"]
             assert all(case["within"]) and case["replicas_agree"], (name, case)
-            assert case["interval_max"] == 3, (name, case)
+            assert case["interval_max"] == (4 if name == "shampoo" else 3), (name, case)
             assert case["installs"] >= 16 // 3 - 1, (name, case)
     for name in OPTIMIZERS:  # the same versions on both ranks; both compute refreshes
         cases = [r[f"{name}/continuous3"] for r in results]
