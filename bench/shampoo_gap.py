@@ -5,11 +5,16 @@ asteria/train/optimizers.py, no clipping, seed 0) with Shampoo in native mode an
 mode under variations that each isolate one candidate cause of the gap:
 
 * ``native``: the reference (roots of L_t at a due step t, Note [Refresh lead]);
-* ``asteria``: the runtime's defaults (S = 5, refresh lead on; installs land when ready);
+* ``asteria``: the runtime's defaults (S = 5, refresh lead on; installs land when ready; the
+  first roots waited for in the step that first uses them, Note [First roots]);
+* ``asteria_nofirst``: the same with the first roots requested like the later ones
+  (``wait_first_refresh=False``: one step ahead, from L_{t-1}, used when they arrive);
 * ``asteria_nolead``: the runtime's defaults without the refresh lead (a due step keeps the
   previous roots; the roots of L_t arrive within the budget);
 * ``fd1``: ``fixed_delay=1`` with the lead: every due step installs the roots of L_{t-1}, never
   late, never a grafting-only step beyond native's: the cost of roots one gradient older;
+* ``fd1_first``: the same with the first roots native's (``wait_first_refresh=True``): the
+  cost of the later rounds one gradient older (that of the first round: ``fd1`` less this);
 * ``fd1_nolead``: ``fixed_delay=1`` without the lead: a due step keeps the previous roots (the
   first ones: the grafting direction) and the roots of L_t arrive at t + 1;
 * ``fdS``: ``fixed_delay=S``: every refresh at its deadline, the slowest the budget allows;
@@ -54,7 +59,16 @@ from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import OPTIMIZERS  # noqa: E402
 from bench._common import emit_json, env_header, print_table  # noqa: E402
 
-VARIANTS = ("native", "asteria", "asteria_nolead", "fd1", "fd1_nolead", "fdS")
+VARIANTS = (
+    "native",
+    "asteria",
+    "asteria_nofirst",
+    "asteria_nolead",
+    "fd1",
+    "fd1_first",
+    "fd1_nolead",
+    "fdS",
+)
 
 
 def _runtime_config(base: str, staleness: int) -> RuntimeConfig | None:
@@ -62,10 +76,14 @@ def _runtime_config(base: str, staleness: int) -> RuntimeConfig | None:
         return None
     if base == "asteria":
         return RuntimeConfig(staleness=staleness, workers=1)
+    if base == "asteria_nofirst":
+        return RuntimeConfig(staleness=staleness, workers=1, wait_first_refresh=False)
     if base == "asteria_nolead":
         return RuntimeConfig(staleness=staleness, workers=1, refresh_lead=False)
     if base == "fd1":
         return RuntimeConfig(staleness=staleness, workers=1, fixed_delay=1)
+    if base == "fd1_first":
+        return RuntimeConfig(staleness=staleness, workers=1, fixed_delay=1, wait_first_refresh=True)
     if base == "fd1_nolead":
         return RuntimeConfig(staleness=staleness, workers=1, fixed_delay=1, refresh_lead=False)
     if base == "fdS":

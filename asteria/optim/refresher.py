@@ -283,6 +283,12 @@ class Refresher(Protocol):
         synchronous algorithm (Note [Refresh lead] in asteria/runtime/schedule.py)."""
         ...
 
+    @property
+    def first_lead(self) -> int:
+        """``lead`` for a block's first refresh (no bases yet): 0 where the step that first uses
+        it waits for it (Note [First roots] in asteria/runtime/schedule.py)."""
+        ...
+
     def beside(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
         """Start ``fn(*args)``, part of the step's update, on another thread, concurrently with
         the caller, and return the function that waits for it (and raises its error). Only
@@ -337,6 +343,7 @@ class NativeRefresher:
     splits_updates = False  # everything in the step's own thread
 
     lead = 0  # a due refresh is computed in the step that uses it
+    first_lead = 0
 
     def beside(self, fn, *args):
         raise RuntimeError("NativeRefresher runs the whole update in the step's thread")

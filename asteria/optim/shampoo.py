@@ -263,8 +263,12 @@ class Shampoo(KroneckerOptimizer):
 
         blocks = state.get("blocks")
         if blocks is not None:
-            # a runtime may request the refresh of step t + lead now (Note [Refresh lead])
-            due = self._refresh_due(state, group, next_step=self._refresher.lead > 0)
+            # a runtime may request the refresh of step t + lead now (Note [Refresh lead]),
+            # and the first roots of step t itself (Note [First roots] in runtime/schedule.py)
+            r = self._refresher
+            first = any(root is None for b in blocks for root in b["roots"])
+            lead = r.first_lead if first else r.lead
+            due = self._refresh_due(state, group, next_step=lead > 0)
             stats = self._update_factors
             self._end_blocks(
                 group,

@@ -74,7 +74,7 @@ class Boundaries:
         has_bases = _has_bases(block, self.bases_field)
         if e.version is None and has_bases:
             e.version = schedule.initial_version(step, freq)  # a basis made before us
-        due, wait = schedule.first_refresh(e, due, has_bases)  # Note [First roots]
+        wait = schedule.waits_for(e, due, has_bases)  # Note [First roots]
         if not schedule.precedes_update:
             schedule.record_age(e, step, freq)  # the update of this step read it already
         if e.pending is not None and schedule.install_now(
@@ -142,7 +142,6 @@ class Boundaries:
         self.in_step, self.error = False, None
         for e in self.registry.entries.values():
             e.version, e.owed, e.consecutive_failures = None, False, 0
-            e.first_owed = False
             e.boundary_step = -1
 
 

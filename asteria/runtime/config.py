@@ -69,7 +69,9 @@ class RuntimeConfig:
             step waits for it, as natively (Note [First roots] in schedule.py): once per block,
             where native mode waits at every refresh. ``False``: requested like every later one
             (with the lead, from the step before), the steps before it arrives taking the
-            grafting direction. No effect under ``fixed_delay`` or at a budget of 0.
+            grafting direction. ``None`` (default): on, except under ``fixed_delay`` (whose
+            every refresh keeps the fixed delay unless this is ``True``). No effect at a
+            budget of 0.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;
@@ -115,7 +117,7 @@ class RuntimeConfig:
     pace_installs: bool = False
     split_updates: bool = True
     refresh_lead: bool = True
-    wait_first_refresh: bool = True
+    wait_first_refresh: bool | None = None
     barrier_timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     hooks: bool = True
@@ -177,9 +179,9 @@ class RuntimeConfig:
             raise ValueError(f"split_updates must be True or False, got {self.split_updates!r}")
         if not isinstance(self.refresh_lead, bool):
             raise ValueError(f"refresh_lead must be True or False, got {self.refresh_lead!r}")
-        if not isinstance(self.wait_first_refresh, bool):
+        if self.wait_first_refresh is not None and not isinstance(self.wait_first_refresh, bool):
             raise ValueError(
-                f"wait_first_refresh must be True or False, got {self.wait_first_refresh!r}"
+                f"wait_first_refresh must be True, False or None, got {self.wait_first_refresh!r}"
             )
         if self.statistics_lane is not None and not isinstance(self.statistics_lane, bool):
             raise ValueError(

@@ -75,7 +75,6 @@ class BlockEntry:
     installs: int = 0
     synced_step: int = -1  # distributed: the step its version was last synchronized
     owed: bool = False  # a due request coalesced into the refresh in flight (schedule.py)
-    first_owed: bool = False  # a first refresh put off to its next boundary (Note [First roots])
     age: int = 0  # the age of the basis the block's last update read
     max_age: int = 0
     bound: int | None = None  # the bound on that age (None: not measured yet)

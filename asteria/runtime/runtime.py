@@ -199,6 +199,10 @@ class Runtime:
     def lead(self) -> int:
         return self.schedule.lead  # Note [Refresh lead] in schedule.py
 
+    @property
+    def first_lead(self) -> int:
+        return 0 if self.schedule.wait_first else self.schedule.lead  # Note [First roots]
+
     def beside(self, fn: Any, *args: Any) -> Any:
         """Part of the step's update on the statistics lane (Note [Split updates] in lane.py)."""
         return self._lane.beside(fn, *args)

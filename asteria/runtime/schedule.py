@@ -110,29 +110,32 @@ refresh one step ahead instead, at the boundary of step t-1, with the factors of
 job runs during step t's forward and backward, and step t's boundary installs it when it is
 ready (at the latest at t-1+B, as any request). Every step of the interval then uses roots one
 gradient older than native's (one term of a sum over t steps for Shampoo's default betas[1] =
-1), none f steps older. The registry counts the same staleness, 1, for both. B = 0 keeps the
-native schedule, bit for bit; SOAP and KL-Shampoo update with the bases of the previous refresh
-natively, and keep their schedule.
+1), none f steps older. The registry counts the same staleness, 1, for both. A block's first
+roots are the exception: they come without the lead, at age 0 (Note [First roots]). B = 0 keeps
+the native schedule, bit for bit; SOAP and KL-Shampoo update with the bases of the previous
+refresh natively, and keep their schedule.
 
 Note [First roots]
 ~~~~~~~~~~~~~~~~~~
-With the lead, a block's first refresh would be requested at the step before the start, from
-its factors then, and Shampoo's first preconditioned step would run on roots one gradient
-short, as would every step until the block's next refresh: at the start a sum factor holds the
-fewest gradients, so one more moves the roots most. That first round was most of Asteria
-Shampoo's gap to native (``tiny``, lr 1.5e-3, seeds 1-3, native Shampoo with roots from
-``L_{t-1}`` for chosen refreshes: the first round only +1.0%, every later one only +0.4%, all
-+1.6%; one step of the grafting direction at the start, then native, +1.1%: the first
-preconditioned steps weigh most). So, where the budget is at least one step and installs are
-not at fixed steps (``RuntimeConfig.wait_first_refresh``, on by default), a block without a
-basis and with nothing in flight puts the lead's request off to its next boundary, which
-requests from the start step's own factors and installs at once, waiting for the result: the
-first round is native's, every later refresh keeps the lead. The wait is the native refresh
-step's, once per block (all blocks at the start step under interval refresh; a block that
-starts later waits at its own start). Measured at the runtime's defaults on ``tiny`` (the same
-seeds): the gap +1.3% -> +0.2% (per seed +1.1%, -0.1%, -0.3%), no late install left. Under
-``fixed_delay`` the first roots keep the fixed delay (it is the experiment's knob), and SOAP and
-KL-Shampoo, whose update reads the bases of an earlier refresh natively, are not concerned.
+With the lead, a block's first roots would be requested at the step before the start, from its
+factors then, and Shampoo's first preconditioned step would run on roots one gradient short, as
+would every step until the block's next refresh: at the start a sum factor holds the fewest
+gradients, so one more moves the roots most. That first round was most of Asteria Shampoo's gap
+to native (``tiny``, lr 1.5e-3, seeds 1-3, native Shampoo with roots from ``L_{t-1}`` at chosen
+refreshes: at the first round only +1.0%, at every later one only +0.4%, at all +1.6%; one step
+of the grafting direction at the start, then native, +1.1%: the first preconditioned steps weigh
+most). So, where the budget is at least one step (``RuntimeConfig.wait_first_refresh``, on by
+default except under ``fixed_delay``; ``Schedule.wait_first``), a block's first
+refresh comes without the lead: the optimizer asks for it at its own step (``Refresher.
+first_lead`` is 0 while the block has no roots), and the boundary requests it from that step's
+factors and installs it at once, waiting for the result (``Schedule.waits_for``): the first
+round is native's, bit for bit, at age 0, and every later refresh keeps the lead. The wait is
+the one of native's refresh steps, once per block (every block at the start step where they
+share it). Measured at the runtime's defaults on ``tiny`` (the same seeds): the gap +1.3% ->
++0.2% (per seed +1.1%, -0.1%, -0.3%), and no install later than its step left. Under
+``fixed_delay`` the first roots keep the fixed delay by default (the experiment's knob; ``True``
+waits there too: bench/shampoo_gap.py's ``fd1_first``). SOAP and KL-Shampoo, whose update reads
+the bases of an earlier refresh natively, are not concerned.
 
 Note [Paced installs]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -191,8 +194,8 @@ class Schedule:
         self.precedes_update = precedes_update
         #: steps ahead of its due step that a refresh is requested (Note [Refresh lead])
         self.lead = 1 if budget >= 1 and refresh_lead else 0
-        #: Note [First roots] (never at B = 0, nor where installs are at fixed steps)
-        self.wait_first = wait_first and precedes_update and budget >= 1 and not fixed
+        #: Note [First roots] (never at B = 0)
+        self.wait_first = wait_first and precedes_update and budget >= 1
         #: Note [Continuous refresh] (never at B = 0: native mode)
         self.continuous = continuous and budget >= 1
         #: Note [Staggered refresh] (never at B = 0, nor where installs are at fixed steps)
@@ -254,21 +257,10 @@ class Schedule:
         idle = e.pending is None or (e.pending.owner is None and e.pending.done())
         return idle and gap >= 1 and step % frequency == slot
 
-    def first_refresh(self, e: Any, due: bool, has_bases: bool) -> tuple[bool, bool]:
-        """Note [First roots]: ``(due, wait)`` for ``e``'s block at this boundary, ``due`` the
-        decision so far; ``wait``: the request made now is installed at once. Only a block
-        without a basis and nothing in flight is concerned; a due request one step ahead (the
-        lead's) is put off to the next boundary of the block, which requests and waits."""
-        if not self.wait_first or e.version is not None or has_bases or e.pending is not None:
-            e.first_owed = False
-            return due, False
-        if e.first_owed:
-            e.first_owed = False
-            return True, True
-        if due and self.lead:
-            e.first_owed = True
-            return False, False
-        return due, due
+    def waits_for(self, e: Any, due: bool, has_bases: bool) -> bool:
+        """Note [First roots]: whether the request of ``e``'s block at this boundary (``due``)
+        is its first refresh, which the step waits for and installs at once."""
+        return self.wait_first and due and e.version is None and not has_bases and e.pending is None
 
     def _assign(self, frequency: int, cost: float, anchor: int) -> int:
         """The slot (``step % frequency``) of a block of refresh cost ``cost``: the least

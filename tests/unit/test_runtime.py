@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import (
@@ -118,6 +120,62 @@ def test_shampoo_grafts_until_its_first_roots_arrive(lead, runtimes):
     assert max_rel_diff(delayed, longer.run(grafting)) > 1e-4, f"step {first} uses the roots"
     hist = runtimes[-1].stats()["staleness_histogram"]
     assert {int(k) for k in hist} == {2}, hist  # one install per block, 2 steps after request
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(
+    frequency=st.integers(1, 6),
+    start=st.one_of(st.none(), st.integers(1, 8)),
+    staleness=st.integers(1, 6),
+    fixed=st.booleans(),
+    lead=st.booleans(),
+    lane=st.booleans(),
+    hooks=st.booleans(),
+    refresh=st.sampled_from(["interval", "staggered", "continuous"]),
+)
+def test_shampoo_first_roots_are_natives(
+    frequency, start, staleness, fixed, lead, lane, hooks, refresh
+):
+    """Note [First roots]: at any budget of at least a step (by default not under
+    ``fixed_delay``, with ``wait_first_refresh=True`` there too), the first preconditioned step
+    runs on the roots of its own factors, bitwise native's up to that step, at basis age 0;
+    ``wait_first_refresh=False`` leaves that step on the grafting direction (no roots yet),
+    which differs."""
+    first = frequency if start is None else start  # Shampoo's start step
+    problem = StochasticQuartic(SHAPES, first, torch.float32)
+    kw = dict(precondition_frequency=frequency, start_preconditioning_step=start)
+    native = problem.run(lambda ps: Shampoo(ps, **kw))
+    made: list[Runtime] = []
+
+    def orchestrated(wait: bool):
+        config = RuntimeConfig(
+            staleness=staleness,
+            fixed_delay=staleness if fixed else None,
+            workers=1,
+            refresh_lead=lead,
+            statistics_lane=lane,
+            hooks=hooks,
+            refresh=refresh,
+            wait_first_refresh=None if wait and not fixed else wait,
+        )
+
+        def make(ps):
+            opt = Shampoo(ps, **kw)
+            made.append(Runtime(None, opt, config))
+            return opt
+
+        return problem.run(make)
+
+    try:
+        waited = orchestrated(True)
+        blocks = made[-1].stats()["blocks"]
+        late = orchestrated(False)
+    finally:
+        for r in made:
+            r.close()
+    assert all(torch.equal(a, b) for a, b in zip(waited, native))
+    assert {b["basis_age"] for b in blocks.values() if b["basis_age_bound"] is not None} == {0}
+    assert any(not torch.equal(a, b) for a, b in zip(late, native))
 
 
 def _hog(runtime: Runtime, jobs_per_worker: int = 50) -> list:
@@ -391,6 +449,7 @@ def test_paced_installs_spread_a_refresh_over_the_budget():
         (dict(barrier_timeout_s=0), "barrier_timeout_s"),
         (dict(split_updates="yes"), "split_updates"),
         (dict(refresh_lead=1), "refresh_lead"),
+        (dict(wait_first_refresh="yes"), "wait_first_refresh"),
         (dict(lapack_threads=0), "lapack_threads"),
         (dict(max_consecutive_failures=0), "max_consecutive_failures"),
         (dict(affinity=()), "affinity"),

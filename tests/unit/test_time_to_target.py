@@ -167,6 +167,8 @@ def test_benchmark_quick_tunes_alike_and_evaluates_on_unseen_seeds(
     assert set(nano["goals"]["asteria_ahead_of_native"]) == {"soap:asteria", "soap:continuous"}
     q = nano["goals"]["asteria_quality_within_1pct"]["soap:continuous"]
     assert set(q["paired_relative_difference"]["per_seed"]) == {"1", "2", "3"}
+    rel = q["relative_difference"]
+    assert q["within"] == (abs(rel) <= 0.01) and q["no_worse"] == (rel <= 0.01)
     assert Path(nano["plot"]).read_bytes()[:8] == PNG
     # --cache: a second invocation reuses every run (4 + 4 tuning, 3 x 4 evaluation)
     assert len(cache.read_text().splitlines()) == 20
