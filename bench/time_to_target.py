@@ -35,9 +35,10 @@ validation loss against training seconds (mean over the evaluation seeds, a min-
 where each seed crosses the target), and as the last line JSON (also ``--json PATH``) with the
 machine, commit, torch version, date and duration.
 
-The JSON's ``duration_s`` is how long a run of it took: at its defaults 40.3 min on the shared
-2-vCPU AMD EPYC (2026-12-04, c9f721c, with the tuning two runs at a time, Note [Parallel
-tuning]: nano 5.6 min, tiny 34.6 min; ``bench/results/time_to_target_cpu_rerun.json``), 67 min
+The JSON's ``duration_s`` is how long a run of it took: at its defaults 41.0 min on the shared
+2-vCPU AMD EPYC (2026-12-05, 2a3a573, with the tuning two runs at a time, Note [Parallel
+tuning]: nano 5.2 min, tiny 35.8 min; ``bench/results/time_to_target_cpu.json``), 40.3 min at
+c9f721c (``bench/results/time_to_target_cpu_rerun.json``), 67 min
 there before (2026-12-03, f69699c, serial tuning, a slower day: nano 9 min, tiny 57 min);
 the Intel Xeon took 36 min for seven variants (f2fdf15). The evaluation alone
 (the tuning's 32 runs from ``--cache``) took 41 min on the EPYC at 4c26c46 (nano 6, tiny 36).

@@ -379,7 +379,10 @@ class Shampoo(KroneckerOptimizer):
     # The lateness was capacity: a whole round of roots at once on one worker. The runtime's
     # staggered refresh (Note [Staggered refresh] in asteria/runtime/schedule.py) spreads the
     # round over the interval and puts the installs on time (time-to-target, seeds 1-3: nano
-    # +1.9% -> +0.8%, tiny +1.6% -> +1.0%).
+    # +1.9% -> +0.8%, tiny +1.6% -> +1.0%). Most of what was left on tiny was the first round
+    # of roots, one gradient short under the refresh lead; the runtime now waits for the first
+    # roots in the step that first uses them (Note [First roots] in runtime/schedule.py):
+    # tiny +1.2% -> +0.2%, nano +0.3% -> +0.0%.
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
