@@ -24,6 +24,7 @@ math (``install_refresh`` carries state over), or place anything the tier policy
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -175,6 +176,24 @@ class MappedBases(BasesAccess):
         return t.data_ptr() in self._mapped
 
 
+# The windows open in this process: the cache of reused host blocks is process-wide, so the last
+# window to close (or to be collected unclosed) frees it, not the first: another runtime's window
+# still reuses its blocks.
+_open_windows = 0
+_open_windows_lock = threading.Lock()
+
+
+def _window_gone() -> None:
+    """A window closed: free the cache of reused host blocks (the host bases just dropped, Note
+    [Reused host blocks]) once no other window of this process reuses it."""
+    global _open_windows
+    with _open_windows_lock:
+        _open_windows -= 1
+        last = _open_windows == 0
+    if last:
+        release_host_cache()
+
+
 class WindowBases(BasesAccess):
     """Pinned host memory behind a device window (Note [Bases window]). ``fit(key, need)``
     is called before a block's bases of ``need`` bytes go through slots that are too small;
@@ -188,9 +207,14 @@ class WindowBases(BasesAccess):
         window: BasesWindow,
         fit: Callable[[BlockKey, int, BasesWindow], None],
     ) -> None:
+        global _open_windows
         super().__init__(optimizer)
         self.window = window
         self._fit = fit
+        with _open_windows_lock:
+            _open_windows += 1
+        self._gone = weakref.finalize(self, _window_gone)  # runs once: close() or collection
+        self._gone.atexit = False  # the cache outlives the process's CUDA runtime (the Note)
         self._seen: list[BlockKey] = []  # blocks in the order this step read their bases
         self._next: dict[BlockKey, BlockKey] = {}  # the block read after each, last step
 
@@ -225,13 +249,15 @@ class WindowBases(BasesAccess):
             self._seen = []
 
     def close(self) -> None:
-        self.window.close()
-        for _, p, block, _ in self.optimizer.blocks():
-            bases = block[self.field]
-            for i, q in enumerate(bases):
-                if q is not None and q.device != p.device:
-                    bases[i] = q.to(p.device)
-        release_host_cache()  # the host bases just dropped (Note [Reused host blocks])
+        try:
+            self.window.close()
+            for _, p, block, _ in self.optimizer.blocks():
+                bases = block[self.field]
+                for i, q in enumerate(bases):
+                    if q is not None and q.device != p.device:
+                        bases[i] = q.to(p.device)
+        finally:
+            self._gone()
 
     def buffers(self) -> list[torch.Tensor]:
         return self.window.buffers()

@@ -300,6 +300,28 @@ def test_installs_reuse_the_host_blocks_of_replaced_bases_and_close_frees_them(n
     assert host_memory_stats()["cached_blocks"] == 0
 
 
+def test_closing_one_window_keeps_the_cache_another_window_reuses(discrete_gpu):
+    """The cache of reused host blocks is the process's: the first of two runtimes to close
+    leaves it to the other (whose installs keep reusing it); the last one frees it."""
+    release_host_cache()
+    model_a, opt_a = _mlp("soap")
+    model_b, opt_b = _mlp("soap")
+    a = Runtime(model_a, opt_a, RuntimeConfig(staleness=0, workers=1))
+    b = Runtime(model_b, opt_b, RuntimeConfig(staleness=0, workers=1))
+    try:
+        _steps(model_a, opt_a, 12)
+        _steps(model_b, opt_b, 12)
+        a.close()
+        assert host_memory_stats()["cached_blocks"] > 0, "closing a emptied b's cache"
+        reused = host_memory_stats()["reused_blocks"]
+        _steps(model_b, opt_b, 10)
+        assert host_memory_stats()["reused_blocks"] > reused
+    finally:
+        a.close()
+        b.close()
+    assert host_memory_stats()["cached_blocks"] == 0
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_failed_copy_to_host_leaves_the_blocks_bases_as_they_were(
     name, discrete_gpu, monkeypatch
