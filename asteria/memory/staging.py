@@ -16,12 +16,17 @@ Note [Snapshot fences]:
   copy never reads a value written after the snapshot.
 On the CPU stand-in (``HostCopies``) the copies run at once and every fence is complete.
 
-Must not: decide what to snapshot or when, or keep the sources alive past the copies (the
-copy stream's ``record_stream`` does that for device memory).
+A source must outlive the copy that reads it. For device memory the copy stream's
+``record_stream`` keeps the caching allocator from reusing it; host memory it does not track
+(a device view of an Asteria host block, a CPU tensor) is kept here, with the copy's event, until
+that event completes: past the ``Snapshot`` itself, dropped at a later ``snapshot()`` or wait.
+
+Must not: decide what to snapshot or when.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -37,6 +42,29 @@ __all__ = ["Snapshot", "snapshot"]
 
 #: How often ``Snapshot.wait`` polls a released snapshot's copy (no fence left to block on).
 _POLL_S = 0.0005
+
+# The host sources of copies in flight, each with its copy's event (the module docstring).
+_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+_in_flight_lock = threading.Lock()
+
+
+def _host_memory(t: torch.Tensor) -> bool:
+    """Whether ``record_stream`` cannot protect ``t``: host memory, or a device view of it."""
+    return not t.is_cuda or _C.host_tensor_info(t) is not None
+
+
+def _keep_sources(done: Any, srcs: Sequence[torch.Tensor]) -> None:
+    """Keep ``srcs``' host memory alive until ``done`` completes; drop what landed since."""
+    keep = tuple(t for t in srcs if _host_memory(t))
+    with _in_flight_lock:
+        _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
+        if keep and not done.query():
+            _in_flight.append((done, keep))
+
+
+def _retire_landed() -> None:
+    with _in_flight_lock:
+        _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
 
 
 class Snapshot:
@@ -69,6 +97,7 @@ class Snapshot:
         stand-in cannot wait for a copy queued behind an event not complete: RuntimeError."""
         if timeout is None:
             self._done.synchronize()
+            _retire_landed()
             return self.tensors
         end = time.monotonic() + timeout
         for lease in self._leases:
@@ -80,6 +109,7 @@ class Snapshot:
                     f"snapshot: {len(self.tensors)} copies not landed after {timeout} s"
                 )
             time.sleep(_POLL_S)
+        _retire_landed()
         return self.tensors
 
     def fence(self) -> None:
@@ -140,6 +170,7 @@ def snapshot(
     ready = copies.record()  # the reader fence: after every kernel that wrote the sources
     dsts = tuple(lease.view(t.shape, t.dtype) for lease, t in zip(leases, srcs))
     done = copies.copy(dsts, srcs, [ready])
+    _keep_sources(done, srcs)  # host memory that record_stream does not protect
     for lease in leases:
         lease.record(copies.stream)  # the slot fence: the copy's completion
     return Snapshot(copies, done, leases, dsts)

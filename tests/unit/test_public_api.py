@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import asteria
 from asteria import _C
 from asteria import lowlevel as ll
-from asteria.memory.copies import HostCopies
+from asteria.memory.copies import HostCopies, HostEvent
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = settings(max_examples=10, deadline=None, derandomize=True)
@@ -343,6 +343,40 @@ def test_a_released_snapshot_still_waits_for_its_copies():
     copies.log[0][1].complete()
     copies.run()
     assert torch.equal(snap.wait(timeout=1)[0], torch.arange(3.0)) and snap.wait()[0][2] == 2.0
+
+
+class _DeviceLikeCopies(HostCopies):
+    """Copies that, like a device's, hold no reference to their sources while in flight: each
+    runs at once but its event stays pending (the device still reading) until completed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[HostEvent] = []
+
+    def copy(self, dsts, srcs, waits):
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+        self.events.append(HostEvent(-1))
+        return self.events[-1]
+
+
+def test_a_snapshot_keeps_host_sources_alive_until_its_copy_landed():
+    """Host memory (and device views of it) is not the caching allocator's, so ``record_stream``
+    does not keep it from being freed under a copy in flight: the snapshot keeps it, also past
+    the Snapshot object, until the copy's event completes."""
+    copies = _DeviceLikeCopies()
+    ring = ll.StagingRing(slots=2, slot_bytes=4096)
+    src = torch.arange(4.0)
+    alive = weakref.ref(src)
+    snap = ll.snapshot([src], ring, copies, timeout=1)
+    snap.release()
+    del src, snap
+    gc.collect()
+    assert alive() is not None, "the source was freed under its copy"
+    copies.events[0].complete()
+    ll.snapshot([torch.zeros(1)], ring, copies, timeout=1).release()  # drops what landed
+    gc.collect()
+    assert alive() is None, "the source outlived its copy"
 
 
 def test_copy_stream_refuses_other_devices():
