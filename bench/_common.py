@@ -130,11 +130,17 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+#: The commit when the benchmark started (this module is imported before it runs): the code it
+#: ran, whatever is committed while it runs (its own results and plots included).
+_COMMIT_AT_START = git_commit()
+
+
 def recorded() -> dict[str, Any]:
     """When, at which commit, with which torch and on what machine a run measured.
 
     Note [Recorded runs]: every benchmark's JSON carries, under ``recorded``, the UTC date and
-    time of the run, the commit (``git_commit``), the torch version, and the machine (CPU model
+    time of the run, the commit (``git_commit``, taken when the benchmark started, so that
+    commits made while it runs do not show), the torch version, and the machine (CPU model
     and count, memory, accelerator, platform): ``emit_json`` adds it, so no bench can leave it
     out, and bench/results/*.json are those lines. The files committed before this existed got
     the date and commit of the commit that added their figures from git history, the torch
@@ -147,7 +153,7 @@ def recorded() -> dict[str, Any]:
     env = environment()
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": os.environ.get("ASTERIA_COMMIT") or _COMMIT_AT_START,
         "torch": torch.__version__,
         "machine": {
             "cpu": env["cpu"],
