@@ -125,17 +125,17 @@ to native (``tiny``, lr 1.5e-3, seeds 1-3, native Shampoo with roots from ``L_{t
 refreshes: at the first round only +1.0%, at every later one only +0.4%, at all +1.6%; one step
 of the grafting direction at the start, then native, +1.1%: the first preconditioned steps weigh
 most). So, where the budget is at least one step (``RuntimeConfig.wait_first_refresh``, on by
-default except under ``fixed_delay``; ``Schedule.wait_first``), a block's first
-refresh comes without the lead: the optimizer asks for it at its own step (``Refresher.
-first_lead`` is 0 while the block has no roots), and the boundary requests it from that step's
-factors and installs it at once, waiting for the result (``Schedule.waits_for``): the first
-round is native's, bit for bit, at age 0, and every later refresh keeps the lead. The wait is
-the one of native's refresh steps, once per block (every block at the start step where they
-share it). Measured at the runtime's defaults on ``tiny`` (the same seeds): the gap +1.3% ->
-+0.2% (per seed +1.1%, -0.1%, -0.3%), and no install later than its step left. Under
-``fixed_delay`` the first roots keep the fixed delay by default (the experiment's knob; ``True``
-waits there too: bench/shampoo_gap.py's ``fd1_first``). SOAP and KL-Shampoo, whose update reads
-the bases of an earlier refresh natively, are not concerned.
+default except under ``fixed_delay``; ``Schedule.wait_first``), a block's first refresh comes
+without the lead: the optimizer asks for it at its own step (``Refresher.first_lead`` is 0 while
+the block has no roots), and the boundary requests it from that step's factors and installs it
+at once, waiting for the result (``Schedule.waits_for``): the first round is native's, bit for
+bit, at age 0, and every later refresh keeps the lead. The wait is the one of native's refresh
+steps, once per block (every block at the start step where they share it). Measured at the
+runtime's defaults on ``tiny`` (the same seeds): the gap +1.3% -> +0.2% (per seed +1.1%, -0.1%,
+-0.3%; over seeds 1-8 +0.21 +- 0.23%, bench/results/shampoo_gap_cpu_tiny*.json), and no install
+later than its step left. Under ``fixed_delay`` the first roots keep the fixed delay by default
+(the experiment's knob; ``True`` waits there too: bench/shampoo_gap.py's ``fd1_first``). SOAP
+and KL-Shampoo, whose update reads the bases of an earlier refresh natively, are not concerned.
 
 Note [Paced installs]
 ~~~~~~~~~~~~~~~~~~~~~
