@@ -36,7 +36,7 @@ import torch
 
 from asteria import _C
 from asteria.memory.copies import Copies
-from asteria.memory.host import StagingRing, StagingSlot
+from asteria.memory.host import StagingRing, StagingSlot, is_host_tensor
 
 __all__ = ["Snapshot", "snapshot"]
 
@@ -48,23 +48,15 @@ _in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
 _in_flight_lock = threading.Lock()
 
 
-def _host_memory(t: torch.Tensor) -> bool:
-    """Whether ``record_stream`` cannot protect ``t``: host memory, or a device view of it."""
-    return not t.is_cuda or _C.host_tensor_info(t) is not None
-
-
-def _keep_sources(done: Any, srcs: Sequence[torch.Tensor]) -> None:
-    """Keep ``srcs``' host memory alive until ``done`` completes; drop what landed since."""
-    keep = tuple(t for t in srcs if _host_memory(t))
+def _retire_landed(done: Any = None, srcs: Sequence[torch.Tensor] = ()) -> None:
+    """Drop the sources whose copies landed; keep the host memory among ``srcs`` (what
+    ``record_stream`` cannot protect: a CPU tensor, a device view of a host block) alive until
+    ``done`` completes."""
+    keep = tuple(t for t in srcs if not t.is_cuda or is_host_tensor(t))
     with _in_flight_lock:
         _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
         if keep and not done.query():
             _in_flight.append((done, keep))
-
-
-def _retire_landed() -> None:
-    with _in_flight_lock:
-        _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
 
 
 class Snapshot:
@@ -170,7 +162,7 @@ def snapshot(
     ready = copies.record()  # the reader fence: after every kernel that wrote the sources
     dsts = tuple(lease.view(t.shape, t.dtype) for lease, t in zip(leases, srcs))
     done = copies.copy(dsts, srcs, [ready])
-    _keep_sources(done, srcs)  # host memory that record_stream does not protect
+    _retire_landed(done, srcs)  # host memory that record_stream does not protect
     for lease in leases:
         lease.record(copies.stream)  # the slot fence: the copy's completion
     return Snapshot(copies, done, leases, dsts)

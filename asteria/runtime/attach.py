@@ -406,7 +406,7 @@ def build(
         optimizer.refresh_precedes_update,
         c.refresh_lead,
         continuous=c.refresh == "continuous",
-        wait_first=c.fixed_delay is None if c.wait_first_refresh is None else c.wait_first_refresh,
+        wait_first=c.resolved_wait_first_refresh,
         staggered=c.refresh == "staggered",
     )
     pid_of = {id(p): i for i, p in enumerate(params_of(optimizer))}

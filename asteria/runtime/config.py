@@ -213,6 +213,13 @@ class RuntimeConfig:
     def resolved_workers(self) -> int:
         return default_workers() if self.workers is None else self.workers
 
+    @property
+    def resolved_wait_first_refresh(self) -> bool:
+        """``wait_first_refresh``, ``None`` resolved: on, except under ``fixed_delay``."""
+        if self.wait_first_refresh is None:
+            return self.fixed_delay is None
+        return self.wait_first_refresh
+
 
 #: Below this much free space a spill directory counts as full.
 MIN_FREE_BYTES = 16 << 20
