@@ -207,8 +207,10 @@ def inverse_root(
     As Meta's Distributed Shampoo computes it (``matrix_inverse_root`` with its default
     ``PerturbationConfig``): ``lam, Q = eigh(factor + epsilon I)``; where the smallest ``lam`` is
     below ``epsilon`` (round-off of a singular PSD factor makes it negative) every eigenvalue is
-    shifted by it, ``lam - min(lam) + epsilon``; then ``Q diag(lam^{-1/root}) Q^T``
-    (Note [Singular factors]).
+    shifted by it, ``lam - min(lam) + epsilon``; then ``Q diag(lam^{-1/root}) Q^T``. One step
+    comes first that Meta does not take: eigenvalues below the eigensolver's accuracy,
+    ``n * eps(dtype) * max|lam|``, are raised to it (Note [Round-off floor]); above it every
+    bit is Meta's.
     """
     _check_square("factor", factor)
     if root <= 0:
@@ -240,5 +242,27 @@ def _perturbed(lam: torch.Tensor, epsilon: float) -> torch.Tensor:
     (tests/unit/test_torch_conformance.py: ``(w x + b)^2``, one input vector, Meta's defaults,
     20 steps) Meta's Shampoo takes the loss from 149.2 to 133.7 and the clamp took it up to
     149.5 on a Xeon (down on an EPYC: the round-off decides); with the shift, to 134.5."""
+    lam = torch.maximum(lam, roundoff_floor(lam))
     low = lam.min()
     return torch.where(low < epsilon, (lam - low) + epsilon, lam)
+
+
+def roundoff_floor(lam: torch.Tensor) -> torch.Tensor:
+    """``n * eps * max|lam|`` (a 0-d tensor, no host sync): how far the eigenvalues of an
+    ``n x n`` symmetric matrix that eigh returns in ``lam``'s dtype can be from its own.
+
+    Note [Round-off floor]: eigh is backward stable: what it returns are the exact eigenvalues
+    of ``L + E`` with ``||E|| <= c n eps ||L||``, so an eigenvalue below ``n eps max|lam|`` is
+    not a property of ``L`` but of the round-off: a rank-deficient factor's null space comes
+    back as noise of either sign at that scale. Meta's shift (Note [Singular factors]) then
+    gives those directions scales of ``noise^{-1/root}``, up to ``epsilon^{-1/root}`` (1e6 for
+    a 1-D block at 1e-12), and Shampoo's direction, rescaled by the grafting, is mostly noise:
+    on torch's generic test problem (one input vector, ``(w x + b)^2``, a 50-vector factor of
+    rank <= 20; tests/unit/test_torch_conformance.py) the loss rose over 20 steps on 3 of 100
+    seeds with SGD grafting, 2 with RMSprop, 14 without grafting, as Meta's does (2 and 3 with
+    SGD and RMSprop); raised to the floor, on none, and the loss ends at 0.04x its start against
+    0.40x (SGD grafting; docs/fidelity.md, "Singular factors"). Where every eigenvalue is above
+    the floor (a full-rank factor, every parity case against Meta but its defaults) the root is
+    Meta's bit for bit; at Meta's defaults (rank-1 factors rooted at step 1) the two agree to
+    7.8e-11 (1.2e-10 without the floor). csrc/core/matrix_functions.cpp computes the same."""
+    return lam.abs().max() * (lam.shape[0] * torch.finfo(lam.dtype).eps)

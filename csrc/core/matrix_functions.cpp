@@ -172,12 +172,17 @@ at::Tensor inverse_root(const at::Tensor& factor, double root, double epsilon,
   if (!all_finite(factor)) {
     throw MatrixFunctionError("inverse_root: factor has non-finite entries");
   }
-  // Meta's perturbation, as asteria/optim/matrix_functions.py's twin (Note [Singular factors]
-  // there): eigh(factor + epsilon I), then lam - min(lam) + epsilon where min(lam) < epsilon.
+  // Meta's perturbation, as asteria/optim/matrix_functions.py's twin (Notes [Singular factors]
+  // and [Round-off floor] there): eigh(factor + epsilon I), eigenvalues raised to the solver's
+  // accuracy n eps max|lam|, then lam - min(lam) + epsilon where min(lam) < epsilon.
   const auto run = [&factor, root, epsilon](at::ScalarType dt) -> Outputs {
     at::Tensor f = canonical(factor, dt).clone();
     f.diagonal().add_(epsilon);
-    auto [evals, evecs] = lapack::eigh(f);
+    auto [raw, evecs] = lapack::eigh(f);
+    const double eps = dt == at::kFloat ? std::numeric_limits<float>::epsilon()
+                                        : std::numeric_limits<double>::epsilon();
+    const at::Tensor evals =
+        at::maximum(raw, raw.abs().max() * (static_cast<double>(raw.size(0)) * eps));
     const at::Tensor low = evals.min();
     const at::Tensor lam = at::where(low < epsilon, (evals - low) + epsilon, evals);
     const at::Tensor scale = lam.pow(-1.0 / root);

@@ -49,7 +49,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> qr_refresh(const at::Tensor& f
                                                              at::ScalarType dtype = at::kFloat);
 
 // factor^{-1/root} = Q diag(lambda^{-1/root}) Q^T of a symmetric PSD factor, lambda the eigenvalues
-// of factor + epsilon I shifted to min(lambda) = epsilon where below it (Meta's perturbation).
+// of factor + epsilon I raised to the eigensolver's accuracy n eps max|lambda| (Note [Round-off
+// floor] in asteria/optim/matrix_functions.py), then shifted to min(lambda) = epsilon where below
+// it (Meta's perturbation).
 at::Tensor inverse_root(const at::Tensor& factor, double root, double epsilon = 1e-12,
                         at::ScalarType dtype = at::kFloat);
 

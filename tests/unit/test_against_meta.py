@@ -294,3 +294,55 @@ def test_soap_and_kl_shampoo_against_meta_as_documented(name):
     assert documented / 1.5 < diff < documented * 1.5, diff
     loss0 = float(problem.loss(problem.init, 0))
     assert float(problem.loss(ours, 0)) < loss0 and float(problem.loss(theirs, 0)) < loss0
+
+
+def _mlp_run(make, lr: float, nudge: float = 0.0, meta: bool = False) -> torch.Tensor:
+    """An MLP 24-40-6 (tanh, with biases) on 30 fixed batches of 32, float64: its parameters
+    after 30 steps, flattened."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6)
+    ).double()
+    with torch.no_grad():
+        model[0].weight[0, 0] += nudge
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 32, 24, generator=gen, dtype=torch.float64)
+    y = torch.randn(30, 32, 6, generator=gen, dtype=torch.float64)
+    with _default_dtype(torch.float64) if meta else contextlib.nullcontext():
+        opt = make(list(model.parameters()), lr)
+        for t in range(30):
+            ((model(x[t]) - y[t]) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_metas_learning_rate_is_float32():
+    """Note [Meta's float32 learning rate]: Meta keeps ``lr`` in a float32 tensor (its
+    ``_instantiate_lr_tensors``), so ``lr=1e-2`` steps with 0.0099999998 there. On an MLP at
+    beta2 0.999, weight decay and Adam grafting that rounding is the whole difference from
+    Asteria beyond the round-off floor (a 1e-15 nudge of one weight: Meta against itself)."""
+    options = dict(
+        betas=(0.9, 0.999),
+        weight_decay=0.01,
+        max_preconditioner_dim=16,
+        precondition_frequency=4,
+        start_preconditioning_step=6,
+        grafting="adam",
+        grafting_epsilon=1e-8,
+    )
+
+    def metas(ps, lr):
+        return meta_shampoo(ps, lr=lr, **options)
+
+    def ours(ps, lr):
+        return Shampoo(ps, lr=lr, refresh_dtype=torch.float64, **options)
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    theirs = _mlp_run(metas, 1e-2, meta=True)
+    floor = rel(_mlp_run(metas, 1e-2, nudge=1e-15, meta=True), theirs)
+    lr32 = float(torch.tensor(1e-2, dtype=torch.float32))
+    assert rel(_mlp_run(ours, lr32), theirs) <= 3 * floor
+    assert rel(_mlp_run(ours, 1e-2), theirs) > 3 * floor  # the float64 lr: the documented term

@@ -150,9 +150,13 @@ OPTIM_INFOS = [
     _info(KLShampoo, [OptimizerInput(None, {"lr": 1e-2, "init_factor": 0.5}, "init_factor")]),
     _info(
         Shampoo,
-        # epsilon 1e-6: these problems' statistics are singular (one input vector), and fp32
-        # roots at the default 1e-12 turn round-off into the direction SGD grafting scales up
-        [OptimizerInput(None, {"lr": 1e-2, "grafting": "sgd", "epsilon": 1e-6}, "SGD grafting")],
+        # Meta's epsilon 1e-12 on singular statistics (one input vector): the roots' null space
+        # is round-off, which Note [Round-off floor] keeps out of the direction
+        [
+            OptimizerInput(None, {"lr": 1e-2, "grafting": "sgd"}, "SGD grafting"),
+            OptimizerInput(None, {"lr": 1e-2, "grafting": "rmsprop"}, "RMSprop grafting"),
+            OptimizerInput(None, {"lr": 1e-2, "grafting": "none"}, "no grafting"),
+        ],
     ),
 ]
 
