@@ -210,6 +210,13 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         """Install the results of ``refresh_jobs(block, ...)``, carrying state over exactly."""
         raise NotImplementedError
 
+    def refresh_urgent(self, block: dict[str, Any], step: int) -> bool:
+        """Whether ``block``'s refresh requested at ``step`` costs the most quality when it
+        arrives late, so that a runtime waits for it at that step, as natively (Note
+        [Rank-deficient factors] in asteria/runtime/schedule.py). ``False``: any refresh may
+        take the runtime's staleness budget."""
+        return False
+
     def install_cost(self, block: dict[str, Any]) -> float:
         """About how many flops ``install_refresh(block, ...)`` computes on the training's
         critical path; ``0`` where an install is a pointer swap. A runtime spreads costly

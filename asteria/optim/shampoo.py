@@ -56,6 +56,7 @@ Must not: know about runtimes, pools or memory tiers.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -267,7 +268,8 @@ class Shampoo(KroneckerOptimizer):
             # and the first roots of step t itself (Note [First roots] in runtime/schedule.py)
             r = self._refresher
             first = any(root is None for b in blocks for root in b["roots"])
-            lead = r.first_lead if first else r.lead
+            urgent = first or any(self.refresh_urgent(b, t) for b in blocks)
+            lead = r.first_lead if urgent else r.lead
             due = self._refresh_due(state, group, next_step=lead > 0)
             stats = self._update_factors
             self._end_blocks(
@@ -385,6 +387,16 @@ class Shampoo(KroneckerOptimizer):
     # tiny +1.2% -> +0.2%, nano +0.3% -> +0.0%.
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
+
+    def refresh_urgent(self, block: dict[str, Any], step: int) -> bool:
+        """While a factor may still be rank-deficient at ``step``: ``L_i`` of a block of
+        ``n`` elements gains at most ``n / d_i`` dims of rank a step, so ``step * n / d_i <
+        d_i`` (a 1-D block's factor: ``step < d``). A late root of such a factor turns the
+        direction into the newest gradients' part outside its range (Note [Rank-deficient
+        factors] in asteria/runtime/schedule.py)."""
+        dims = [f.shape[0] for f in block["factors"]]
+        numel = math.prod(dims)
+        return any(step * (numel // d) < d for d in dims)
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """``L_i^{-1/(2k)}`` for every factor of an order-k block (``1/2`` for 1-D blocks)."""

@@ -69,12 +69,17 @@ class Boundaries:
         e = refreshes.entry(key)
         replicated = refreshes.replicated(key)
         exact = schedule.fixed or replicated
-        # Notes [Continuous refresh], [Staggered refresh] in schedule.py
-        due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
+        # Note [Rank-deficient factors] in schedule.py: as natively, waited for at its step
+        urgent = schedule.wait_first and refreshes.optimizer.refresh_urgent(block, step)
+        if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
+            due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
+        elif due and e.pending is not None:
+            self._install(key, e, step, block, replicated)  # older than this step's request
         has_bases = _has_bases(block, self.bases_field)
         if e.version is None and has_bases:
             e.version = schedule.initial_version(step, freq)  # a basis made before us
-        wait = schedule.waits_for(e, due, has_bases)  # Note [First roots]
+        wait = schedule.waits_for(e, due, has_bases, urgent)  # Note [First roots]
+        schedule.urgent_waits += wait and urgent and e.version is not None
         if not schedule.precedes_update:
             schedule.record_age(e, step, freq)  # the update of this step read it already
         if e.pending is not None and schedule.install_now(
@@ -87,7 +92,9 @@ class Boundaries:
             if not e.owed:
                 schedule.coalesced += 1
             e.owed = True  # requested where the refresh in flight is installed
-        elif due or (e.owed and e.pending is None) or schedule.wants(key, e, exact):
+        elif (
+            due or (e.owed and e.pending is None) or (not urgent and schedule.wants(key, e, exact))
+        ):
             e.owed = False
             refreshes.request(key, e, block, group, step)
             if e.pending is not None and (schedule.budget == 0 or wait):

@@ -69,9 +69,12 @@ class RuntimeConfig:
             step waits for it, as natively (Note [First roots] in schedule.py): once per block,
             where native mode waits at every refresh. ``False``: requested like every later one
             (with the lead, from the step before), the steps before it arrives taking the
-            grafting direction. ``None`` (default): on, except under ``fixed_delay`` (whose
-            every refresh keeps the fixed delay unless this is ``True``). No effect at a
-            budget of 0.
+            grafting direction. The same holds for every refresh of a block whose factors may
+            still be rank-deficient (``refresh_urgent``: Shampoo's 1-D blocks and merged small
+            dims for as many steps as their dim; Note [Rank-deficient factors] in
+            schedule.py), counted in ``stats()["jobs"]["urgent_waits"]``. ``None`` (default):
+            on, except under ``fixed_delay`` (whose every refresh keeps the fixed delay unless
+            this is ``True``). No effect at a budget of 0.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
             that names the block.
         max_consecutive_failures: a block whose refresh fails this many times in a row raises;

@@ -47,6 +47,7 @@ def stats(
             "cancelled": refreshes.cancelled,
             "failed": refreshes.failed,
             "coalesced_requests": schedule.coalesced,
+            "urgent_waits": schedule.urgent_waits,
             "in_flight": registry.pending_count(),
         },
         "pool": pool,

@@ -303,7 +303,9 @@ def test_hook_installs_count_staleness_as_the_optimizer_uses_the_version(name):
     SOAP and KL-Shampoo do the same with their refresh of step t (staleness 0), native Shampoo
     already used it in step t (staleness 1; Note [Staleness bound]), except its first roots,
     which the step that first uses them waits for (staleness 0, once per block; Note [First
-    roots])."""
+    roots]), and its roots of rank-deficient factors, waited for at their step too (staleness
+    0, counted in ``urgent_waits``; Note [Rank-deficient factors]): here the biases' and the
+    merged 3 x 6 weight's."""
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=2)
     config = RuntimeConfig(staleness=3, workers=1, statistics_lane=False)
@@ -316,9 +318,11 @@ def test_hook_installs_count_staleness_as_the_optimizer_uses_the_version(name):
             model(torch.randn(16, 6)).square().mean().backward()
             opt.step()
         hist = rt.stats()["staleness_histogram"]
+        urgent = rt.stats()["jobs"]["urgent_waits"]
         blocks = len(rt.blocks())
     if name == "shampoo":
-        assert hist == {0: blocks, 1: sum(hist.values()) - blocks}
+        assert urgent > 0
+        assert hist == {0: blocks + urgent, 1: sum(hist.values()) - blocks - urgent}
     else:
         assert hist == {0: sum(hist.values())}
     assert sum(hist.values()) >= 2 * 5
