@@ -160,15 +160,16 @@ So a block that the optimizer calls urgent (``refresh_urgent``: Shampoo's bound
 ``step * n / d < d`` on some factor, from its shape and step alone, the same on every rank) is
 refreshed as natively wherever first roots are waited for (``Schedule.wait_first``): the
 optimizer asks at the step itself (``Refresher.first_lead``), the boundary keeps the optimizer's
-schedule (not the staggered slot), installs what may still be in flight, then requests from this
-step's factors and installs at once, waiting (``Schedule.waits_for``); ``urgent_waits`` in
-``stats()`` counts these installs (beyond the first roots), and their time is in ``barrier_wait_ms``. The budget only
-tightens (age 0), ``B = 0`` is untouched, ``fixed_delay`` keeps its fixed delays unless
-``wait_first_refresh=True`` (then both rules are deterministic: the bound is a function of
-shape and step). On the MLP: +4.4% -> +0.3% at ``fixed_delay=1`` semantics (the probe), and
-docs/fidelity.md has the runtime's figures. Once every factor may be full rank the block takes
-the budget like any other: SOAP and KL-Shampoo, whose bases of an earlier refresh are native,
-are never urgent.
+schedule (not the staggered slot or continuous room), installs what may still be in flight, then
+requests from this step's factors and installs at once, waiting (``Schedule.waits_for``);
+``urgent_waits`` in ``stats()`` counts these installs (beyond the first roots), and their time is
+in ``barrier_wait_ms``. The budget only tightens (age 0); ``B = 0`` is untouched; ``fixed_delay``
+keeps its fixed delays unless ``wait_first_refresh=True``, and either way runs are reproducible
+(the bound is a function of shape and step). On the MLP, against native, five seeds: ``S = 1``
++3.5% to +4.1% -> +0.00% to +0.05%, ``S = 5`` +2.4% to +3.5% -> +0.02% to +0.06%
+(docs/fidelity.md, "Shampoo under staleness"). Once every factor may be full rank the block
+takes the budget like any other. SOAP and KL-Shampoo, whose bases of an earlier refresh are
+native, are never urgent.
 
 Note [Paced installs]
 ~~~~~~~~~~~~~~~~~~~~~
