@@ -32,6 +32,12 @@ the first install. The last line is JSON.
 ``--schedule cosine --seeds 1,2,3 --lr R``: each variant as bench/time_to_target.py trains it
 (asteria.train's loop), over seeds, with the mean validation loss.
 
+``--model mlp``: issue 39's MLP 32-64-64-16 regressing ``tanh(x @ W)`` (``run_mlp``), each
+seed's data, ``--staleness``, ``--start``, ``--frequency``; per variant, the evaluation loss
+against native's seed by seed (``vs_native``: mean, standard error, largest). Seconds a run:
+``--model mlp --steps 60 --seeds 1,2,3,4,5,6,7,8 --variants native,asteria --staleness 1``
+(bench/results/shampoo_gap_cpu_mlp_*.json).
+
 Usage: ``python bench/shampoo_gap.py [--variants native,asteria,fd1] [--eps 1e-6] [--steps 110]``.
 One ``nano`` cosine run (200 steps of 8 x 64) took 19-89 s on the shared 2-vCPU machine, a
 ``tiny`` one 8-14 minutes under load; bench/results/shampoo_gap_cpu_nano*.json:
@@ -181,6 +187,66 @@ def run_schedule(variant: str, args: argparse.Namespace, corpus, seed: int) -> d
     }
 
 
+def run_mlp(variant: str, args: argparse.Namespace, seed: int) -> dict:
+    """``--model mlp``: issue 39's problem, as a new user would try it. An MLP 32-64-64-16
+    (GELU) regressing ``tanh(x @ W)`` (``W`` and the data from ``seed``, the weights' init from
+    seed 0), batch 64, ``Shampoo(lr, precondition_frequency=--frequency)`` at Meta's other
+    defaults (betas (0.9, 1.0), epsilon 1e-12) with Adam grafting, ``--steps`` steps; the
+    evaluation loss on 2,048 held-out points."""
+    base, mod = split_variant(variant)
+    gen = torch.Generator().manual_seed(seed)
+    w_true = torch.randn(32, 16, generator=gen) / 32**0.5 * 2
+    xs = torch.randn(args.steps, 64, 32, generator=gen)
+    x_eval = torch.randn(2048, 32, generator=gen)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+        torch.nn.Linear(64, 16),
+    )  # fmt: skip
+    kwargs = dict(lr=args.lr or 1e-3, precondition_frequency=args.frequency or 5)
+    if args.start is not None:
+        kwargs["start_preconditioning_step"] = args.start
+    opt = Shampoo(model.parameters(), **(kwargs | mod))
+    config = _runtime_config(base, args.staleness)
+    runtime = Runtime(model, opt, config) if config is not None else None
+    start = time.perf_counter()
+    try:
+        for x in xs:
+            ((model(x) - torch.tanh(x @ w_true)) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        stats = runtime.stats() if runtime is not None else None
+    finally:
+        if runtime is not None:
+            runtime.close()
+    with torch.no_grad():
+        val = float(((model(x_eval) - torch.tanh(x_eval @ w_true)) ** 2).mean())
+    return {
+        "val_loss": val,
+        "staleness_histogram": stats and stats["staleness_histogram"],
+        "urgent_waits": stats and stats["jobs"]["urgent_waits"],
+        "barrier_wait_ms": stats and sum(stats["barrier_wait_ms"]),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def paired_gaps(results: dict, names: list[str], seeds: list[int]) -> dict:
+    """Per variant, its validation loss against native's, seed by seed: the per-seed relative
+    gaps (%), their mean and standard error, and the largest."""
+    out = {}
+    for v in names:
+        if v == "native" or "native" not in names:
+            continue
+        gaps = [
+            100 * (results[f"{v}@seed{s}"]["val_loss"] / results[f"native@seed{s}"]["val_loss"] - 1)
+            for s in seeds
+        ]
+        se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
+        out[v] = {"gap_pct": gaps, "mean_pct": statistics.fmean(gaps), "se_pct": se,
+                  "max_pct": max(gaps)}  # fmt: skip
+    return out
+
+
 def _rootless(block: dict) -> bool:
     return all(r is None for r in block["roots"])
 
@@ -201,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--seeds", help="cosine: comma-separated seeds (default --seed)")
     p.add_argument("--lr", type=float, help="cosine: the peak rate (default the demo's)")
+    p.add_argument("--frequency", type=int, help="mlp: the precondition frequency (default 5)")
+    p.add_argument("--start", type=int, help="mlp: start_preconditioning_step (default Meta's)")
     args = p.parse_args(argv)
     args.seeds = [int(x) for x in (args.seeds or str(args.seed)).split(",") if x.strip()]
     torch.set_num_threads(1)
@@ -211,6 +279,21 @@ def main(argv: list[str] | None = None) -> None:
         if e.strip():
             names += [f"{v}_eps{e.strip()}" for v in list(names) if "_eps" not in v]
     results = {}
+    if args.model == "mlp":
+        for seed in args.seeds:
+            for v in names:
+                r = results[f"{v}@seed{seed}"] = run_mlp(v, args, seed)
+                print(f"   {v} seed {seed}: eval loss {r['val_loss']:.5f}, staleness "
+                      f"{r['staleness_histogram']}, urgent waits {r['urgent_waits']}",
+                      flush=True)  # fmt: skip
+        gaps = paired_gaps(results, names, args.seeds)
+        print_table(
+            ["variant", "mean vs native %", "se %", "max %"],
+            [[v, g["mean_pct"], g["se_pct"], g["max_pct"]] for v, g in gaps.items()],
+        )
+        emit_json({"benchmark": "shampoo_gap", "env": env, "config": vars(args),
+                   "results": results, "vs_native": gaps})  # fmt: skip
+        return
     if args.schedule == "cosine":
         for seed in args.seeds:  # seed by seed
             for v in names:
@@ -218,12 +301,13 @@ def main(argv: list[str] | None = None) -> None:
                 hist = r["staleness_histogram"]
                 print(f"   {v} seed {seed}: final loss {r['final_loss']:.4f}, val "
                       f"{r['val_loss']:.4f}, staleness {hist}", flush=True)  # fmt: skip
+        gaps = paired_gaps(results, names, args.seeds)
         for v in names:
             vals = [results[f"{v}@seed{s}"]["val_loss"] for s in args.seeds]
             results[v] = {"val_loss_mean": statistics.fmean(vals), "val_loss": vals}
             print(f"   {v}: mean val {results[v]['val_loss_mean']:.4f} over seeds {args.seeds}")
         emit_json({"benchmark": "shampoo_gap", "env": env, "config": vars(args),
-                   "results": results})  # fmt: skip
+                   "results": results, "vs_native": gaps})  # fmt: skip
         return
     for v in names:
         results[v] = run(v, args, corpus)
