@@ -360,6 +360,8 @@ class Parts:
     lane: StatisticsLane | None = None
     grad_guards: GradientGuards | None = None
     signals: ModuleSignals | None = None
+    #: the parameters (flattened indices) whose finished refreshes a module signal installs
+    signalled: frozenset[int] = frozenset()
     bases: BasesAccess | None = None
     pacer: Pacer | None = None
     refreshes: Refreshes | None = None
@@ -498,9 +500,10 @@ def connect(
             # issue 7: the hooks hold the runtime weakly and go when it is collected without
             # close(), so a model that outlives its optimizer keeps no runtime (or pool) alive;
             # none where they could not change anything (Note [Backward signals] in hooks.py)
-            signalled = [
-                i for i, pid in p.pid_of.items() if installs_on_signal(config, p.coherence, pid)
-            ]
+            p.signalled = frozenset(
+                pid for pid in p.pid_of.values() if installs_on_signal(config, p.coherence, pid)
+            )
+            signalled = [i for i, pid in p.pid_of.items() if pid in p.signalled]
             p.signals = ModuleSignals(model, signalled, _weak_signal(runtime))
             weakref.finalize(runtime, p.signals.remove)
         p.finalizer = weakref.finalize(runtime, _shutdown, p.pool, p.spill, p.lane, p.grad_guards)

@@ -18,6 +18,21 @@ while the runtime is attached, how an install puts new ones there, and what the 
 Every strategy hands back, at ``close()``, the bases as native mode keeps them (on the
 parameters' device).
 
+Note [Bases made by a step]: the host strategies move a block's bases to host memory when an
+install makes them, and at a step's end the bases the step itself made (the optimizer's first
+step of a block). Looking for those at every step end would visit every block at every step, a
+host cost that grows with the blocks (issue 37); the look stops once a step end moved nothing
+and every parameter has its state (no block can be made later), and starts again when the
+optimizer loads a state (``state_replaced``).
+
+Note [Grouped install copies]: a refresh result is host memory (the C++ pool's), pageable, and
+a blocking copy from it to a GPU synchronizes the training stream. ``install_many`` moves every
+result of a batch (a step's finished refreshes, installed at the first module signal) to the
+device at once: per device and dtype, one pinned buffer filled by one ``torch._foreach_copy_``
+and one non-blocking copy to the device, the results becoming views of it with their own
+layouts; the window then copies the new bases back to host memory in one ``to_host`` (one
+event). A step's installs thus cost a constant number of copies, not a few per block.
+
 Must not: decide what to install or when (refreshes.py, schedule.py), change the optimizer's
 math (``install_refresh`` carries state over), or place anything the tier policy did not.
 """
@@ -65,9 +80,33 @@ class BasesAccess:
     def settle(self, key: BlockKey) -> None:
         """Wait for ``key``'s install if one runs elsewhere (before a request reads the basis)."""
 
+    #: Bytes of bases ``read_many`` can hand out at once (``Refresher.bases_room``; None: no
+    #: limit).
+    room: int | None = None
+
+    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
+        """What the update that follows reads as each block's bases, valid together until the
+        next ``read``/``read_many`` or the step's end (``Refresher.bases_many``)."""
+        return [self.read(k, b) for k, b in zip(keys, blocks)]
+
     def install(self, key: BlockKey, block: dict, results: list[Any]) -> None:
         """``install_refresh`` of ``results`` into ``block``, where this strategy keeps bases."""
-        self.optimizer.install_refresh(block, [to_device(r, block) for r in results])
+        self.install_many([(key, block, results)])
+
+    def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
+        """``install`` of each ``(key, block, results)``, the results moved to the device in
+        grouped copies (``to_device_many``)."""
+        moved = to_device_many([r for _, _, r in items], [b for _, b, _ in items])
+        for (key, block, _), results in zip(items, moved):
+            self._install_one(key, block, results)
+
+    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
+        """``install_refresh`` of ``results`` (on the block's device already)."""
+        self.optimizer.install_refresh(block, results)
+
+    def state_replaced(self) -> None:
+        """The optimizer loaded a state: its blocks' bases are new (Note [Bases made by a
+        step])."""
 
     def host_sync(self) -> None:
         """Wait for the copies of bases to host memory still in flight (before the host reads
@@ -119,8 +158,14 @@ class DeviceBases(BasesAccess):
             self._queued.discard(key)
             self._lane.wait(key)
 
-    def install(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        results = [to_device(r, block) for r in results]
+    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
+        if self._queued:
+            for key in keys:
+                self.settle(key)
+        field = self.field
+        return [b[field] for b in blocks]
+
+    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
         if self._lane is not None and self._flops(key, block) > 0:
             # an install that computes (SOAP's rotation of m) runs on the statistics lane; the
             # block's next read of its state waits for it (``settle``)
@@ -143,14 +188,22 @@ class MappedBases(BasesAccess):
     def __init__(self, optimizer: KroneckerOptimizer) -> None:
         super().__init__(optimizer)
         self._mapped: set[int] = set()  # data_ptr of bases read through mapped views
+        self._unmapped_may_exist = True  # Note [Bases made by a step]
 
-    def install(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        super().install(key, block, results)
+    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
+        super()._install_one(key, block, results)
         self._map(block)
 
     def step_end(self) -> None:
+        if not self._unmapped_may_exist:
+            return  # Note [Bases made by a step]
+        before = len(self._mapped)
         for _, _, block, _ in self.optimizer.blocks():  # bases a first step made
             self._map(block)
+        self._unmapped_may_exist = len(self._mapped) != before or not _all_made(self.optimizer)
+
+    def state_replaced(self) -> None:
+        self._unmapped_may_exist = True
 
     def _map(self, block: dict) -> None:
         """Move a block's bases in use to pinned host memory, read by the GPU through views."""
@@ -216,15 +269,38 @@ class WindowBases(BasesAccess):
         self._gone = weakref.finalize(self, _window_gone)  # runs once: close() or collection
         self._gone.atexit = False  # the cache outlives the process's CUDA runtime (the Note)
         self._seen: list[BlockKey] = []  # blocks in the order this step read their bases
-        self._next: dict[BlockKey, BlockKey] = {}  # the block read after each, last step
+        self._next: dict[Any, Any] = {}  # the block (or group) read after each, last step
+        self._group_blocks: dict[tuple, list[dict]] = {}  # the blocks of each group read
+        self._unhosted_may_exist = True  # Note [Bases made by a step]
+
+    @property
+    def room(self) -> int:
+        """A group read at once shares one slot (``read_many``)."""
+        return self.window.slot_bytes
 
     def read(self, key: BlockKey, block: dict) -> list:
         return self._use(key, block, prefetch=True)
 
-    def install(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        """The new bases are copied to pinned host memory right away; an install that reads
-        the current bases (SOAP's rotation of ``m``) reads device copies from the window."""
-        results = [to_device(r, block) for r in results]
+    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
+        """The group's bases packed into one slot: one grouped copy and one event for the
+        group (a group too big for a slot grows the window through ``fit``)."""
+        if len(keys) == 1:
+            return [self.read(keys[0], blocks[0])]
+        group = tuple(keys)
+        self._group_blocks[group] = list(blocks)
+        hosted = self._host_bases_many(blocks)
+        flat = [q for bases in hosted for q in bases]
+        views = self._use_srcs(group, flat, prefetch=True)
+        out, i = [], 0
+        for bases in hosted:
+            out.append(views[i : i + len(bases)])
+            i += len(bases)
+        return out
+
+    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
+        """The new bases go to pinned host memory (``install_many``: one copy for the batch); an
+        install that reads the current bases (SOAP's rotation of ``m``) reads device copies
+        from the window."""
         bases = self._host_bases(block)
         handed: list[Any] = []
         if self.optimizer.install_reads_bases and any(q is not None for q in bases):
@@ -235,18 +311,29 @@ class WindowBases(BasesAccess):
         for i, q in enumerate(handed):  # a dim the refresh left alone keeps its host tensor
             if q is not None and bases[i] is q:
                 bases[i] = hosted[i]
-        self._host_bases(block)
+
+    def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
+        super().install_many(items)
+        self._host_bases_many([block for _, block, _ in items])  # one copy to host memory
+
+    def state_replaced(self) -> None:
+        self._unhosted_may_exist = True
 
     def step_end(self) -> None:
         """The last block's kernels are issued; bases made this step (first steps) go to host
-        memory; the order the step read the blocks in becomes the prefetch order."""
+        memory (Note [Bases made by a step]); the order the step read the blocks in becomes
+        the prefetch order."""
         self.window.finish()
-        for _, _, block, _ in self.optimizer.blocks():
-            self._host_bases(block)
+        if self._unhosted_may_exist:
+            blocks = [block for _, _, block, _ in self.optimizer.blocks()]
+            moved = self._host_bases_many(blocks, count=True)
+            self._unhosted_may_exist = moved > 0 or not _all_made(self.optimizer)
         seen = self._seen
         if seen:
             self._next = {k: seen[(i + 1) % len(seen)] for i, k in enumerate(seen)}
             self._seen = []
+            groups = self._group_blocks  # only the groups read this step stay prefetchable
+            self._group_blocks = {k: groups[k] for k in self._next if k in groups}
 
     def close(self) -> None:
         try:
@@ -267,23 +354,33 @@ class WindowBases(BasesAccess):
 
     def _use(self, key: BlockKey, block: dict, prefetch: bool) -> list[Any]:
         """Device copies of ``key``'s bases from the window; with ``prefetch``, also start the
-        copy of the block read after it last step."""
-        srcs = self._host_bases(block)
+        copy of the block (or group) read after it last step."""
+        return self._use_srcs(key, self._host_bases(block), prefetch)
+
+    def _use_srcs(self, key: Any, srcs: list[Any], prefetch: bool) -> list[Any]:
+        """``_use`` of the host tensors ``srcs`` of ``key``: a block, or a group of blocks read
+        together (a tuple of keys)."""
         if all(q is None for q in srcs):
             return list(srcs)  # nothing to read yet (Shampoo before its first roots, 1-D SOAP)
         upcoming = None
         if prefetch:
             self._seen.append(key)
             nxt = self._next.get(key)
-            nblock = None if nxt is None else self._block_or_none(nxt)
-            if nblock is not None:
-                nsrcs = nblock[self.field]
-                if all(q is None or is_host_tensor(q) for q in nsrcs):
-                    upcoming = (nxt, nsrcs)
+            nsrcs = None if nxt is None else self._srcs_or_none(nxt)
+            if nsrcs is not None and all(q is None or is_host_tensor(q) for q in nsrcs):
+                upcoming = (nxt, nsrcs)
         need = BasesWindow.bytes_of(srcs)
         if need > self.window.slot_bytes:
             self._fit(key, need, self.window)
         return self.window.use(key, srcs, upcoming)
+
+    def _srcs_or_none(self, key: Any) -> list[Any] | None:
+        """The bases of block ``key``, or of the group ``key`` (all its blocks' in order)."""
+        if isinstance(key[0], tuple):
+            blocks = self._group_blocks.get(key)
+            return None if blocks is None else [q for b in blocks for q in b[self.field]]
+        block = self._block_or_none(key)
+        return None if block is None else block[self.field]
 
     def host_sync(self) -> None:
         self.window.copies.host_sync()
@@ -295,17 +392,24 @@ class WindowBases(BasesAccess):
         host's readers through ``host_sync``. The blocks are reused (Note [Reused host blocks] in
         csrc/memory/host_block.cpp): an install replaces a block's bases, and registering fresh
         pinned memory each time cost milliseconds per install."""
-        bases = block[self.field]
-        moved = {
-            i: view_like(host_empty(q.numel(), q.dtype, pinned=q.is_cuda, reuse=True), q)
-            for i, q in enumerate(bases)
-            if q is not None and not is_host_tensor(q)
-        }  # q's layout: the same arithmetic
-        if moved:  # the block takes the host tensors only once their copies are issued
-            self.window.copies.to_host(list(moved.values()), [bases[i] for i in moved])
-            for i, h in moved.items():
+        return self._host_bases_many([block])[0]
+
+    def _host_bases_many(self, blocks: list[dict], count: bool = False) -> Any:
+        """``_host_bases`` of every block in ``blocks``, with one copy to host memory for them
+        all; with ``count``, the number of tensors moved instead of the bases."""
+        field = self.field
+        moved = []
+        for block in blocks:
+            bases = block[field]
+            for i, q in enumerate(bases):
+                if q is not None and not is_host_tensor(q):  # q's layout: the same arithmetic
+                    h = view_like(host_empty(q.numel(), q.dtype, pinned=q.is_cuda, reuse=True), q)
+                    moved.append((bases, i, h))
+        if moved:  # a block takes its host tensors only once their copies are issued
+            self.window.copies.to_host([h for _, _, h in moved], [b[i] for b, i, _ in moved])
+            for bases, i, h in moved:
                 bases[i] = h
-        return bases
+        return len(moved) if count else [block[field] for block in blocks]
 
     def _block_or_none(self, key: BlockKey) -> dict | None:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -314,25 +418,68 @@ class WindowBases(BasesAccess):
         return None if blocks is None or key[1] >= len(blocks) else blocks[key[1]]
 
 
-def to_device(result: Any, block: dict) -> Any:
-    """A refresh result (a tensor, or a tuple of tensors/None) on ``block``'s device."""
+def _all_made(optimizer: KroneckerOptimizer) -> bool:
+    """Whether every parameter of ``optimizer`` has its state (no block is made later)."""
+    return len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups)
+
+
+def to_device_many(results: list[list[Any]], blocks: list[dict]) -> list[list[Any]]:
+    """``to_device`` of each block's ``results`` (a list per block), in grouped copies: the
+    host tensors bound for one CUDA device go, per dtype, through one pinned buffer and one
+    copy (Note [Grouped install copies]); elsewhere each is moved as ``to_device`` moves it."""
+    out = [list(r) for r in results]
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[list, int, int | None]]] = {}
+    for rs, block in zip(out, blocks):
+        device = _device_of(block)
+        for i, r in enumerate(rs):
+            for j, t in _tensors_of(r):
+                if device.type == "cuda" and t.device.type == "cpu":
+                    groups.setdefault((device, t.dtype), []).append((rs, i, j))
+                else:
+                    _put(rs, i, j, t.to(device))
+    for (device, dtype), where in groups.items():
+        _grouped_to(device, dtype, where)
+    return out
+
+
+def _tensors_of(result: Any) -> list[tuple[int | None, torch.Tensor]]:
     if result is None:
-        return None
-    device = next(t for t in block["factors"] if t is not None).device
+        return []
     if isinstance(result, tuple):
-        return tuple(None if r is None else _moved(r, device) for r in result)
-    return _moved(result, device)
+        return [(j, t) for j, t in enumerate(result) if t is not None]
+    return [(None, result)]
 
 
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``. A pool result is pageable host memory, and torch's blocking copy from
-    it to a GPU synchronizes the training stream: the host would wait at every install for the
-    GPU to drain (a likely part of why the H200's ``tiny`` steps doubled under the runtime,
-    docs/gpu.md; not yet measured). Through pinned memory the copy is queued on the stream like
-    a kernel (torch's pinned-memory cache keeps the buffer until the copy has run). The window's
-    copy of new bases back to host memory does not wait either (``WindowBases._host_bases``)."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    if t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+def _get(rs: list, i: int, j: int | None) -> torch.Tensor:
+    return rs[i] if j is None else rs[i][j]
+
+
+def _put(rs: list, i: int, j: int | None, t: torch.Tensor) -> None:
+    if j is None:
+        rs[i] = t
+    else:
+        rs[i] = rs[i][:j] + (t,) + rs[i][j + 1 :]
+
+
+def _grouped_to(device: torch.device, dtype: torch.dtype, where: list) -> None:
+    """Note [Grouped install copies]: the host tensors ``where`` points at (all ``dtype``)
+    packed into one pinned buffer (one ``_foreach_copy_``), copied to ``device`` in one
+    non-blocking copy, and replaced by views of it with their own layouts (the same
+    arithmetic). torch's pinned-memory cache keeps the buffer until the copy has run."""
+    srcs = [_get(rs, i, j) for rs, i, j in where]
+    total = sum(t.numel() for t in srcs)
+    flat = torch.empty(total, dtype=dtype, pin_memory=True)
+    views, offset = [], 0
+    for t in srcs:
+        views.append(view_like(flat[offset : offset + t.numel()], t))
+        offset += t.numel()
+    torch._foreach_copy_(views, srcs)
+    dev = flat.to(device, non_blocking=True)
+    offset = 0
+    for (rs, i, j), t in zip(where, srcs):
+        _put(rs, i, j, view_like(dev[offset : offset + t.numel()], t))
+        offset += t.numel()
+
+
+def _device_of(block: dict) -> torch.device:
+    return next(t for t in block["factors"] if t is not None).device

@@ -93,17 +93,24 @@ class Refreshes:
         #: a barrier of this step timed out: later ones in the step do not wait (the facade
         #: resets it at ``step_begin``; Note [All-or-nothing steps] in boundary.py)
         self.timed_out = False
+        self._params: list[torch.Tensor] = []
+        self._groups_seen = -1
 
     # -- where a block is --------------------------------------------------------------------
 
     def params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        """The optimizer's parameters, flattened (made again only when a group was added)."""
+        groups = self.optimizer.param_groups
+        if len(groups) != self._groups_seen:
+            self._params = [p for g in groups for p in g["params"]]
+            self._groups_seen = len(groups)
+        return self._params
 
     def current_step(self, key: BlockKey) -> int:
         return int(self.optimizer.state[self.params()[key[0]]]["step"])
 
     def block_state(self, key: BlockKey) -> dict:
-        return block_state(self.optimizer, key)
+        return self.optimizer.state[self.params()[key[0]]]["blocks"][key[1]]
 
     def group_of(self, key: BlockKey) -> dict:
         """The parameter group of block ``key``'s parameter."""
@@ -310,12 +317,24 @@ class Refreshes:
         The refresh stays in flight until its results are installed, so that one interrupted on
         the way is installed again (Note [Interrupted steps] in boundary.py)."""
         pending = e.pending
+        results = self._results_or_failure(key, e, block)
+        if results is None:
+            return  # keep the previous version
+        if block is None:
+            block = self.block_state(key)
+        self.install_results(key, e, pending, block, step, results)
+        self.pacer.charge(key, block, step)
+
+    def _results_or_failure(self, key: BlockKey, e: BlockEntry, block: dict | None) -> Any:
+        """``e``'s finished refresh's results, or None for a counted failure (the refresh is
+        then no longer in flight); a crash raises ``RefreshFailedError``."""
+        pending = e.pending
         try:
-            results = self.results(key, e, pending, block)
+            return self.results(key, e, pending, block)
         except self.errors as err:
             e.pending = None
             self.count_failure(e, "", str(err), cause=err)
-            return  # keep the previous version
+            return None
         except Exception as err:
             e.pending = None
             self.failed += 1
@@ -323,10 +342,6 @@ class Refreshes:
                 f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
                 f"in a worker: {err}"
             ) from err
-        if block is None:
-            block = self.block_state(key)
-        self.install_results(key, e, pending, block, step, results)
-        self.pacer.charge(key, block, step)
 
     def install_results(
         self,
@@ -393,20 +408,51 @@ class Refreshes:
                 continue
             self.install(key, e, self.current_step(key))
 
-    def install_ready(self, entries: Any) -> None:
-        """A module signal (hooks.py): install the finished refreshes of ``entries`` (a
-        parameter's ``(key, entry)`` pairs) that the pacing allows now."""
-        for key, e in entries:
-            if e.pending is None:
+    def install_ready(self, signalled: frozenset[int]) -> int:
+        """A step's module signal (Note [One install batch per step] in runtime.py): install,
+        in one batch, the finished refreshes in flight of parameters in ``signalled`` that the
+        pacing allows now; the number installed. It looks only at the refreshes in flight
+        (Note [In-flight index] in registry.py), never at every block."""
+        late = int(self.optimizer.refresh_precedes_update)
+        batch: list[tuple[BlockKey, BlockEntry, int]] = []
+        for key, e in list(self.registry.in_flight.items()):
+            if key[0] not in signalled:
                 continue
             if e.pending.copies:
                 self.collect(e, wait=False)
+            if not e.pending.done():
+                continue
             step = self.current_step(key)
-            if e.pending.done() and self.pacer.allows(key, step + 1):
+            if self.pacer.allows(key, step + 1):
                 # between steps `step` and `step + 1`; Shampoo, which refreshes before its
-                # update, would have used it in step `step` already
-                late = int(self.optimizer.refresh_precedes_update)
-                self.install(key, e, step + late)
+                # update, would have used it in step `step` already. Charged now, so that the
+                # batch stays within the pacer's allowance.
+                self.pacer.charge(key, self.block_state(key), step + late)
+                batch.append((key, e, step + late))
+        if batch:
+            self.install_batch(batch)
+        return len(batch)
+
+    def install_batch(self, batch: list[tuple[BlockKey, BlockEntry, int]]) -> None:
+        """Install the finished refreshes of ``batch`` (``(key, entry, installed at)``, charged
+        to the pacer already) through one call of the bases strategy (its grouped copies:
+        ``BasesAccess.install_many``); a failed one is counted and skipped, as ``install``
+        does."""
+        ready = []
+        for key, e, step in batch:
+            pending = e.pending
+            block = self.block_state(key)
+            results = self._results_or_failure(key, e, block)
+            if results is not None:
+                ready.append((key, e, pending, block, step, results))
+        if not ready:
+            return
+        with no_autocast():
+            self.bases.install_many([(key, block, res) for key, _, _, block, _, res in ready])
+        for _, e, pending, _, step, _ in ready:
+            if e.pending is pending:
+                e.pending = None
+            self.registry.record_install(e, pending.requested, step)
 
     def drop_all(self) -> None:
         """Forget everything still in flight (close, after ``install_in_flight`` or without)."""

@@ -80,6 +80,19 @@ class BlockEntry:
     bound: int | None = None  # the bound on that age (None: not measured yet)
     # the step whose boundary last ran to its end (Note [Interrupted steps] in boundary.py)
     boundary_step: int = -1
+    key: tuple[int, int] | None = None
+    # the registry's index of the entries with a refresh in flight (Note [In-flight index])
+    in_flight: dict | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "pending":
+            index = self.__dict__.get("in_flight")
+            if index is not None:
+                if value is None:
+                    index.pop(self.key, None)
+                else:
+                    index[self.key] = self
 
 
 @dataclass(frozen=True)
@@ -108,12 +121,16 @@ class Registry:
         # The same entries by parameter index, for the module signals (a few per module).
         self.by_param: dict[int, list[tuple[tuple[int, int], BlockEntry]]] = {}
         self.histogram: Counter[int] = Counter()
+        #: the entries with a refresh in flight, by key, kept by ``BlockEntry.pending``'s
+        #: assignments (Note [In-flight index])
+        self.in_flight: dict[tuple[int, int], BlockEntry] = {}
 
     def entry(self, key: tuple[int, int], name_of: Callable[[tuple[int, int]], str]) -> BlockEntry:
         """The block's entry, created on first use and named ``name_of(key)``."""
         e = self.entries.get(key)
         if e is None:
-            e = self.entries[key] = BlockEntry(name=name_of(key))
+            e = BlockEntry(name=name_of(key), key=key, in_flight=self.in_flight)
+            self.entries[key] = e
             self.by_param.setdefault(key[0], []).append((key, e))
         return e
 
@@ -147,7 +164,7 @@ class Registry:
         }
 
     def pending_count(self) -> int:
-        return sum(e.pending is not None for e in self.entries.values())
+        return len(self.in_flight)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Per block: version in use (-1: none yet), its request and install steps, failures,

@@ -78,6 +78,7 @@ class Runtime:
         self._closed = False
         self._lock = threading.RLock()
         self._step_t0 = 0.0
+        self._signals_open = True  # Note [One install batch per step]
         self.per_step: dict[str, list[float]] = {"step_ms": [], "barrier_wait_ms": []}
         # every part, made once (attach.py; a refused attach leaves no thread, hook or file)
         self._parts = p = attach.build(self, model, optimizer, c, distributed, ranks_per_node)
@@ -160,6 +161,7 @@ class Runtime:
         with self._lock:
             self._boundaries.finish_interrupted()  # Note [Interrupted steps] in boundary.py
         self._boundaries.begin()
+        self._signals_open = True  # also after a step that raised before its end
         self._step_t0 = time.perf_counter()
         self._refreshes.wait_s = 0.0
         self._refreshes.timed_out = False
@@ -186,6 +188,20 @@ class Runtime:
             return self._bases.read(key, block)
         with self._lock:  # the window's ring is shared with installs from hooks
             return self._bases.read(key, block)
+
+    def bases_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
+        """The bases of each block of ``blocks`` (keys ``keys``), valid together until the next
+        ``bases``/``bases_many`` call or the step's end: one call of the bases strategy (the
+        window fills one slot for them all, with one copy and one event)."""
+        if self._bases.stable:
+            return self._bases.read_many(keys, blocks)
+        with self._lock:
+            return self._bases.read_many(keys, blocks)
+
+    @property
+    def bases_room(self) -> int | None:
+        """Bytes of bases ``bases_many`` hands out at once (None: no limit)."""
+        return self._bases.room
 
     @property
     def bases_stable(self) -> bool:
@@ -227,19 +243,25 @@ class Runtime:
         self._parts.pacer.step_end()
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._refreshes.wait_s * 1e3)
+        self._signals_open = True  # the next step's first signal installs what is ready
         self._boundaries.end()  # Note [All-or-nothing steps] in boundary.py
 
     # -- hooks: install what is ready ------------------------------------------------------------
 
     def _on_signal(self, param_ids: tuple[int, ...], event: str) -> None:
+        """Note [One install batch per step]: the first module signal after a step's end
+        installs every finished refresh the pacing allows, in one batch; every later signal of
+        the step returns at the flag. The modules hooked are only those whose blocks install on
+        signals (attach.py), so the signal's parameters need no check here."""
+        if not self._signals_open:
+            return
+        self._signals_open = False
         if self._closed:
             return
         with self._lock:
             self._boundaries.finish_interrupted()  # between steps: the last one raised
-            for i in param_ids:
-                pid = self._parts.pid_of[i]
-                if attach.installs_on_signal(self.config, self._parts.coherence, pid):
-                    self._refreshes.install_ready(self.registry.by_param.get(pid, ()))
+            if self.registry.in_flight:
+                self._refreshes.install_ready(self._parts.signalled)
 
     # -- checkpoints and reports -----------------------------------------------------------------
 
@@ -278,6 +300,7 @@ class Runtime:
         with self._lock:
             self._refreshes.drop_all()
             self._boundaries.reset()
+            self._bases.state_replaced()
 
     def stats(self) -> dict[str, Any]:
         """Figures the benchmarks read: per-step times, barrier waits, jobs, staleness

@@ -1,0 +1,203 @@
+"""The runtime's host work per step does not grow with the blocks (issue 37), counted, never timed.
+
+* Note [One install batch per step] (runtime.py): however many modules signal, a step makes at
+  most one batch install (one ``Refreshes.install_ready``, one ``BasesAccess.install_many``);
+  every other signal returns at a flag.
+* Note [In-flight index] (registry.py): the registry's index of the refreshes in flight is
+  exactly the entries with one, whatever the run did; the batch looks only at it.
+* Note [Bases made by a step] (bases.py): the host strategies stop visiting every block at the
+  step's end once no block can be made.
+* ``Runtime.bases_many``: a group read through the window is the blocks' own bases, bitwise, in
+  one fill of one slot.
+
+The properties run over the optimizers, the depth of the model (blocks), the staleness and the
+bases strategy (the window forced with ``asteria.runtime.testing.pretend_arch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asteria.memory.tiers import Arch
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.runtime import Runtime, RuntimeConfig
+from asteria.runtime.bases import WindowBases
+from asteria.runtime.refreshes import Refreshes
+from asteria.runtime.testing import pretend_arch, slow_pool
+
+OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
+SETTINGS = settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def _mlp(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = [torch.nn.Linear(12, 16), torch.nn.Tanh()]
+    for _ in range(layers):
+        mods += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    mods.append(torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(*mods)
+
+
+@contextlib.contextmanager
+def _counting(owner: object, name: str, calls: list[int]):
+    """Count the calls of ``owner.name`` (a class's method, or an instance's) while active."""
+    original = getattr(owner, name)
+    own = isinstance(owner, type) and name in owner.__dict__
+    raw = owner.__dict__[name] if own else original
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        return raw(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, raw)
+        else:
+            delattr(owner, name)
+
+
+def _opt(name: str, model: torch.nn.Module):
+    return OPTIMIZERS[name](model.parameters(), precondition_frequency=3, max_preconditioner_dim=8)
+
+
+def _step(model, opt, t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+@SETTINGS
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    layers=st.integers(1, 4),
+    staleness=st.integers(1, 4),
+    window=st.booleans(),
+)
+def test_a_step_makes_at_most_one_install_batch_however_many_modules_signal(
+    name, layers, staleness, window
+):
+    model = _mlp(layers)
+    opt = _opt(name, model)
+    ready, many = [0], [0]
+    arch = pretend_arch(Arch(cuda=True)) if window else contextlib.nullcontext()
+    with arch, _counting(Refreshes, "install_ready", ready):
+        rt = Runtime(model, opt, RuntimeConfig(staleness=staleness, workers=1))
+    with rt, _counting(Refreshes, "install_ready", ready):
+        for t in range(10):
+            before = ready[0]
+            with _counting(rt._bases, "install_many", many):
+                many_before = many[0]
+                # forward and backward: every module signals, twice
+                gen = torch.Generator().manual_seed(t)
+                x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                assert ready[0] - before <= 1  # one batch, at the first signal
+                assert many[0] - many_before <= 1
+                opt.step()
+        assert len(rt._parts.signals) >= 2 * (layers + 2)  # the modules did signal
+        in_flight = {k for k, v in rt.blocks().items() if v.pending is not None}
+        assert set(rt.registry.in_flight) == in_flight  # Note [In-flight index]
+
+
+@SETTINGS
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), staleness=st.integers(1, 3))
+def test_finished_refreshes_are_installed_by_the_first_signal_in_one_batch(name, staleness):
+    model = _mlp(2)
+    opt = _opt(name, model)
+    many: list[int] = [0]
+    config = RuntimeConfig(staleness=staleness, workers=1, statistics_lane=False)
+    with Runtime(model, opt, config) as rt:
+        for t in range(4):
+            _step(model, opt, t)
+        for v in rt.blocks().values():  # every refresh in flight has finished
+            if v.pending is not None:
+                for f in v.pending.futures:
+                    if f is not None:
+                        f.result()
+        in_flight = len(rt.registry.in_flight)
+        before = sum(v.installs for v in rt.blocks().values())
+        with _counting(rt._bases, "install_many", many):
+            model(torch.randn(2, 12))  # one forward: its first signal installs them all
+        after = sum(v.installs for v in rt.blocks().values())
+        assert after - before == in_flight
+        assert many[0] == (1 if in_flight else 0)
+        assert not rt.registry.in_flight
+
+
+@SETTINGS
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), layers=st.integers(1, 3), delay=st.booleans())
+def test_the_in_flight_index_is_the_entries_with_a_refresh_in_flight(name, layers, delay):
+    model = _mlp(layers)
+    opt = _opt(name, model)
+    slow = slow_pool(0.02) if delay else contextlib.nullcontext()
+    with slow, Runtime(model, opt, RuntimeConfig(staleness=2, workers=1)) as rt:
+        for t in range(7):
+            _step(model, opt, t)
+            expected = {k for k, e in rt.registry.entries.items() if e.pending is not None}
+            assert set(rt.registry.in_flight) == expected
+            assert rt.registry.pending_count() == len(expected)
+        saved = opt.state_dict()
+        opt.load_state_dict(saved)  # drops what is in flight and restores it
+        expected = {k for k, e in rt.registry.entries.items() if e.pending is not None}
+        assert set(rt.registry.in_flight) == expected
+
+
+@SETTINGS
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), layers=st.integers(1, 3))
+def test_step_ends_stop_visiting_every_block_once_none_can_be_made(name, layers):
+    model = _mlp(layers)
+    opt = _opt(name, model)
+    visits = [0]
+    with pretend_arch(Arch(cuda=True)), Runtime(model, opt, RuntimeConfig(workers=1)) as rt:
+        assert isinstance(rt._bases, WindowBases)
+        with _counting(rt._bases, "_host_bases_many", visits):
+            for t in range(3):
+                _step(model, opt, t)
+            visits[0] = 0
+            rt._bases.step_end()
+            assert visits[0] == 0  # the step end no longer looks at the blocks
+            opt.load_state_dict(opt.state_dict())
+            rt._bases.step_end()
+            assert visits[0] == 1  # a loaded state's bases are looked at again
+
+
+@SETTINGS
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), layers=st.integers(1, 3), window=st.booleans())
+def test_bases_many_hands_out_each_blocks_own_bases_in_one_fill(name, layers, window):
+    model = _mlp(layers)
+    opt = _opt(name, model)
+    arch = pretend_arch(Arch(cuda=True)) if window else contextlib.nullcontext()
+    with arch, Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
+        for t in range(4):
+            _step(model, opt, t)
+        rt.sync()  # the installs queued on the statistics lane have run
+        items = [(k, b) for k, _, b, _ in opt.blocks()]
+        keys, blocks = [k for k, _ in items], [b for _, b in items]
+        own = [[None if q is None else q.clone() for q in b[opt.bases_field]] for b in blocks]
+        stats = rt._bases.stats()
+        fills = None if stats is None else stats["fills"]
+        got = rt.bases_many(keys, blocks)
+        assert len(got) == len(blocks)
+        for mine, theirs in zip(got, own):
+            assert len(mine) == len(theirs)
+            for a, b in zip(mine, theirs):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(a, b)
+        if window:
+            assert rt._bases.stats()["fills"] - fills <= 1  # the group, in one slot
+            assert rt.bases_room == rt._bases.window.slot_bytes
+        else:
+            assert rt.bases_room is None
