@@ -16,6 +16,13 @@ installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``). With a 
 1, Shampoo requests the refresh due at step ``t`` at step ``t - 1`` (version ``t - 1``), so that it
 can be installed in time for step ``t`` (Note [Refresh lead] in schedule.py).
 
+Note [In-flight index]: ``Registry.in_flight`` holds, by key, exactly the entries whose
+``pending`` is not None: ``BlockEntry.__setattr__`` keeps it on every assignment of ``pending``,
+wherever it happens (requests, installs, drops, failures, loads, distributed syncs). What looks
+for finished refreshes (a step's install batch, ``pending_count``) reads it, so its cost follows
+the refreshes in flight, never the number of blocks (issue 37: thousands of blocks on a large
+model, a few in flight at a time).
+
 Must not: submit work or wait (``refreshes.py`` does both); this module is bookkeeping.
 """
 
