@@ -49,6 +49,20 @@ included), so it reads a block's installed bases just as the training thread's h
 141 ms to 73 ms, and the forward and backward beside it did not slow down (1108 -> 1084 ms);
 KL-Shampoo's went from 137 to 73-86 ms. Shampoo still updates parameter by parameter.
 
+Note [State between steps]: with the lane, ``step()`` returns while the lane may still write
+that step's statistics (and a queued install, or the lane's half of a split update) into the
+tensors of ``optimizer.state``: two deep copies of ``opt.state`` taken after ``step()`` with no
+call between them can differ (issue 40: 6 of 20 KL-Shampoo and 8 of 20 Shampoo runs on a
+Linear 8x4). Nothing of Asteria's own reads them early (the waits above), and ``state_dict()``,
+``load_state_dict()`` and ``close()`` wait for the lane; code that reads ``opt.state`` directly
+(logging a factor's norm, custom checkpoints, model averaging) calls ``runtime.sync()`` first:
+once it returns, ``opt.state`` holds still until the next ``step()`` or the next forward (whose
+module hooks may install a finished refresh). Finishing the lane's work inside every ``step()``
+instead would give back the overlap the lane exists for: the statistics would run on the
+training thread's time again (the cost of a ``sync()`` after every step is measured by
+bench/state_sync.py). Property: tests/unit/test_state_between_steps.py (reads at arbitrary
+moments after ``sync()`` see one state; without it the same reads see the state move).
+
 Must not: decide what the statistics are (the optimizer's function does), or be used for
 parameters on a GPU (the runtime does not create it there).
 """
