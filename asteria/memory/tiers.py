@@ -6,20 +6,31 @@ tier and kind. Pure: budgets, architecture facts (``Arch``), per-block state siz
 allocates, touches tensors or knows an optimizer (``accounting.py`` turns an optimizer into
 ``BlockSizes``; the runtime carries a placement out).
 
-State kinds (DESIGN.md, "Where state lives"):
+State kinds:
   * ``factors``: the Kronecker factors L, R. Written and read every step: always on the device.
   * ``moments``: Adam/grafting moments, KL-Shampoo's eigenvalue estimates. Every step: device.
   * ``bases``: refresh results in use (eigenbases, inverse roots), read every step by the device.
     ``auto``: host memory. The device reads them through mapped views on unified-memory machines
-    (GH200, GB10) and directly on a CPU-only machine; on a discrete GPU they are copied into a
-    device window just before use (Note [Bases window] in window.py), which needs an optimizer
-    that reads its bases block by block through the runtime (``bases_window``; Asteria's SOAP,
+    (GH200, GB10) and directly on a CPU-only machine; on a discrete GPU they stay on the device
+    when they fit the bases budget (Note [Bases by budget]), else they are copied into a device
+    window just before use (Note [Bases window] in window.py), which needs an optimizer that
+    reads its bases block by block through the runtime (``bases_window``; Asteria's SOAP,
     Shampoo and KL-Shampoo do); without it they stay on the device.
   * ``results``: finished refreshes waiting for their install step (``fixed_delay``). Host;
     the coldest (last in access order) go to NVMe when ``host_budget_bytes`` binds.
   * ``snapshots``: a spilled refresh's inputs (factor, basis at request time), kept with it on
     NVMe so that a corrupt slot is recomputed exactly.
   * ``staging``: pinned host slots for device snapshots (CUDA only): host.
+
+Note [Bases by budget]: on a discrete GPU the window costs the step host work per block (a fill,
+its event and its waits; bench/host_overhead.py counts it: 60 more ATen ops and 1.6x the Python
+calls of native SOAP's ``tiny`` step before issue 37) and device time for the copies, while
+bases on the device cost nothing per step. So under ``auto`` the bases stay on the device when
+the device's optimizer state with them (factors, moments, bases) fits ``bases_device_bytes``
+(the runtime passes ``RuntimeConfig.device_bases_fraction`` of the device memory free at attach)
+and ``device_budget_bytes``; only larger states go to host memory behind the window. An
+explicit ``placement`` is followed as given. The placement's notes say which was chosen and why
+(``memory_report()["placement"]["notes"]``).
 """
 
 from __future__ import annotations
@@ -136,13 +147,16 @@ def plan(
     staging_bytes: int = 0,
     bases_window: bool = False,
     window_blocks: int = 2,
+    bases_device_bytes: int | None = None,
 ) -> Placement:
     """Place every kind of state (see the module docstring for the rules).
 
     ``blocks``: in access order (the order a step touches them). ``nvme``: whether a spill
     directory is configured. ``bases_window``: whether the consumer can read host bases through
     a device window: a ring of ``window_blocks`` slots (the block in use and the next), each as
-    large as the largest block's bases (asteria/memory/window.py).
+    large as the largest block's bases (asteria/memory/window.py). ``bases_device_bytes``: under
+    ``auto`` on a discrete GPU, the bases stay on the device when the device state with them
+    (factors, moments, bases) fits it (Note [Bases by budget]).
     Raises ``ValueError`` saying what to change when the budgets cannot be met.
     """
     _check_budget("device_budget_bytes", device_budget_bytes)
@@ -158,6 +172,22 @@ def plan(
     notes: list[str] = []
 
     total = {k: sum(getattr(b, k) for b in blocks) for k in ("factors", "moments", "bases")}
+    if placement == "auto" and arch.cuda and not arch.unified_memory and bases_device_bytes:
+        whole = total["factors"] + total["moments"] + total["bases"]
+        if whole <= bases_device_bytes and (
+            device_budget_bytes is None or whole <= device_budget_bytes
+        ):
+            tiers["bases"] = "device"
+            notes.append(
+                f"bases on the device: the device state with them ({whole} bytes) fits the "
+                f"bases budget ({bases_device_bytes} bytes, RuntimeConfig.device_bases_fraction "
+                "of the device memory free at attach)"
+            )
+        else:
+            notes.append(
+                f"bases in host memory: the device state with them ({whole} bytes) is over the "
+                f"bases budget ({bases_device_bytes} bytes) or device_budget_bytes"
+            )
     bases_access: str | None = None
     window = 0
     if tiers["bases"] == "host":

@@ -235,8 +235,18 @@ def _placement(
         staging_bytes=staging,
         bases_window=optimizer.reads_bases_through_refresher,
         window_blocks=testing.window_blocks(WINDOW_BLOCKS),
+        bases_device_bytes=int(config.device_bases_fraction * _free_device_bytes(device, arch)),
     )
     return arch, sizes, placement
+
+
+def _free_device_bytes(device: torch.device, arch: Arch) -> int:
+    """The device memory free now (Note [Bases by budget] in asteria/memory/tiers.py): torch's
+    ``mem_get_info`` on a CUDA device, what ``testing.pretend_arch`` says on a pretended one
+    (0 unless given: the window)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return testing.device_free_bytes() if arch.cuda else 0
 
 
 def copy_stream(optimizer: KroneckerOptimizer) -> Copies:

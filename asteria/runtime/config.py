@@ -83,6 +83,11 @@ class RuntimeConfig:
             module runs); the runtime is correct without them.
         device_budget_bytes: the most optimizer state the device may hold (``None``: no limit);
             smaller than what must stay there (factors, moments) is a ``ValueError``.
+        device_bases_fraction: under ``placement="auto"`` on a discrete GPU, the bases stay
+            on the device when the device's optimizer state with them fits this fraction of
+            the device memory free at attach (and ``device_budget_bytes``); else they go to
+            host memory behind the device window (Note [Bases by budget] in
+            asteria/memory/tiers.py). ``0``: always the window. Between 0 and 1.
         host_budget_bytes: the most state Asteria keeps in host memory (``None``: no limit);
             when it binds, the refresh results used last in a step go to ``nvme_path``.
         nvme_path: an existing writable directory (a local NVMe drive) for the spill file.
@@ -125,6 +130,7 @@ class RuntimeConfig:
     max_consecutive_failures: int = 3
     hooks: bool = True
     device_budget_bytes: int | None = None
+    device_bases_fraction: float = 0.5
     host_budget_bytes: int | None = None
     nvme_path: str | os.PathLike[str] | None = None
     placement: str | Mapping[str, str] = "auto"
@@ -190,6 +196,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"statistics_lane must be True, False or None, got {self.statistics_lane!r}"
             )
+        fraction = self.device_bases_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ValueError(f"device_bases_fraction must be a number, got {fraction!r}")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"device_bases_fraction must be in [0, 1], got {fraction!r}")
         for name in ("device_budget_bytes", "host_budget_bytes"):
             if getattr(self, name) is not None:
                 _int(name, getattr(self, name), 0)

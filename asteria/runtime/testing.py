@@ -9,7 +9,9 @@ computes:
   job's result is the pool's. A device stream's jobs are not slowed.
 * ``pretend_arch``: runtimes attached while it is active see the given architecture (e.g. a
   discrete GPU on a CPU-only machine: the bases go to host memory behind a device window, run
-  on its CPU stand-in), and optionally a window of another number of slots.
+  on its CPU stand-in), and optionally a window of another number of slots and the device
+  memory free at attach (the bases budget's base: Note [Bases by budget] in
+  asteria/memory/tiers.py).
 * ``staged_snapshots``: runtimes attached while it is active take their snapshots through the
   staging ring of the device path (on CPU, with the stand-ins of the copy stream and of the
   ring's fences) instead of the CPU paths.
@@ -43,6 +45,7 @@ _global: dict[str, Any] = {
     "seconds": 0.0,
     "arch": None,
     "window_blocks": None,
+    "device_free": 0,
     "staged": False,
     "statistics": None,
     "device_stream": False,
@@ -69,12 +72,18 @@ def slow_pool(seconds: float) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def pretend_arch(arch: Any, window_blocks: int | None = None) -> Iterator[None]:
+def pretend_arch(
+    arch: Any, window_blocks: int | None = None, device_free_bytes: int = 0
+) -> Iterator[None]:
     """While active, runtimes attach as if their parameters were on ``arch`` (an
-    ``asteria.memory.tiers.Arch``), with a bases window of ``window_blocks`` slots if given."""
+    ``asteria.memory.tiers.Arch``), with a bases window of ``window_blocks`` slots if given,
+    and ``device_free_bytes`` of device memory free (what the bases budget is a fraction of:
+    Note [Bases by budget] in asteria/memory/tiers.py; 0: the bases go behind the window)."""
     if window_blocks is not None and window_blocks < 1:
         raise ValueError(f"window_blocks must be >= 1, got {window_blocks!r}")
-    with _setting(arch=arch, window_blocks=window_blocks):
+    if device_free_bytes < 0:
+        raise ValueError(f"device_free_bytes must be >= 0, got {device_free_bytes!r}")
+    with _setting(arch=arch, window_blocks=window_blocks, device_free=int(device_free_bytes)):
         yield
 
 
@@ -112,6 +121,11 @@ def window_blocks(default: int) -> int:
     """The bases window's slots for a runtime attaching now."""
     blocks = _global["window_blocks"]
     return default if blocks is None else blocks
+
+
+def device_free_bytes() -> int:
+    """The device memory free that a runtime attaching now on a pretended GPU sees."""
+    return int(_global["device_free"])
 
 
 def staged_snapshots_forced() -> bool:

@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asteria.memory.accounting import estimate_blocks
 from asteria.memory.tiers import Arch
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
@@ -201,3 +202,27 @@ def test_bases_many_hands_out_each_blocks_own_bases_in_one_fill(name, layers, wi
             assert rt.bases_room == rt._bases.window.slot_bytes
         else:
             assert rt.bases_room is None
+
+
+@SETTINGS
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    free=st.integers(0, 1 << 22),
+    fraction=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+)
+def test_bases_stay_on_the_device_exactly_when_the_device_state_fits_the_budget(
+    name, free, fraction
+):
+    model = _mlp(2)
+    opt = _opt(name, model)
+    config = RuntimeConfig(workers=1, device_bases_fraction=fraction)
+    with pretend_arch(Arch(cuda=True), device_free_bytes=free), Runtime(model, opt, config) as rt:
+        report = rt.memory_report()
+    planned = report["planned"]["device"]
+    placement = report["placement"]
+    whole = planned["factors"] + planned["moments"]
+    bases = sum(b.bases for b in estimate_blocks(opt))
+    fits = fraction > 0 and free > 0 and whole + bases <= int(fraction * free)
+    assert placement["tiers"]["bases"] == ("device" if fits else "host")
+    assert placement["bases_access"] == (None if fits else "window")
+    assert any("budget" in n for n in placement["notes"]) == (fraction * free >= 1)
