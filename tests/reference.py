@@ -2,8 +2,8 @@
 
 Written from reading the authors' code (SOAP: nikhilvyas/SOAP ``soap.py``; KL-Shampoo:
 yorkerlin/KL-Methods ``optim/kl_opt.py``; Shampoo: facebookresearch/optimizers
-``distributed_shampoo/``), where ``/work/shared/ALGORITHMS.md`` is silent or wrong (an earlier
-version of it left out KL-Shampoo's damping of the update); re-derived, not transcribed. It
+``distributed_shampoo/``) and the papers, where a summary of the algorithms is silent or wrong
+(docs/fidelity.md: one left out KL-Shampoo's damping of the update); re-derived, not transcribed. It
 does not import or copy anything from the ``asteria`` package, so that tests can compare the
 production optimizers against an independent implementation.
 
@@ -162,7 +162,7 @@ class _SOAPParamState:
 
 
 class RefSOAP:
-    """SOAP (Vyas et al., 2024) exactly as ALGORITHMS.md and the authors' soap.py define it.
+    """SOAP (Vyas et al., 2024) exactly as the paper and the authors' soap.py define it.
 
     Per parameter, with work shape ``(d_0, ..., d_{k-1})`` (the parameter's shape, or the merged
     shape with ``merge_dims``): a factor ``F_i`` (``d_i x d_i``) for every dim with ``d_i <=

@@ -3,8 +3,8 @@
 Owns: the facade over the runtime's parts (docs/architecture.md): it has them made when it
 attaches to a SOAP / KL-Shampoo / Shampoo optimizer as its ``Refresher`` (optim/refresher.py;
 ``attach.build``), holds the lock every part runs under, routes each call of the optimizer's step
-to the part that owns it, and takes everything down again at ``close()``. DESIGN.md's "Asteria
-mode", part by part:
+to the part that owns it, and takes everything down again at ``close()``. Asteria mode, part by
+part (docs/architecture.md):
 
 1. the optimizer updates a block's factors every step, as in native mode (on CPU, possibly on
    the statistics lane: lane.py);

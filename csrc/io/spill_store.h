@@ -1,6 +1,6 @@
 // Spill store: named byte payloads in one preallocated scratch file (io/spill_file.h), written
 // and read by a small pool of I/O threads (io/io_pool.h), checked against a checksum on every read.
-// The NVMe tier of DESIGN.md ("Where state lives"); asteria/memory/nvme.py is its Python face.
+// The NVMe tier of the memory tiers (docs/memory.md); asteria/memory/nvme.py is its Python face.
 //
 // Contract
 // --------

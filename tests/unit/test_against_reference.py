@@ -1,7 +1,7 @@
 """Asteria's optimizers against tests/reference.py, step for step.
 
-tests/reference.py is a plain, slow implementation written from ../shared/ALGORITHMS.md,
-independently of asteria/optim. Every comparison runs >= 100 steps that include refreshes, with
+tests/reference.py is a plain, slow implementation written from the papers and the authors'
+code (its docstring names them), independently of asteria/optim. Every comparison runs >= 100 steps that include refreshes, with
 fresh gradient noise every step (see Note [Degenerate eigenbases] in test_against_peers.py).
 Tolerances: relative parameter difference <= 1e-10 in float64 (with float64 refreshes on both
 sides) and <= 1e-5 in float32.
