@@ -11,7 +11,8 @@
 # Phases: build (pip install --no-build-isolation --no-deps -e . with TORCH_CUDA_ARCH_LIST,
 # ASTERIA_FORCE_CUDA=1), info (python -m asteria.info, and the GPU's name), tests (tests/gpu and
 # the CUDA-relevant unit tests), profile (bench/profile_step.py on the tiny preset: where the
-# host time of native and Asteria steps goes, torch.profiler and cProfile), step_time (AdamW,
+# host time of native and Asteria steps goes, torch.profiler and cProfile), host_overhead
+# (bench/host_overhead.py: ATen ops, syncs and Python calls per step, counted), step_time (AdamW,
 # native and Asteria SOAP and KL-Shampoo, with NVML energy per step), time_to_target
 # (bench/time_to_target.py --device cuda on the tiny preset, at the committed CPU tuning's
 # rates), memory (bench/memory.py --measure-cuda: max_memory_allocated), capacity
@@ -57,7 +58,7 @@ while (($#)); do
     shift
 done
 
-PHASES=(build info tests profile step_time time_to_target memory capacity summary)
+PHASES=(build info tests profile host_overhead step_time time_to_target memory capacity summary)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a wanted <<<"$ONLY"
     for w in "${wanted[@]}"; do
@@ -119,9 +120,10 @@ TAG="<gpu>"
 GPU_NAME="<from torch.cuda.get_device_name>"
 if ((REHEARSAL)); then TAG=cpu_rehearsal GPU_NAME="cpu (rehearsal)"; fi
 
-declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [profile]=40 [step_time]=100 [time_to_target]=60
+declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [profile]=40 [host_overhead]=30 [step_time]=100
+    [time_to_target]=60
     [memory]=45 [capacity]=45 [summary]=15)
-declare -A BOX_S=([build]=240 [info]=30 [tests]=150 [profile]=120 [step_time]=200
+declare -A BOX_S=([build]=240 [info]=30 [tests]=150 [profile]=120 [host_overhead]=90 [step_time]=200
     [time_to_target]=240
     [memory]=90 [capacity]=90 [summary]=30)
 if ((REHEARSAL)); then BOX_S[tests]=300; fi # the 2-core CPU runs the unit tests for minutes
@@ -306,6 +308,14 @@ else # about 75 s on the H200 host for four variants at these lengths
 fi
 run_phase profile profile_step -- "$PY" bench/profile_step.py --device "$DEVICE" \
     "${PROFILE_ARGS[@]}" --workers "$WORKERS" --keep-going
+
+# The host's work per step, counted (issue 37): ATen ops, syncs and Python calls of the step and
+# of the runtime's signals, native against Asteria's window and device bases, at 1x and 2x the
+# tiny preset's layers (bench/host_overhead.py; on the CPU it forces the GPU strategies).
+if ((REHEARSAL)); then HOST_ARGS=(--model nano --scales 1 --steps 4); else
+    HOST_ARGS=(--model tiny --scales 1,2 --steps 14); fi
+run_phase host_overhead host_overhead -- "$PY" bench/host_overhead.py --device "$DEVICE" \
+    "${HOST_ARGS[@]}" --workers "$WORKERS"
 
 run_phase step_time step_time -- "$PY" bench/step_time.py --device "$DEVICE" --model "$MODEL" \
     --layers "$LAYERS" --batch-size "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --skip "$SKIP" \

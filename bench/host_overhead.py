@@ -40,7 +40,13 @@ Goals (``goals`` in the JSON; Asteria against native of the same optimizer, same
 The model's layers are ``--layers`` x 1, 2 and 4 (default: the preset's for ``tiny``; 3 for
 ``olmo-150m``, so that 4x is the real 12 layers and the run fits two busy cores).
 
-Usage: ``python bench/host_overhead.py [--model tiny] [--steps 14]``; the last line is JSON.
+On a GPU (``--device cuda``: ``bench/gpu_check.sh``'s ``host_overhead`` phase) the same counts
+come from the runtime's real strategies (``window``: ``placement={'bases': 'host'}``), and a
+sync is an ``.item()`` of a device tensor or a blocking copy between devices (the host tensors'
+``.item()``, AdamW's step counters, are no sync there; on the CPU every ``.item()`` counts).
+
+Usage: ``python bench/host_overhead.py [--device cpu] [--model tiny] [--steps 14]``; the last
+line is JSON.
 """
 
 from __future__ import annotations
@@ -84,7 +90,10 @@ DEFAULT_LAYERS = {"olmo-150m": 3}
 class Counts:
     """Per-tag counters of one step (a tag is active while its code runs; nested tags count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_is_device: bool = True) -> None:
+        #: whether a CPU tensor's ``.item()`` counts as a sync (a CPU run: it stands for the
+        #: device tensor it would be on a GPU; on a GPU only device tensors' count)
+        self.host_is_device = host_is_device
         self.active: list[str] = []
         self.by_tag: dict[str, dict[str, int]] = {}
 
@@ -123,6 +132,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self, counts: Counts) -> None:
         super().__init__()
         self.counts = counts
+        self.host_is_device = counts.host_is_device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -132,7 +142,10 @@ class OpCounter(TorchDispatchMode):
                 self.counts.add("views")
             else:
                 self.counts.add("ops")
-            if name == "_local_scalar_dense" or _blocking_cross_device(name, args, kwargs):
+            scalar = name == "_local_scalar_dense" and (
+                self.host_is_device or args[0].device.type != "cpu"
+            )
+            if scalar or _blocking_cross_device(name, args, kwargs):
                 self.counts.add("syncs")
         return func(*args, **kwargs)
 
@@ -180,10 +193,11 @@ def _patched(cls: type, name: str, counts: Counts, tag: str, extra: str | None) 
         setattr(cls, name, original)
 
 
-def _forced(mode: str) -> contextlib.ExitStack:
-    """The GPU strategies forced on the CPU for ``mode`` (module docstring)."""
+def _forced(mode: str, device: torch.device) -> contextlib.ExitStack:
+    """The GPU strategies forced on the CPU for ``mode`` (module docstring); on a GPU, the
+    runtime's own."""
     stack = contextlib.ExitStack()
-    if mode in ("window", "device"):
+    if mode in ("window", "device") and device.type == "cpu":
         stack.enter_context(testing.staged_snapshots())
         stack.enter_context(testing.pretend_arch(Arch(cuda=True)))
     return stack
@@ -192,15 +206,17 @@ def _forced(mode: str) -> contextlib.ExitStack:
 def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Per-step counts of one variant (its first step, which makes the state, is skipped)."""
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
     model = build_model(preset, vocab_size=VOCAB_SIZE, max_seq_len=args.seq_len, seed=args.seed)
+    model = model.to(device)
     if name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     else:
         opt = build_optimizer(name.replace("_", "-"), model.parameters())
-    counts = Counts()
+    counts = Counts(host_is_device=device.type == "cpu")
     gen = torch.Generator().manual_seed(args.seed)
     tokens = [
-        torch.randint(0, VOCAB_SIZE, (args.batch, args.seq_len), generator=gen)
+        torch.randint(0, VOCAB_SIZE, (args.batch, args.seq_len), generator=gen).to(device)
         for _ in range(args.steps)
     ]
     runtime = None
@@ -212,8 +228,8 @@ def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> 
             cls = type(opt)
             stack.enter_context(_patched(cls, "install_refresh", counts, "install", "installs"))
         if mode != "native":
-            with _forced(mode):
-                placement = {"bases": "device"} if mode == "device" else "auto"
+            with _forced(mode, device):
+                placement = {"bases": "device" if mode == "device" else "host"}
                 config = RuntimeConfig(
                     workers=args.workers,
                     statistics_lane=False,
@@ -378,6 +394,7 @@ def variants(selected: str) -> list[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu (GPU strategies forced) or cuda")
     p.add_argument("--model", default="tiny")
     p.add_argument("--layers", type=int, default=None, help="the 1x layers (module docstring)")
     p.add_argument("--scales", default="1,2,4")

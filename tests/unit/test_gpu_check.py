@@ -23,6 +23,7 @@ PHASES = [
     "info",
     "tests",
     "profile",
+    "host_overhead",
     "step_time",
     "time_to_target",
     "memory",
