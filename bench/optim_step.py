@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from _common import emit_json, env_header, median, print_table, ratio, set_threads, time_ms
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 FREQ = 10
 Params = list[torch.nn.Parameter]
@@ -74,8 +75,9 @@ def _asteria_refreshes(opt: Optimizer) -> bool:
 
 
 def _pytorch_optimizer_refreshes(opt: Optimizer) -> bool:
-    step = opt.param_groups[0].get("step", 0)
-    return step > 0 and step % FREQ == 0
+    group = opt.param_groups[0]
+    step = group.get("step", 0)
+    return step > 0 and step % group["precondition_frequency"] == 0
 
 
 def _heavyball_refreshes(opt: Optimizer) -> bool:
@@ -94,8 +96,9 @@ def _meta_refreshes(opt: Optimizer) -> bool:
     return step == start or (step > start and step % freq == 0)
 
 
-def meta_contenders() -> list[Contender]:
-    """Meta's Distributed Shampoo in three configurations, or none where it is absent."""
+def meta_contenders(max_dim: int | None = None, freq: int = FREQ) -> list[Contender]:
+    """Meta's Distributed Shampoo in three configurations, or none where it is absent;
+    ``max_dim`` (default: each configuration's own) caps every factor's dim."""
     if not META_PATH.is_dir():
         print(f"   (Meta's Distributed Shampoo is not at {META_PATH}: its rows are left out)")
         return []
@@ -109,8 +112,9 @@ def meta_contenders() -> list[Contender]:
             lambda p: ds.DistributedShampoo(
                 p,
                 lr=3e-3,
-                precondition_frequency=FREQ,
+                precondition_frequency=freq,
                 grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-10),
+                max_preconditioner_dim=max_dim or 1024,
             ),
             _meta_refreshes,
         ),
@@ -122,8 +126,8 @@ def meta_contenders() -> list[Contender]:
                 betas=(0.95, 0.95),
                 epsilon=1e-8,
                 weight_decay=0.01,
-                max_preconditioner_dim=10000,
-                precondition_frequency=FREQ,
+                max_preconditioner_dim=max_dim or 10000,
+                precondition_frequency=freq,
                 preconditioner_config=ds.DefaultSOAPConfig,
             ),
             _meta_refreshes,
@@ -136,8 +140,8 @@ def meta_contenders() -> list[Contender]:
                 betas=(0.9, 0.98),
                 epsilon=1e-8,
                 weight_decay=0.01,
-                max_preconditioner_dim=10000,
-                precondition_frequency=FREQ,
+                max_preconditioner_dim=max_dim or 10000,
+                precondition_frequency=freq,
                 preconditioner_config=ds.EigendecomposedKLShampooPreconditionerConfig(),
             ),
             _meta_refreshes,
@@ -145,18 +149,21 @@ def meta_contenders() -> list[Contender]:
     ]
 
 
-def contenders() -> dict[str, Contender]:
-    """Every optimizer the benchmark knows, configured alike (lr 3e-3, wd 0.01, refresh 10)."""
+def contenders(max_dim: int | None = None, freq: int = FREQ) -> dict[str, Contender]:
+    """Every optimizer the benchmark knows, configured alike (lr 3e-3, wd 0.01, refresh every
+    ``freq``); ``max_dim`` caps every factor's dim (default: each optimizer's own, 10000 for the
+    SOAP family and KL-Shampoo, 1024 for Shampoo)."""
     import heavyball
     import pytorch_optimizer
 
     from asteria.optim import SOAP, KLShampoo, Shampoo
 
     heavyball.utils.compile_mode = None
+    ours = {} if max_dim is None else {"max_preconditioner_dim": max_dim}
     hb_common = {
         "weight_decay": 0.01,
-        "precondition_frequency": FREQ,
-        "max_precond_dim": 10000,
+        "precondition_frequency": freq,
+        "max_precond_dim": max_dim or 10000,
         "merge_dims": False,
         "precondition_1d": False,
         "use_precond_schedule": False,
@@ -167,23 +174,27 @@ def contenders() -> dict[str, Contender]:
         ),
         Contender(
             "asteria_soap",
-            lambda p: SOAP(p, lr=3e-3, betas=(0.95, 0.95), precondition_frequency=FREQ),
+            lambda p: SOAP(p, lr=3e-3, betas=(0.95, 0.95), precondition_frequency=freq, **ours),
             _asteria_refreshes,
         ),
         Contender(
             "asteria_kl_shampoo",
-            lambda p: KLShampoo(p, lr=3e-3, betas=(0.9, 0.98), precondition_frequency=FREQ),
+            lambda p: KLShampoo(p, lr=3e-3, betas=(0.9, 0.98), precondition_frequency=freq, **ours),
             _asteria_refreshes,
         ),
         Contender(
             "asteria_shampoo",
-            lambda p: Shampoo(p, lr=3e-3, precondition_frequency=FREQ, grafting="adam"),
+            lambda p: Shampoo(p, lr=3e-3, precondition_frequency=freq, grafting="adam", **ours),
             _asteria_refreshes,
         ),
         Contender(
             "pytorch_optimizer_soap",
             lambda p: pytorch_optimizer.SOAP(
-                p, lr=3e-3, betas=(0.95, 0.95), precondition_frequency=FREQ
+                p,
+                lr=3e-3,
+                betas=(0.95, 0.95),
+                precondition_frequency=freq,
+                max_precondition_dim=max_dim or 10000,
             ),
             _pytorch_optimizer_refreshes,
         ),
@@ -201,7 +212,7 @@ def contenders() -> dict[str, Contender]:
             ),
             _heavyball_refreshes,
         ),
-        *meta_contenders(),
+        *meta_contenders(max_dim, freq),
     ]
     return {c.name: c for c in table}
 
@@ -315,6 +326,95 @@ def ratios(results: dict[str, dict]) -> dict[str, float | None]:
     return out
 
 
+# -- ATen ops per step (--count) --------------------------------------------------------------
+
+#: The models whose weight shapes ``--count`` steps: (d_model, layers, MLP width, vocab), those
+#: of asteria.train's presets (tiny at the byte vocab, OLMo-150m at OLMo's 50k one).
+COUNT_MODELS = {"tiny": (256, 4, 768, 257), "olmo-150m": (768, 12, 2048, 50304)}
+#: Ops that only make views or read metadata: counted apart (a view is no kernel launch).
+VIEW_OPS = frozenset(
+    {"detach", "alias", "lift_fresh", "_unsafe_view", "view", "as_strided", "set_", "resize_"}
+)
+METADATA_OPS = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched under it: ``ops`` (kernels) and ``views`` (views and
+    metadata: ``func.is_view`` and the names above). A ``_foreach_*`` op counts once (one
+    dispatch; on CUDA a few multi-tensor launches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.views = 0
+        self.names: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.is_view or name in VIEW_OPS or name in METADATA_OPS:
+            self.views += 1
+        else:
+            self.ops += 1
+            self.names[name] = self.names.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(contender: Contender, shapes, *, steps: int, seed: int, device) -> dict:
+    """The ATen ops of each of ``steps`` steps of ``contender`` (refresh every 3 steps): the
+    last ordinary step's and the last refresh step's counts (Note [Counted steps])."""
+    run = _Run(contender, shapes, seed, device)
+    ordinary = refresh = None
+    for i in range(steps):
+        run.gen.manual_seed(seed + 1 + i)
+        for p in run.params:
+            p.grad = torch.randn(p.shape, generator=run.gen).to(device)
+        is_refresh = contender.refreshes(run.opt)
+        with OpCounter() as counter:
+            run.opt.step()
+        row = {"ops": counter.ops, "views": counter.views, "step": i + 1, "top": _top(counter)}
+        if i == 0:
+            continue  # the first step initialises (eigh): neither ordinary nor a refresh
+        if is_refresh:
+            refresh = row
+        else:
+            ordinary = row
+    blocks = len(list(run.opt.blocks())) if hasattr(run.opt, "blocks") else None
+    return {"ordinary": ordinary, "refresh": refresh, "blocks": blocks}
+
+
+def _top(counter: OpCounter, n: int = 6) -> dict[str, int]:
+    return dict(sorted(counter.names.items(), key=lambda kv: -kv[1])[:n])
+
+
+# Note [Counted steps]: ``--count`` steps each contender ``--count-steps`` times (7: the first
+# initialises, refreshes fall every 3 steps, so steps 3 and 6 refresh and 2, 4, 5, 7 do not)
+# and reports the last ordinary step (Shampoo's is then preconditioned: its roots came at step
+# 3) and the last refresh step. An ordinary step's ops do not depend on the frequency; the
+# refresh step's do not either, beyond which blocks are due (all, natively). On the CPU a
+# ``_foreach_*`` op is one dispatch, as on CUDA it is a few launches per chunk of tensors; a
+# peer's ``torch.compile``d step is counted eagerly (heavyball's compile is off, as in the
+# timings).
+
+
+def count_main(args, names: list[str], device: torch.device) -> None:
+    env = env_header("ATen ops per optimizer step (bench/optim_step.py --count)", "heavyball",
+                     "pytorch-optimizer")  # fmt: skip
+    results: dict[str, dict] = {}
+    for model in args.models.split(","):
+        d, layers, mlp, vocab = COUNT_MODELS[model]
+        shapes = transformer_shapes(d, layers, mlp, vocab)
+        table = contenders(args.max_dim, freq=3)
+        for name in names:
+            res = count_ops(table[name], shapes, steps=args.count_steps, seed=args.seed,
+                            device=device)  # fmt: skip
+            results[f"{name}@{model}"] = res
+            o, r = res["ordinary"] or {}, res["refresh"] or {}
+            print(f"   {model} {name}: ordinary {o.get('ops')} ops, refresh {r.get('ops')} "
+                  f"ops, {res['blocks']} blocks", flush=True)  # fmt: skip
+    env |= {"device": str(device), "max_dim": args.max_dim, "steps": args.count_steps}
+    emit_json({"env": env, "counts": results})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
@@ -332,20 +432,29 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--mlp", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--count", action="store_true", help="count ATen ops per step, no timing")
+    ap.add_argument("--models", default="tiny", help="--count: tiny,olmo-150m")
+    ap.add_argument("--count-steps", type=int, default=7)
+    ap.add_argument("--max-dim", type=int, default=None, help="cap on every factor's dim")
     args = ap.parse_args()
 
     set_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
+    table = contenders(args.max_dim)
+    names = list(table) if not args.only else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        ap.error(f"unknown optimizer(s) {unknown}; choose from {', '.join(table)}")
+    if args.count:
+        count_main(args, names, device)
+        return
     env = env_header("optimizer step time (bench/optim_step.py)", "heavyball", "pytorch-optimizer")
     shapes = transformer_shapes(args.d_model, args.layers, args.mlp, args.vocab)
     n_params = sum(torch.Size(s).numel() for s in shapes)
     env |= {"device": str(device), "params": n_params, "tensors": len(shapes), "freq": FREQ}
     print(f"   model: {len(shapes)} tensors, {n_params:,} params, refresh every {FREQ} steps")
-    table = contenders()
-    names = list(table) if not args.only else [n.strip() for n in args.only.split(",")]
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        ap.error(f"unknown optimizer(s) {unknown}; choose from {', '.join(table)}")
 
     kw = dict(warmup=args.warmup, steps=args.steps, seed=args.seed, device=device)
     if args.sequential:

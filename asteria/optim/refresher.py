@@ -15,7 +15,7 @@ Must not: hold any algorithm's math beyond running a job's matrix function.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
@@ -255,6 +255,19 @@ class Refresher(Protocol):
         issued before the next call (or ``step_end``) only, unless ``bases_stable``."""
         ...
 
+    def bases_many(self, keys: Sequence[BlockKey], blocks: Sequence[dict]) -> list[list]:
+        """The bases (SOAP/KL-Shampoo) or roots (Shampoo) of each block, what ``bases(key,
+        block)`` returns, valid together until the next ``bases``/``bases_many`` call or
+        ``step_end``. A batched update (Note [Batched steps] in batched.py) takes a shape
+        group's bases with one call, in pieces of at most ``bases_room`` bytes."""
+        ...
+
+    @property
+    def bases_room(self) -> int | None:
+        """Bytes of bases one ``bases_many`` call can hand out at once; ``None``: unlimited,
+        ``0``: one block a call."""
+        ...
+
     @property
     def bases_stable(self) -> bool:
         """Whether what ``bases`` returns stays valid until ``step_end`` (so an update may read
@@ -331,7 +344,11 @@ class NativeRefresher:
     def bases(self, key, block) -> list:
         return block[self._field]
 
+    def bases_many(self, keys, blocks) -> list[list]:
+        return [block[self._field] for block in blocks]
+
     bases_stable = True  # the blocks' own tensors
+    bases_room = None
 
     def sync(self) -> None:
         pass

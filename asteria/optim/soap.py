@@ -46,6 +46,16 @@ from asteria.optim.base import (
     shampoo_beta,
     state_dtype,
 )
+from asteria.optim.batched import (
+    bases_of,
+    bases_room,
+    batched_gram,
+    batched_mode_products,
+    pieces,
+    shape_groups,
+    stack,
+    tensor_key,
+)
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
 
@@ -230,24 +240,21 @@ class SOAP(KroneckerOptimizer):
                 work_fused = work
         else:
             work_fused = work
-        stable = self._refresher.bases_stable
-        for chunk in _chunks(work_fused, FUSED_ELEMENTS if stable else 0):
-            native: Chunk = []
-            python: Chunk = []
-            for c in chunk:
-                q = self._refresher.bases(c.key, c.block)
-                (native if _native_block(c.grad, q) else python).append((c, q))
-            if native:
-                self._run_split(_update_native, native, _chunk_flops, group)
-            if python:
-                _update_fused(python, group)
+        refresher = self._refresher
+        # Note [Batched steps] in batched.py: blocks of one shape together, in pieces whose
+        # bases the refresher hands out at once
+        order = [work_fused[i] for idx in shape_groups(work_fused, _shape_key) for i in idx]
+        for piece in pieces(order, _elements, _bases_bytes, bases_room(refresher)):
+            qs = bases_of(refresher, [c.key for c in piece], [c.block for c in piece])
+            self._run_split(_update_batched, list(zip(piece, qs)), _chunk_flops, group)
         if group["weight_decay"] > 0.0:
             ps = [u.p for u in updates]
             torch._foreach_add_(ps, ps, alpha=-group["lr"] * group["weight_decay"])
 
         beta = shampoo_beta(group)
         freq = group["precondition_frequency"]
-        self._end_blocks(group, (_block_end(c, beta, freq) for c in work))
+        stats = _statistics(work, beta)
+        self._end_blocks(group, (_block_end(c, freq, stats) for c in work))
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
@@ -300,13 +307,64 @@ class SOAP(KroneckerOptimizer):
         return float(cost)
 
 
-def _block_end(c: _BlockStep, beta: float, freq: int) -> BlockEnd:
-    """A block's factor statistics (none for an unfactored block) and refresh decision."""
-    factors = c.block["factors"]
-    fn = None
-    if any(f is not None for f in factors):
-        fn = soap_accumulate if c.grad.dim() == 2 else _accumulate_factors
-    return BlockEnd(c.key, c.block, c.step, c.step % freq == 0, fn, (factors, c.grad, beta))
+def _block_end(c: _BlockStep, freq: int, stats: dict[BlockKey, tuple]) -> BlockEnd:
+    """A block's factor statistics (none for an unfactored block; its shape group's, or
+    ``_after_group``, for the others: ``_statistics``) and refresh decision."""
+    fn, args = stats.get(c.key, (None, ()))
+    return BlockEnd(c.key, c.block, c.step, c.step % freq == 0, fn, args)
+
+
+def _statistics(work: list[_BlockStep], beta: float) -> dict[BlockKey, tuple]:
+    """Per factored block, its statistics update ``(fn, args)``: a shape group's first block
+    updates the factors of the whole group (``_group_statistics``: one ``bmm`` per factored
+    dim), the group's other blocks then have ``_after_group``. A refresher runs them in block
+    order (now, or in order on its lane), so every block's factors are updated before its
+    boundary, as when each block updated its own (Note [Batched steps] in batched.py)."""
+    factored = [c for c in work if any(f is not None for f in c.block["factors"])]
+    out: dict[BlockKey, tuple] = {}
+    for idx in shape_groups(factored, _factors_key):
+        group = [factored[i] for i in idx]
+        first = group[0]
+        if len(group) == 1:
+            fs = first.block["factors"]
+            fn = soap_accumulate if first.grad.dim() == 2 else _accumulate_factors
+            out[first.key] = (fn, (fs, first.grad, beta))
+            continue
+        args = ([c.block["factors"] for c in group], [c.grad for c in group], beta)
+        out[first.key] = (_group_statistics, args)
+        for c in group[1:]:
+            out[c.key] = (_after_group, ())
+    return out
+
+
+def _group_statistics(factors: list[list], grads: list[torch.Tensor], beta: float) -> None:
+    """``_accumulate_factors`` of a shape group's blocks: ``F_i <- lerp(F_i, G_(i) G_(i)^T,
+    1 - beta)``, the Gram matrices of all blocks in one ``bmm``, the EMAs in one foreach op."""
+    g = stack(grads)
+    for i, f in enumerate(factors[0]):
+        if f is not None:
+            grams = batched_gram(g, i)
+            torch._foreach_lerp_([fs[i] for fs in factors], list(grams.unbind(0)), 1 - beta)
+
+
+def _after_group() -> None:
+    """The statistics of a block whose shape group's first block updated them all."""
+
+
+def _factors_key(c: _BlockStep) -> tuple:
+    return (tensor_key(c.grad), tuple(f is not None for f in c.block["factors"]))
+
+
+def _shape_key(c: _BlockStep) -> tuple:
+    return (tensor_key(c.grad), tuple(tensor_key(q) for q in c.block["bases"]))
+
+
+def _elements(c: _BlockStep) -> int:
+    return c.grad.numel()
+
+
+def _bases_bytes(c: _BlockStep) -> int:
+    return sum(q.nbytes for q in c.block["bases"] if q is not None)
 
 
 def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, beta: float) -> None:
@@ -330,21 +388,14 @@ class _BlockStep(NamedTuple):
 Chunk = list[tuple[_BlockStep, list]]  # blocks with their bases
 
 
-def _native_block(g: torch.Tensor, bases: list) -> bool:
+def _native_block(c: _BlockStep, bases: list) -> bool:
     """Whether ``asteria._C.soap_update_blocks`` takes the block: 2-D, or without bases."""
-    return g.dim() == 2 or all(q is None for q in bases)
-
-
-def _chunk_flops(item: tuple[_BlockStep, list]) -> int:
-    """About the flops of a block's update: two products per basis (into it and back), and
-    some ten elementwise ops."""
-    g, bases = item[0].grad, item[1]
-    return 10 * g.numel() + sum(4 * g.numel() * q.shape[0] for q in bases if q is not None)
+    return c.grad.dim() == 2 or all(q is None for q in bases)
 
 
 def _update_native(blocks: Chunk, group: dict[str, Any]) -> None:
-    """Steps 3-4 for 2-D and basis-free blocks in one C++ call (Note [SOAP step in C++] in
-    csrc/core/soap_step.cpp: the ops of ``_update_fused``, bitwise)."""
+    """Steps 3-4 for 2-D and basis-free blocks, each block's ops issued from C++ (Note [SOAP
+    step in C++] in csrc/core/soap_step.cpp: the ops of ``_rotate`` for a group of one)."""
     beta1, beta2 = group["betas"]
     soap_update_blocks(
         [c.grad for c, _ in blocks],
@@ -361,11 +412,22 @@ def _update_native(blocks: Chunk, group: dict[str, Any]) -> None:
     )
 
 
-def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
-    """Steps 3-4 for any blocks, the elementwise ops over all of them at once (Note [Fused
-    elementwise steps])."""
+def _chunk_flops(item: tuple[_BlockStep, list]) -> int:
+    """About the flops of a block's update: two products per basis (into it and back), and
+    some ten elementwise ops."""
+    g, bases = item[0].grad, item[1]
+    return 10 * g.numel() + sum(4 * g.numel() * q.shape[0] for q in bases if q is not None)
+
+
+def _update_batched(blocks: Chunk, group: dict[str, Any]) -> None:
+    """Steps 3-4 for any blocks: the products with the bases once per shape group
+    (``_rotate``), each elementwise op over all blocks at once (Notes [Batched steps] in
+    batched.py, [Fused elementwise steps])."""
+    if len(blocks) == 1 and _native_block(*blocks[0]):
+        _update_native(blocks, group)  # a piece of one block (a refresher's bases_room)
+        return
     beta1, beta2 = group["betas"]
-    g_rot = [mode_products(c.grad, q, transpose=True) for c, q in blocks]
+    g_rot = _rotate(blocks, [c.grad for c, _ in blocks], transpose=True)
     exp_avg = [c.block["exp_avg"] for c, _ in blocks]
     exp_avg_sq = [c.block["exp_avg_sq"] for c, _ in blocks]
     torch._foreach_mul_(exp_avg, beta1)
@@ -377,11 +439,42 @@ def _update_fused(blocks: Chunk, group: dict[str, Any]) -> None:
     torch._foreach_add_(denom, group["eps"])
     ratio = torch._foreach_div(exp_avg, denom)
     del denom
-    for (c, q), r in zip(blocks, ratio):
-        update = mode_products(r, q, transpose=False)
-        if group["normalize_grads"]:
-            update = update / (1e-30 + torch.mean(update**2) ** 0.5)
-        c.weight.add_(update, alpha=-c.step_size)
+    updates = _rotate(blocks, ratio, transpose=False, normalize=group["normalize_grads"])
+    del ratio
+    for idx in shape_groups(blocks, lambda item: item[0].step_size):
+        step_size = blocks[idx[0]][0].step_size
+        weights = [blocks[i][0].weight for i in idx]
+        torch._foreach_add_(weights, [updates[i] for i in idx], alpha=-step_size)
+
+
+def _rotate(
+    blocks: Chunk, xs: list[torch.Tensor], transpose: bool, normalize: bool = False
+) -> list[torch.Tensor]:
+    """``mode_products(x, bases, transpose)`` of every block, stacked per shape group (a group
+    of one: the per-block products); with ``normalize``, each result divided by ``1e-30 +``
+    its RMS (the authors' ``normalize_grads``)."""
+    out = list(xs)
+    for idx in shape_groups(
+        blocks, lambda item: (tensor_key(item[0].grad), *map(tensor_key, item[1]))
+    ):
+        qs = blocks[idx[0]][1]
+        if len(idx) == 1:
+            i = idx[0]
+            y = mode_products(xs[i], qs, transpose)
+            out[i] = y / (1e-30 + torch.mean(y**2) ** 0.5) if normalize else y
+            continue
+        if all(q is None for q in qs) and not normalize:
+            continue
+        mats = [
+            None if q is None else stack([blocks[i][1][d] for i in idx]) for d, q in enumerate(qs)
+        ]
+        y = batched_mode_products(stack([xs[i] for i in idx]), mats, transpose)
+        if normalize:
+            dims = tuple(range(1, y.dim()))
+            y = y / (1e-30 + torch.mean(y**2, dim=dims, keepdim=True) ** 0.5)
+        for j, i in enumerate(idx):
+            out[i] = y[j]
+    return out
 
 
 def _update_normalized(refresher, blocks: list[_BlockStep], group: dict[str, Any]) -> None:
@@ -421,20 +514,3 @@ def _update_normalized(refresher, blocks: list[_BlockStep], group: dict[str, Any
 # FUSED_ELEMENTS elements (a block over it is its own chunk): the extra memory stays that of a
 # few blocks, not of the model. When the refresher's bases are valid only until its next
 # ``bases`` call (a device window), a chunk is one block.
-
-FUSED_ELEMENTS = 1 << 22
-
-
-def _chunks(items: list[_BlockStep], limit: int) -> list[list[_BlockStep]]:
-    """``items`` in order, in runs of at most ``limit`` gradient elements; a block over
-    ``limit`` runs alone, and ``limit=0`` means one each."""
-    chunks: list[list[_BlockStep]] = []
-    size = limit
-    for item in items:
-        n = item.grad.numel()
-        if not chunks or size + n > limit:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(item)
-        size += n
-    return chunks

@@ -9,6 +9,7 @@ Must not: know an optimizer class or the runtime. asteria.optim.base re-exports 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -21,7 +22,14 @@ T = TypeVar("T")
 
 def state_dtype(param: torch.Tensor) -> torch.dtype:
     """Optimizer state is at least fp32: bf16/fp16 parameters get fp32 state."""
-    return torch.promote_types(param.dtype, torch.float32)
+    return _promoted(param.dtype)
+
+
+@functools.cache
+def _promoted(dtype: torch.dtype) -> torch.dtype:
+    # once per dtype: ``torch.promote_types`` is an ATen op, dispatched (and counted by a
+    # dispatch mode) at every call, and the step asks for every parameter
+    return torch.promote_types(dtype, torch.float32)
 
 
 #: The device types whose autocast ``no_autocast`` turns off (Note [Autocast]).

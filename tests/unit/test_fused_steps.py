@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asteria.optim import SOAP, soap
+from asteria import _C
+from asteria.optim import SOAP, batched, soap
 from asteria.optim.base import block_views
 from asteria.optim.kron import mode_products
 from tests.problems import state_tensors
@@ -56,14 +57,16 @@ def _model() -> torch.nn.Module:
     return model
 
 
-def _train(opt_cls, steps: int = 25) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _train(
+    opt_cls, steps: int = 25, max_dim: int = 12
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model = _model()
     groups = [
         {"params": [model[0].weight, model[0].bias, model.unused]},
         {"params": [model[2].weight, model[2].bias], "lr": 3e-3, "betas": (0.9, 0.99)},
         {"params": list(model[4].parameters()), "weight_decay": 0.0},
     ]
-    opt = opt_cls(groups, lr=1e-2, precondition_frequency=4, max_preconditioner_dim=16)
+    opt = opt_cls(groups, lr=1e-2, precondition_frequency=4, max_preconditioner_dim=max_dim)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randn(8, 3, 8, generator=gen)
@@ -76,10 +79,12 @@ def _train(opt_cls, steps: int = 25) -> tuple[list[torch.Tensor], list[torch.Ten
     return [p.detach().clone() for p in params], list(state_tensors([opt.state[p] for p in params]))
 
 
-@pytest.mark.parametrize("limit", [soap.FUSED_ELEMENTS, 0, 100])
-def test_fused_step_is_bitwise_the_per_block_ops(monkeypatch, limit):
+@pytest.mark.parametrize("limit", [batched.BATCH_ELEMENTS, 0, 300])
+def test_batched_step_is_bitwise_the_per_block_ops_on_the_cpu(monkeypatch, limit):
+    """Note [Batched steps]: on the CPU ``bmm`` sums as ``mm`` does, so the batched step is
+    bitwise the per-block ops, cut into pieces of any size (0: one block a piece)."""
     expected = _train(PerBlockSOAP)
-    monkeypatch.setattr(soap, "FUSED_ELEMENTS", limit)
+    monkeypatch.setattr(batched, "BATCH_ELEMENTS", limit)
     got = _train(SOAP)
     for want, have in zip(expected, got):
         assert len(want) == len(have)
@@ -89,14 +94,16 @@ def test_fused_step_is_bitwise_the_per_block_ops(monkeypatch, limit):
     assert not torch.equal(got[0][2], _model()[2].weight.detach())
 
 
-def test_chunks_cut_at_the_element_limit():
-    items = [soap._BlockStep((i, 0), {}, torch.empty(n), torch.empty(n), 0.1, 1)
-             for i, n in enumerate((3, 4, 10, 2, 1))]  # fmt: skip
-    sizes = lambda chunks: [[item.grad.numel() for item in c] for c in chunks]  # noqa: E731
-    assert sizes(soap._chunks(items, 7)) == [[3, 4], [10], [2, 1]]
-    assert sizes(soap._chunks(items, 0)) == [[3], [4], [10], [2], [1]]
-    assert sizes(soap._chunks(items, 100)) == [[3, 4, 10, 2, 1]]
-    assert soap._chunks([], 5) == []
+def test_pieces_cut_at_the_element_limit_and_the_bases_room():
+    sizes = (3, 4, 10, 2, 1)
+    one = lambda n: n  # noqa: E731
+    cut = lambda room, limit: batched.pieces(sizes, one, one, room, limit)  # noqa: E731
+    assert cut(None, 7) == [[3, 4], [10], [2, 1]]
+    assert cut(None, 0) == [[3], [4], [10], [2], [1]]
+    assert cut(None, 100) == [[3, 4, 10, 2, 1]]
+    assert cut(5, 100) == [[3], [4], [10], [2, 1]]  # bases of 5 bytes at most, or one alone
+    assert cut(0, 100) == [[3], [4], [10], [2], [1]]
+    assert batched.pieces([], one, one, None, 5) == []
 
 
 def _per_block_ops(g, left, right, m, v, w, step, beta1, beta2, eps, normalize):
@@ -129,7 +136,7 @@ def test_cpp_step_is_bitwise_the_python_ops(dtype, normalize):
     steps = [0.1 * (i + 1) for i in range(len(blocks))]
     for (g, left, right), (m, v, w), step in zip(blocks, want, steps):
         _per_block_ops(g, left, right, m, v, w, step, 0.9, 0.95, 1e-8, normalize)
-    soap.soap_update_blocks(
+    _C.soap_update_blocks(
         [g for g, _, _ in blocks],
         [left for _, left, _ in blocks],
         [right for _, _, right in blocks],
@@ -156,17 +163,17 @@ def test_cpp_step_rejects_mismatched_blocks():
     g = torch.zeros(4, 3)
     ok = dict(lefts=[None], rights=[None], exp_avgs=[g.clone()], exp_avg_sqs=[g.clone()])
     with pytest.raises(ValueError, match="left basis"):
-        soap.soap_update_blocks(
+        _C.soap_update_blocks(
             [g], [torch.eye(3)], [None], [g.clone()], [g.clone()], [g.clone()], [1.0], 0.9,
             0.9, 1e-8, False,
         )  # fmt: skip
     with pytest.raises(ValueError, match="one shape"):
-        soap.soap_update_blocks(
+        _C.soap_update_blocks(
             [g], ok["lefts"], ok["rights"], [torch.zeros(3, 4)], [g.clone()], [g.clone()], [1.0],
             0.9, 0.9, 1e-8, False,
         )  # fmt: skip
     with pytest.raises(ValueError, match="one entry per block"):
-        soap.soap_update_blocks(
+        _C.soap_update_blocks(
             [g], [], ok["rights"], ok["exp_avgs"], ok["exp_avg_sqs"], [g.clone()], [1.0], 0.9,
             0.9, 1e-8, False,
         )  # fmt: skip

@@ -1,0 +1,157 @@
+"""Blocks of one shape updated together: the launch pattern of the optimizers' per-step math.
+
+Owns: grouping a step's blocks by shape, dtype and device (``shape_groups``); cutting them into
+pieces whose bases a refresher can hand out at once (``pieces``, ``Refresher.bases_room``);
+mode products and Gram matrices of stacked blocks (a leading batch dim: ``bmm`` per factored
+dim instead of one ``mm`` per block); the bases of a piece from the refresher in one call
+(``bases_of``).
+
+Must not: hold any algorithm's math. The optimizers' files say what is computed; this module
+only says how the products of many blocks of one shape are issued (Note [Batched steps]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "BATCH_ELEMENTS",
+    "bases_of",
+    "batched_gram",
+    "batched_mode_products",
+    "pieces",
+    "shape_groups",
+    "stack",
+]
+
+T = TypeVar("T")
+
+#: Gradient elements one piece of a step holds at most (a block over it is a piece alone): a
+#: batched update keeps some four temporaries of its piece's size (stacked gradients, rotated
+#: gradients, ratios, updates), so the extra memory is bounded by this, not by the model.
+BATCH_ELEMENTS = 1 << 26
+
+Mats = Sequence[torch.Tensor | None]
+
+
+# Note [Batched steps]
+# ~~~~~~~~~~~~~~~~~~~~
+# The math of SOAP, KL-Shampoo and Shampoo is the authors' (../shared/ALGORITHMS.md); only the
+# launch pattern is Asteria's. Per step each block is a handful of products with its bases and
+# some elementwise ops: issued block by block, a step dispatches some twenty ATen ops per block
+# (715 for SOAP on ``tiny``'s 47 blocks; on a GPU each one a kernel launch). Here:
+#   * the blocks of a step are grouped by (shape, dtype, device, which dims have a basis); a
+#     group's gradients and bases are stacked (``torch.stack``: one op per list) and every
+#     product is one ``bmm`` for the group (``batched_mode_products``, ``batched_gram``);
+#   * the elementwise ops run over all blocks of the step at once (``torch._foreach_*``: one
+#     dispatch, on CUDA a few multi-tensor launches);
+#   * state stays per block, in the state_dict's format (no persistent stacked state: a view
+#     of a stacked tensor in a checkpoint would save the whole stack). Stacking costs one copy
+#     of the group's gradients and bases per step; measured against the per-block ops it is the
+#     cheaper of the two on the CPU (bench/optim_step.py) and the launch count is what a GPU
+#     pays for.
+# The ops dispatched per step then grow with the number of shape groups (and pieces: a piece
+# is cut at ``BATCH_ELEMENTS`` elements, and at the refresher's ``bases_room``), not blocks.
+# ``bmm`` sums in the order ``mm`` does on the CPU backends measured, but it need not: results
+# agree with the per-block ops to rounding, not bit for bit (docs/fidelity.md, "Batched steps").
+# A group of one block goes through the per-block ops (nothing to stack).
+
+
+def shape_groups(items: Sequence[T], key: Callable[[T], Hashable]) -> list[list[int]]:
+    """Indices of ``items`` grouped by ``key``, each group in order, groups in the order of
+    their first item."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return list(groups.values())
+
+
+def tensor_key(t: torch.Tensor | None) -> Hashable:
+    """What must agree for tensors to be stacked: shape, dtype, device."""
+    return None if t is None else (tuple(t.shape), t.dtype, t.device)
+
+
+def pieces(
+    items: Sequence[T],
+    elements: Callable[[T], int],
+    nbytes: Callable[[T], int],
+    room: int | None,
+    limit: int = BATCH_ELEMENTS,
+) -> list[list[T]]:
+    """``items`` in order, in runs of at most ``limit`` elements and ``room`` bytes of bases
+    (``None``: no limit on bases; ``0``: one item a run); an item over either runs alone."""
+    out: list[list[T]] = []
+    size = used = 0
+    for item in items:
+        n, b = elements(item), nbytes(item)
+        full = size + n > limit or (room is not None and used + b > room)
+        if not out or full:
+            out.append([])
+            size = used = 0
+        out[-1].append(item)
+        size += n
+        used += b
+    return out
+
+
+def bases_of(refresher: Any, keys: list, blocks: list[dict]) -> list[list]:
+    """The bases of ``blocks`` from ``refresher`` in one ``bases_many`` call (one ``bases`` call
+    each for a refresher without it), valid together until its next call."""
+    many = getattr(refresher, "bases_many", None)
+    if many is not None:
+        return many(keys, blocks)
+    return [refresher.bases(k, b) for k, b in zip(keys, blocks)]
+
+
+def bases_room(refresher: Any) -> int | None:
+    """``refresher.bases_room``; for a refresher without it, unlimited where its bases are
+    stable and one block at a time otherwise."""
+    if hasattr(refresher, "bases_room"):
+        return refresher.bases_room
+    return None if refresher.bases_stable else 0
+
+
+def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack``: the group's tensors along a new leading dim (one op). Column-major
+    matrices (the bases: Note [QR layout] in matrix_functions.py) stay column-major in the
+    stack, so that each ``bmm`` reads its operands in the layout ``mm`` read them in (BLAS takes
+    another path for a transposed operand, with other roundings)."""
+    first = tensors[0]
+    if first.dim() == 2 and first.stride(0) == 1 and first.stride(1) != 1:
+        return torch.stack([t.mT for t in tensors]).mT
+    return torch.stack(list(tensors))
+
+
+def batched_mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch.Tensor:
+    """``kron.mode_products`` of every block of a stack: ``x`` is ``(B, d_0, ..., d_{k-1})`` and
+    ``mats[i]`` ``(B, d_i, d_i)`` or ``None`` (identity). ``transpose=True`` applies ``M^T``
+    (into the bases), ``False`` applies ``M`` (back)."""
+    if x.dim() == 3:  # matrices: Q_L^T X Q_R (or Q_L X Q_R^T) as kron's fast path
+        left, right = mats
+        if left is not None:
+            x = torch.bmm(left.transpose(1, 2) if transpose else left, x)
+        if right is not None:
+            x = torch.bmm(x, right if transpose else right.transpose(1, 2))
+        return x
+    batch = x.shape[0]
+    for i, m in enumerate(mats):
+        if m is None:
+            continue
+        moved = x.movedim(i + 1, -1)
+        shape = moved.shape
+        flat = moved.reshape(batch, -1, shape[-1])
+        out = torch.bmm(flat, m if transpose else m.transpose(1, 2))
+        x = out.reshape(shape).movedim(-1, i + 1)
+    return x
+
+
+def batched_gram(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``kron.gram`` of every block of a stack ``x`` (``(B, ...)``) along block dim ``dim``."""
+    if x.dim() == 3:
+        return torch.bmm(x, x.transpose(1, 2)) if dim == 0 else torch.bmm(x.transpose(1, 2), x)
+    moved = x.movedim(dim + 1, 1)
+    flat = moved.reshape(x.shape[0], x.shape[dim + 1], -1)
+    return torch.bmm(flat, flat.transpose(1, 2))
