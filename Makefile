@@ -7,6 +7,7 @@
 #   make lint          ruff check, ruff format --check, clang-format --dry-run -Werror
 #   make cuda-compile  compile the CUDA sources in .venv-cuda (CUDA torch; no GPU needed)
 #   make test-torch-cuda  the test suite against .venv-cuda's torch (2.14.1), on the CPU
+#   make test-torch TORCH=2.11.0 [PYTHON=python3.12]  the suite against any torch, in its own venv
 #   make cpp-test      the torch-free C++ core's tests (ctest): plain, TSan, ASan + UBSan
 #
 # Setup is idempotent: each step leaves a stamp file under $(VENV)/.stamps and runs again only
@@ -36,10 +37,11 @@ BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 CXX_SOURCES = $(shell find csrc tests/cpp \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' \
 	-o -name '*.cu' -o -name '*.cuh' \) -type f 2>/dev/null | sort)
 
-.PHONY: help setup build demo test bench lint cuda-compile test-torch-cuda cpp-test clean distclean
+.PHONY: help setup build demo test bench lint cuda-compile test-torch-cuda test-torch cpp-test \
+	clean distclean
 
 help:
-	@sed -n '3,11p' Makefile | sed 's/^# //'
+	@sed -n '3,12p' Makefile | sed 's/^# //'
 
 # -- the CPU venv ------------------------------------------------------------------------------
 
@@ -129,6 +131,38 @@ $(CUDA_STAMPS)/requirements: requirements-test.txt $(CUDA_STAMPS)/packages
 
 test-torch-cuda: $(CUDA_STAMPS)/requirements
 	tools/test_torch.sh $(CUDA_VENV)
+
+# -- the test suite against any torch release the package index serves (Note [Supported torch]) --
+# make test-torch TORCH=2.11.0 [PYTHON=python3.12]: a venv of its own under $(TORCH_VENVS)
+# (torch-<release>-py<python>), torch pinned, then requirements-test.txt with torch pinned on the
+# same line (ai2-olmo-core and cached-path left out from torch 2.14 on: OLMo-core 3.0.0 takes
+# torch < 2.14, docs/versions.md), then tools/test_torch.sh: the CPU extension built against that
+# torch in a copy of the tree and the whole suite. PyPI's wheels are CUDA builds (GBs with their
+# nvidia packages); where a machine-wide pip constraint caps torch (this project's CI machine:
+# torch <= 2.14.1), `PIP_CONFIG_FILE=/dev/null make test-torch TORCH=2.15.0` lifts it for the run.
+
+TORCH ?=
+TORCH_VENVS ?= build/venvs
+TORCH_PY_VERSION = $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+TORCH_VENV = $(TORCH_VENVS)/torch-$(TORCH)-py$(TORCH_PY_VERSION)
+# OLMo-core 3.0.0 requires torch < 2.14: left out of the requirements from 2.14 on
+TORCH_OLD_OLMO = $(shell $(PYTHON) -c 'import sys; v = sys.argv[1].split("."); \
+	print(int((int(v[0]), int(v[1])) < (2, 14)))' $(TORCH) 2>/dev/null)
+
+test-torch:
+	@if [[ -z "$(TORCH)" ]]; then echo "usage: make test-torch TORCH=<release, e.g. 2.11.0> [PYTHON=python3.12]" >&2; exit 2; fi
+	@if [[ ! -x $(TORCH_VENV)/bin/python ]]; then $(PYTHON) -m venv $(TORCH_VENV); fi
+	@mkdir -p $(TORCH_VENV)/.stamps
+	if [[ ! -f $(TORCH_VENV)/.stamps/torch ]]; then \
+		$(TORCH_VENV)/bin/python -m pip --disable-pip-version-check install "torch==$(TORCH)" && \
+		touch $(TORCH_VENV)/.stamps/torch; fi
+	if [[ ! $(TORCH_VENV)/.stamps/requirements -nt requirements-test.txt ]]; then \
+		if [[ "$(TORCH_OLD_OLMO)" == 1 ]]; then cp requirements-test.txt $(TORCH_VENV)/requirements.txt; \
+		else grep -vE '^(ai2-olmo-core|cached-path)\b' requirements-test.txt > $(TORCH_VENV)/requirements.txt; fi; \
+		$(TORCH_VENV)/bin/python -m pip --disable-pip-version-check install \
+			-r $(TORCH_VENV)/requirements.txt "torch==$(TORCH)" && \
+		touch $(TORCH_VENV)/.stamps/requirements; fi
+	tools/test_torch.sh $(TORCH_VENV)
 
 # -- cleaning ----------------------------------------------------------------------------------
 

@@ -33,13 +33,20 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _check_torch() -> None:
-    """Refuse a torch outside the supported range (Note [Supported torch] in
-    asteria/_supported.py, read without importing asteria), unless ASTERIA_UNSUPPORTED_TORCH=1."""
+    """Refuse a torch older than the supported range, unless ASTERIA_UNSUPPORTED_TORCH=1; warn for
+    a newer torch or an untested Python (Note [Supported torch] in asteria/_supported.py, read
+    without importing asteria)."""
     spec = importlib.util.spec_from_file_location(
         "_asteria_supported", ROOT / "asteria/_supported.py"
     )
     supported = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(supported)
+    for warning in (
+        supported.warning(torch.__version__),
+        supported.python_warning(sys.version_info),
+    ):
+        if warning is not None:
+            print(f"setup.py: WARNING: {warning}", file=sys.stderr)
     message = supported.refusal(torch.__version__)
     if message is None:
         return

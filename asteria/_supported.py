@@ -1,7 +1,9 @@
 """The torch and Python versions Asteria supports, in one place.
 
-Owns: the supported ranges and ``refusal(torch_version)``, the message that setup.py and
-``asteria.info`` give for a torch outside them (Note [Supported torch]).
+Owns: the supported ranges, ``verdict(torch_version)`` (inside, newer, older) and the messages
+that setup.py, ``import asteria`` and ``asteria.info`` give for a torch or Python outside them
+(Note [Supported torch]). What differs between the releases inside the range is
+asteria/_compat.py's.
 
 Must not: import torch or anything of asteria: setup.py reads this file before it builds.
 
@@ -10,55 +12,119 @@ Note [Supported torch]
 Asteria's C++ extension is built against one torch and loads only with it (asteria/_ext.py),
 and its Python code follows torch's optimizer and compile internals closely enough (the step
 hooks' wrapper, the state-dict hooks, ``torch.compiler.disable``, ``torch.testing``'s
-``OptimizerInfo``) that only tested releases are supported: torch ``TORCH_MIN`` up to (not
-including) ``TORCH_BELOW``, on CPython ``PYTHON_MIN`` or newer. CI builds and runs the test
-suite against both ends that the CI machine can install (``TESTED``: the CPU 2.13.0 wheel in
-.venv and the CUDA 2.14.1 wheel, on the CPU, in .venv-cuda; Makefile, .ci/run). setup.py refuses
-any other torch with a message that says which versions work; ``ASTERIA_UNSUPPORTED_TORCH=1``
-builds anyway, with a warning (how the lent H200 machine, which has torch 2.11, builds).
-torch 2.15 is measured in docs/versions.md.
+``OptimizerInfo``) that a release is supported only once the whole suite has passed on it:
+torch ``TORCH_MIN`` through ``TORCH_MAX`` (2.11 to 2.15: what CUDA machines have at this date),
+on CPython ``PYTHON_MIN`` through ``PYTHON_MAX``. ``TESTED`` says how each release is tested:
+CI runs the suite at both ends its machine can install (the CPU 2.13.0 wheel in .venv, the CUDA
+2.14.1 wheel, on the CPU, in .venv-cuda; .ci/run), ``make test-torch TORCH=<release>`` against
+any other in a venv of its own, and docs/versions.md records the runs made by hand (2.11, 2.15,
+Python 3.12).
+
+Outside the range, by side:
+  * an older torch is refused (setup.py exits before it builds) with the message that says what
+    works; ``ASTERIA_UNSUPPORTED_TORCH=1`` builds anyway, with a warning;
+  * a newer torch (or Python) builds and runs, with a warning that names the tested range: a new
+    release usually works, and refusing it would stop users at no gain.
 """
 
 from __future__ import annotations
 
-__all__ = ["PYTHON_MIN", "TESTED", "TORCH_BELOW", "TORCH_MIN", "refusal", "supported_range"]
+__all__ = [
+    "OVERRIDE",
+    "PYTHON_MAX",
+    "PYTHON_MIN",
+    "TESTED",
+    "TORCH_MAX",
+    "TORCH_MIN",
+    "python_warning",
+    "refusal",
+    "release",
+    "supported_range",
+    "verdict",
+    "warning",
+]
 
 #: The oldest supported torch (major, minor).
-TORCH_MIN = (2, 13)
-#: The first unsupported torch release (major, minor): supported are those below it.
-TORCH_BELOW = (2, 15)
+TORCH_MIN = (2, 11)
+#: The newest supported torch (major, minor): newer ones build with a warning.
+TORCH_MAX = (2, 15)
 #: The oldest supported CPython (torch 2.15 itself needs 3.11).
 PYTHON_MIN = (3, 11)
-#: The torch releases the test suite runs against in CI, and how.
+#: The newest tested CPython.
+PYTHON_MAX = (3, 12)
+#: The torch releases the whole suite has passed on, and how it runs there.
 TESTED = {
-    "2.13.0": "CPU wheel (.venv): make test",
-    "2.14.1": "CUDA 13.0 wheel, run on the CPU (.venv-cuda): make test-torch-cuda",
+    "2.11.0": "CUDA 13.0 wheel, run on the CPU: make test-torch TORCH=2.11.0 (docs/versions.md)",
+    "2.13.0": "CPU wheel (.venv): make test (CI)",
+    "2.14.1": "CUDA 13.0 wheel, run on the CPU (.venv-cuda): make test-torch-cuda (CI)",
+    "2.15.0": "CUDA 13.2 wheel, run on the CPU: make test-torch TORCH=2.15.0 (docs/versions.md)",
 }
 
-#: Set to 1 to build against a torch outside the range anyway.
+#: Set to 1 to build against a torch older than the range anyway.
 OVERRIDE = "ASTERIA_UNSUPPORTED_TORCH"
 
 
-def _release(version: str) -> tuple[int, int]:
+def release(version: str) -> tuple[int, int]:
     """``"2.14.1+cu130"`` -> ``(2, 14)``; ``"2.16.0.dev20260101"`` -> ``(2, 16)``."""
     major, minor = version.split("+", 1)[0].split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
+def _dotted(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
 def supported_range() -> str:
-    """The range in words: ``"torch >= 2.13, < 2.15"``."""
-    lo, hi = (".".join(map(str, v)) for v in (TORCH_MIN, TORCH_BELOW))
-    return f"torch >= {lo}, < {hi}"
+    """The range in words: ``"torch 2.11 to 2.15"``."""
+    return f"torch {_dotted(TORCH_MIN)} to {_dotted(TORCH_MAX)}"
+
+
+def python_range() -> str:
+    """``"Python 3.11 to 3.12"``."""
+    return f"Python {_dotted(PYTHON_MIN)} to {_dotted(PYTHON_MAX)}"
+
+
+def verdict(torch_version: str) -> str:
+    """``"inside"``, ``"newer"`` (than the range) or ``"older"``."""
+    r = release(torch_version)
+    if r < TORCH_MIN:
+        return "older"
+    return "newer" if r > TORCH_MAX else "inside"
+
+
+def _tested() -> str:
+    return ", ".join(TESTED)
 
 
 def refusal(torch_version: str) -> str | None:
-    """None for a supported torch, else the message that says which versions work."""
-    if TORCH_MIN <= _release(torch_version) < TORCH_BELOW:
+    """The message for a torch older than the range (which setup.py refuses), else None."""
+    if verdict(torch_version) != "older":
         return None
-    tested = ", ".join(TESTED)
     return (
-        f"Asteria supports {supported_range()} (tested: {tested}); torch {torch_version} is "
+        f"Asteria supports {supported_range()} (tested: {_tested()}); torch {torch_version} is "
         f"installed. Install a supported torch first (e.g. pip install torch=={list(TESTED)[-1]}) "
         f"and build again, or set {OVERRIDE}=1 to build against this one anyway, untested "
+        "(docs/versions.md)."
+    )
+
+
+def warning(torch_version: str) -> str | None:
+    """The warning for a torch newer than the range (which builds and runs), else None."""
+    if verdict(torch_version) != "newer":
+        return None
+    return (
+        f"torch {torch_version} is newer than the releases Asteria is tested on "
+        f"({supported_range()}; tested: {_tested()}): it should work, but the test suite has not "
+        "run on it (make test-torch TORCH=<release> runs it; docs/versions.md)."
+    )
+
+
+def python_warning(python_version: tuple[int, ...]) -> str | None:
+    """The warning for a CPython outside :func:`python_range`, else None (setup.py, asteria.info;
+    pyproject.toml's requires-python refuses an older one before either)."""
+    if PYTHON_MIN <= tuple(python_version[:2]) <= PYTHON_MAX:
+        return None
+    return (
+        f"Python {_dotted(tuple(python_version[:3]))} is outside the tested {python_range()} "
         "(docs/versions.md)."
     )

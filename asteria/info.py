@@ -1,8 +1,9 @@
 """``python -m asteria.info``: how the extension was built, what it found, and whether that fits,
 and what the public low-level API can do here.
 
-Owns: the build report (xformers' ``python -m xformers.info`` idea). Reads the extension's build
-record (``asteria/_build_info.py``), ``asteria._C.build_info()``, torch's own config, and
+Owns: the build report (xformers' ``python -m xformers.info`` idea): the supported torch and
+Python range and whether the running ones are inside it (asteria/_supported.py), the extension's
+build record (``asteria/_build_info.py``), ``asteria._C.build_info()``, torch's own config, and
 ``asteria.lowlevel.capabilities()`` (CUDA, pinned and mapped memory, the CUDA copy stream,
 O_DIRECT in the spill directory, the LAPACK path, per-worker LAPACK threads, the custom ops).
 ``--spill-dir DIR`` probes O_DIRECT there instead of the temporary directory.
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 import asteria
-from asteria import _C
+from asteria import _C, _supported
 from asteria.lowlevel import capabilities
 
 
@@ -61,7 +62,17 @@ def collect(spill_dir: str | None = None) -> dict[str, Any]:
         "cxx_flags": recorded.get("CXX_FLAGS"),
         "link": recorded.get("LINK"),
         "capabilities": capabilities(spill_dir).as_dict(),
+        "supported_range": f"{_supported.supported_range()}, {_supported.python_range()}",
+        "torch_in_range": _supported.verdict(torch.__version__),
+        "python_in_range": _supported.python_warning(sys.version_info) is None,
     }
+
+
+_IN_RANGE = {
+    "inside": "yes",
+    "newer": "no: newer than the tested range (should work, untested)",
+    "older": "no: older than the range (unsupported)",
+}
 
 
 def verdict(info: dict[str, Any]) -> str:
@@ -70,6 +81,8 @@ def verdict(info: dict[str, Any]) -> str:
     A build against another torch never gets here: ``import asteria`` already refused it with an
     ImportError that says how to rebuild (asteria/_ext.py).
     """
+    if info["torch_in_range"] != "inside" or not info["python_in_range"]:
+        return f"OK, outside the tested range ({info['supported_range']}): docs/versions.md"
     if info["cuda_available"] and not info["cuda_extension"]:
         return "OK (CPU-only build on a CUDA machine: rebuild with CUDA for the GPU paths)"
     if info["cuda_extension"]:
@@ -86,6 +99,9 @@ def format_report(info: dict[str, Any]) -> str:
         ("python", info["python"]),
         ("torch (built against)", info["torch_built_against"]),
         ("torch (running)", info["torch_running"]),
+        ("supported", info["supported_range"]),
+        ("this torch in the range", _IN_RANGE[info["torch_in_range"]]),
+        ("this Python in the range", "yes" if info["python_in_range"] else "no (untested)"),
         ("CUDA extension", cuda),
         ("CUDA device available", "yes" if info["cuda_available"] else "no"),
         ("LAPACK backend", f"{info['lapack_backend']} (eigh path: {info['eigh_path']})"),

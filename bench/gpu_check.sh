@@ -272,7 +272,7 @@ if [[ -n $OUT ]]; then echo "   copies to: \$OUT=$OUT"; fi
 # The GPU machine's torch (2.11 on the H200) may lie outside the supported range that setup.py
 # enforces (Note [Supported torch] in asteria/_supported.py): this check builds against whatever
 # torch is installed, so it says so (setup.py warns) instead of stopping at the build.
-run_phase build -- env ASTERIA_FORCE_CUDA=1 ASTERIA_UNSUPPORTED_TORCH=1 \
+run_phase build -- env ASTERIA_FORCE_CUDA=1 \
     TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" MAX_JOBS="$MAX_JOBS" "$PY" -m pip install --disable-pip-version-check -v --no-build-isolation \
     --no-deps -e .
 

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch.optim import Optimizer
 
+from asteria import _compat
 from asteria.optim.blocking import ParamLayout
 from asteria.optim.checks import (
     check_betas,
@@ -239,8 +240,7 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise ValueError(f"a parameter group of {name} must be a dict with a 'params' key")
         ps = param_group["params"]
-        if isinstance(ps, set):
-            raise TypeError(f"params of {name} must be an ordered collection (a list), not a set")
+        _compat.check_params_not_a_set(name, ps, in_group=True)
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # a generator is read once
         for p in ps:
             named = isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
@@ -563,8 +563,7 @@ def _param_list(name: str, params: Any) -> list:
             "params argument given to the optimizer should be an iterable of Tensors or dicts, "
             f"but got {torch.typename(params)} ({name}: a single tensor goes in a list)"
         )
-    if isinstance(params, set):
-        raise TypeError(f"params of {name} must be an ordered collection (a list), not a set")
+    _compat.check_params_not_a_set(name, params)  # torch 2.15 warns: Note [Per-release differences]
     try:
         params = list(params)
     except TypeError:

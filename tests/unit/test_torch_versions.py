@@ -1,7 +1,9 @@
-"""The supported torch and Python versions (issue 23, item 3; Note [Supported torch] in
-asteria/_supported.py): the range, setup.py's refusal of a torch outside it, the docs that state
-it. CI runs the whole suite against both ends of the range (.ci/run: make test, make
-test-torch-cuda), where ``test_the_running_torch_is_supported`` checks each."""
+"""The supported torch and Python versions (issues 23 and 40; Note [Supported torch] in
+asteria/_supported.py): the range, setup.py's refusal of an older torch and warning for a newer
+one, ``python -m asteria.info``'s line on it, the docs that state it. CI runs the whole suite
+against two releases of the range (.ci/run: make test, make test-torch-cuda) and
+``make test-torch TORCH=<release>`` against any other, where
+``test_the_running_torch_is_supported`` checks each."""
 
 from __future__ import annotations
 
@@ -12,10 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from asteria import _supported
+from asteria import _supported, info
 
 ROOT = Path(__file__).resolve().parents[2]
+
+releases = st.tuples(st.integers(1, 3), st.integers(0, 30))
+suffixes = st.sampled_from(["", "+cpu", "+cu130", "+cu132", ".dev20260101", "a0+git1234", "rc1"])
 
 
 def _version(release: tuple[int, int], patch: str = "0") -> str:
@@ -23,22 +30,56 @@ def _version(release: tuple[int, int], patch: str = "0") -> str:
 
 
 def test_the_running_torch_is_supported():
+    assert _supported.verdict(torch.__version__) == "inside"
     assert _supported.refusal(torch.__version__) is None
-    assert sys.version_info[:2] >= _supported.PYTHON_MIN
+    assert _supported.warning(torch.__version__) is None
+    assert _supported.python_warning(sys.version_info) is None
 
 
-@pytest.mark.parametrize("version", [*_supported.TESTED, "2.13.0+cpu", "2.14.1+cu130"])
+@pytest.mark.parametrize("version", [*_supported.TESTED, "2.11.0+cu130", "2.15.0+cu132"])
 def test_the_tested_releases_are_in_the_range(version):
-    assert _supported.refusal(version) is None
+    assert _supported.verdict(version) == "inside"
 
 
-def test_torch_outside_the_range_is_refused_with_the_range():
-    lo, hi = _supported.TORCH_MIN, _supported.TORCH_BELOW
-    below = _version((lo[0], lo[1] - 1), "1")
-    for version in (below, _version(hi), _version(hi, "0.dev20260101"), "3.0.0", "1.13.1"):
-        message = _supported.refusal(version)
-        assert message is not None and f"torch {version} is installed" in message
-        assert _supported.supported_range() in message and _supported.OVERRIDE in message
+def test_the_range_is_what_cuda_machines_have():
+    """Issue 40: torch 2.11 to 2.15, CPython 3.11 and 3.12; the tested releases span it."""
+    assert (_supported.TORCH_MIN, _supported.TORCH_MAX) == ((2, 11), (2, 15))
+    assert (_supported.PYTHON_MIN, _supported.PYTHON_MAX) == ((3, 11), (3, 12))
+    tested = sorted(_supported.release(v) for v in _supported.TESTED)
+    assert tested[0] == _supported.TORCH_MIN and tested[-1] == _supported.TORCH_MAX
+
+
+@given(release=releases, patch=st.integers(0, 9), suffix=suffixes)
+def test_every_version_gets_one_verdict_and_its_message(release, patch, suffix):
+    """Older: refused, with the range, the tested releases and the override; newer: a warning
+    naming the range; inside: neither."""
+    version = _version(release, f"{patch}{suffix}")
+    verdict = _supported.verdict(version)
+    expected = (
+        "older"
+        if release < _supported.TORCH_MIN
+        else "newer"
+        if release > _supported.TORCH_MAX
+        else "inside"
+    )
+    assert verdict == expected
+    refusal, warning = _supported.refusal(version), _supported.warning(version)
+    assert (refusal is not None) == (verdict == "older")
+    assert (warning is not None) == (verdict == "newer")
+    for message in filter(None, (refusal, warning)):
+        assert f"torch {version}" in message and _supported.supported_range() in message
+        assert all(tested in message for tested in _supported.TESTED)
+    if refusal is not None:
+        assert _supported.OVERRIDE in refusal
+
+
+@given(minor=st.integers(0, 20), micro=st.integers(0, 9))
+def test_python_outside_the_tested_range_warns(minor, micro):
+    inside = _supported.PYTHON_MIN <= (3, minor) <= _supported.PYTHON_MAX
+    message = _supported.python_warning((3, minor, micro))
+    assert (message is None) == inside
+    if message is not None:
+        assert f"Python 3.{minor}.{micro}" in message and _supported.python_range() in message
 
 
 def _setup_py(fake_version: str, **env: str) -> subprocess.CompletedProcess:
@@ -58,7 +99,7 @@ def _setup_py(fake_version: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_setup_py_refuses_an_unsupported_torch():
+def test_setup_py_refuses_an_older_torch():
     version = _version((_supported.TORCH_MIN[0], _supported.TORCH_MIN[1] - 1))
     proc = _setup_py(version)
     assert proc.returncode == 1
@@ -69,11 +110,42 @@ def test_setup_py_refuses_an_unsupported_torch():
     assert forced.stdout.strip().splitlines()[-1] == "0.1.0"
 
 
+def test_setup_py_builds_a_newer_torch_with_a_warning():
+    version = _version((_supported.TORCH_MAX[0], _supported.TORCH_MAX[1] + 1))
+    proc = _setup_py(version)
+    assert proc.returncode == 0, proc.stderr
+    assert f"setup.py: WARNING: torch {version} is newer" in proc.stderr
+    assert _supported.supported_range() in proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "0.1.0"
+    inside = _setup_py(_version(_supported.TORCH_MIN))
+    assert inside.returncode == 0 and "WARNING" not in inside.stderr, inside.stderr
+
+
+@pytest.mark.parametrize(
+    ("version", "line"),
+    [
+        ("2.11.0+cu130", "yes"),
+        ("2.16.0", "no: newer than the tested range"),
+        ("2.10.1", "no: older than the range"),
+    ],
+)
+def test_info_prints_the_range_and_whether_this_torch_is_in_it(monkeypatch, version, line):
+    monkeypatch.setattr(torch, "__version__", version)
+    report = info.format_report(info.collect())
+    rows = dict(r.split("  ", 1) for r in report.splitlines())
+    assert rows["supported"].strip() == (
+        f"{_supported.supported_range()}, {_supported.python_range()}"
+    )
+    assert rows["this torch in the range"].strip().startswith(line)
+    assert rows["this Python in the range"].strip() == "yes"
+    assert ("outside the tested range" in rows["verdict"]) == (line != "yes")
+
+
 def test_the_docs_state_the_range():
     python = ".".join(map(str, _supported.PYTHON_MIN))
     for doc in ("README.md", "docs/versions.md"):
         text = (ROOT / doc).read_text()
         assert _supported.supported_range() in text, doc
-        assert f"Python >= {python}" in text, doc
+        assert _supported.python_range() in text, doc
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'requires-python = ">={python}"' in pyproject
