@@ -768,13 +768,13 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
     import asteria.optim.soap as soap_module
 
     calls: list[tuple[str, int]] = []
-    real = soap_module.soap_update_blocks
+    real = soap_module._update_batched
 
-    def spy(grads, *args):
-        calls.append((threading.current_thread().name, sum(g.numel() for g in grads)))
-        real(grads, *args)
+    def spy(blocks, *args):
+        calls.append((threading.current_thread().name, sum(c.grad.numel() for c, _ in blocks)))
+        real(blocks, *args)
 
-    monkeypatch.setattr(soap_module, "soap_update_blocks", spy)
+    monkeypatch.setattr(soap_module, "_update_batched", spy)
     problem = StochasticQuartic([(12, 10), (6, 6), (5, 6), (4, 3, 2), (7,)], 40, torch.float32)
     native = problem.run(lambda ps: SOAP(ps, precondition_frequency=5))
     assert len(calls) == 39  # the first step initializes the bases and does not update
@@ -783,17 +783,18 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
         lane = [n for on_lane, n in runs if on_lane]
         mine = [n for on_lane, n in runs if not on_lane]
         if split:
-            # the (12, 10) block alone on one side, the other three (36 + 30 + 7) on the other
-            assert len(lane) == len(mine) == 39 and sorted({*lane, *mine}) == [73, 120]
+            # the (12, 10) block alone on one side, the other four (36 + 30 + 24 + 7) on the
+            # other (every block goes through the batched update: Note [Batched steps])
+            assert len(lane) == len(mine) == 39 and sorted({*lane, *mine}) == [97, 120]
         else:
             assert not lane and len(mine) == 39
 
-    def broken(grads, *args):
+    def broken(blocks, *args):
         if threading.current_thread().name.startswith("asteria-statistics"):
             raise ValueError("broken on the lane")
-        real(grads, *args)
+        real(blocks, *args)
 
-    monkeypatch.setattr(soap_module, "soap_update_blocks", broken)
+    monkeypatch.setattr(soap_module, "_update_batched", broken)
     with pytest.raises(ValueError, match="broken on the lane"):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
 
