@@ -117,9 +117,10 @@ $(CUDA_STAMPS)/packages: | $(CUDA_PY)
 cuda-compile: $(CUDA_STAMPS)/packages
 	source $(CUDA_VENV)/bin/activate && tools/compile_cuda.sh
 
-# -- the test suite against the newest supported torch (Note [Supported torch]) ------------------
-# .venv-cuda's torch is the highest of the supported range this machine installs; its CUDA wheel
-# runs on the CPU. The CPU extension is built against it in a copy of the tree (tools/test_torch.sh).
+# -- the test suite against the newest torch CI installs (Note [Supported torch]) ----------------
+# .venv-cuda's torch is the highest of the supported range this machine installs (2.15 is above its
+# pip cap: make test-torch below, docs/versions.md); its CUDA wheel runs on the CPU. The CPU
+# extension is built against it in a copy of the tree (tools/test_torch.sh).
 
 # ai2-olmo-core 3.0.0, the newest, requires torch < 2.14: it (and cached-path, which only it
 # needs) is left out here, and the OLMo-core tests skip (docs/versions.md).
