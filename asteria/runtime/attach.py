@@ -12,6 +12,14 @@ pool and executors, statistics lane and gradient guards, bases, pacer, refreshes
 boundaries and module signals, returned as one ``Parts``), undone in full when an attach is
 refused (``Parts.undo``).
 
+Note [Test overrides at build]: the test hooks of ``asteria.runtime.testing`` (a slowed pool, a
+pretended GPU, forced staged snapshots, wrapped statistics, a device-stream stand-in) are
+looked up here, when the runtime attaches, and only where a test or benchmark imported that
+module (``test_overrides``); the parts are handed what they use (``Parts.testing``, the
+``delayed`` of ``Executors``, the runtime's statistics wrapper). Production code imports no test
+module and reads no test global on a step's path; in a test process the hooks stay live after
+attach (a test may enter ``slow_pool`` between steps), through the functions handed in.
+
 Must not: decide anything per step, or hold a strong reference to the runtime in what it makes
 (hooks and finalizers hold it weakly).
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -36,7 +45,7 @@ from asteria.memory.tiers import Arch, BlockSizes, Placement, plan
 from asteria.memory.window import WINDOW_BLOCKS, BasesWindow
 from asteria.optim.base import BlockKey, KroneckerOptimizer
 from asteria.optim.matrix_functions import MatrixFunctionError
-from asteria.runtime import state, testing
+from asteria.runtime import state
 from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases, WindowBases
 from asteria.runtime.boundary import Boundaries
 from asteria.runtime.config import RuntimeConfig
@@ -136,7 +145,8 @@ def choose(
 ) -> Attachment:
     """Every attach-time choice (ValueError: what to change, for a placement that cannot be)."""
     params = params_of(optimizer)
-    staged = any(p.is_cuda for p in params) or testing.staged_snapshots_forced()
+    t = test_overrides()
+    staged = any(p.is_cuda for p in params) or (t is not None and t.staged_snapshots_forced())
     ring = (0, 0)
     if staged:
         try:
@@ -217,7 +227,8 @@ def _placement(
 ) -> tuple[Arch, list[BlockSizes], Placement]:
     """The tier policy's placement for this optimizer's state."""
     device = params[0].device if params else torch.device("cpu")
-    arch = testing.arch_of(device, detect_arch)
+    t = test_overrides()
+    arch = detect_arch(device) if t is None else t.arch_of(device, detect_arch)
     try:
         sizes = estimate_blocks(optimizer, lambda pid, bi: block_name((pid, bi)))
     except ValueError:
@@ -234,10 +245,24 @@ def _placement(
         placement=config.placement,
         staging_bytes=staging,
         bases_window=optimizer.reads_bases_through_refresher,
-        window_blocks=testing.window_blocks(WINDOW_BLOCKS),
+        window_blocks=window_blocks(),
         bases_device_bytes=int(config.device_bases_fraction * _free_device_bytes(device, arch)),
     )
     return arch, sizes, placement
+
+
+def test_overrides() -> Any:
+    """Note [Test overrides at build]: ``asteria.runtime.testing`` where a test or benchmark
+    imported it, else None. The runtime's parts are handed what they use of it when they are
+    made (the wrapper of the statistics updates, the slowed futures, the pretended machine);
+    production code never imports it, and a run without it takes no test branch anywhere."""
+    return sys.modules.get("asteria.runtime.testing")
+
+
+def window_blocks() -> int:
+    """The bases window's slots: ``WINDOW_BLOCKS``, or a test's (``testing.pretend_arch``)."""
+    t = test_overrides()
+    return WINDOW_BLOCKS if t is None else t.window_blocks(WINDOW_BLOCKS)
 
 
 def _free_device_bytes(device: torch.device, arch: Arch) -> int:
@@ -246,7 +271,8 @@ def _free_device_bytes(device: torch.device, arch: Arch) -> int:
     (0 unless given: the window)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    return testing.device_free_bytes() if arch.cuda else 0
+    t = test_overrides()
+    return t.device_free_bytes() if arch.cuda and t is not None else 0
 
 
 def copy_stream(optimizer: KroneckerOptimizer) -> Copies:
@@ -288,7 +314,7 @@ def choose_bases(
         return DeviceBases(optimizer, lane, install_flops)
     # (on CPU parameters the copy stream is the stand-in: a test that makes the CPU look like a
     # discrete GPU, asteria.runtime.testing.pretend_arch)
-    slots = testing.window_blocks(WINDOW_BLOCKS)
+    slots = window_blocks()
     window = BasesWindow(copies(), slots, placement.window_bytes // slots)
 
     def fit(key: BlockKey, need: int, window: BasesWindow) -> None:
@@ -323,17 +349,20 @@ def executors(
     params = params_of(optimizer)
     device = params[0].device if params else torch.device("cpu")
     cuda = device.type == "cuda" and torch.cuda.is_available()
-    if config.device_refresh and not cuda and not testing.device_stream_forced():
+    t = test_overrides()
+    stand_in = t is not None and t.device_stream_forced()
+    if config.device_refresh and not cuda and not stand_in:
         raise ValueError(
             "device_refresh=True needs parameters on a CUDA device; these are on "
             f"{device} (device_refresh=None or False runs every refresh on the pool)"
         )
     stream = None
-    if testing.device_stream_forced():
+    if stand_in:
         stream = StreamExecutor(None, timeout_error)
     elif device_stream_allowed(config, cuda):
         stream = StreamExecutor(device, timeout_error)
-    return Executors(pool, stream, config.resolved_workers, budget, timeout_error)
+    delayed = None if t is None else t.delayed
+    return Executors(pool, stream, config.resolved_workers, budget, timeout_error, delayed)
 
 
 def device_stream_allowed(config: RuntimeConfig, cuda: bool) -> bool:
@@ -377,6 +406,7 @@ class Parts:
     refreshes: Refreshes | None = None
     boundaries: Boundaries | None = None
     finalizer: Any = None  # weakref.finalize: stops the pool when the runtime goes uncollected
+    testing: Any = None  # the test hooks where imported (Note [Test overrides at build])
 
     def undo(self, optimizer: KroneckerOptimizer, runtime: object) -> None:
         """Take down what a refused attach made (its threads joined)."""
@@ -423,6 +453,7 @@ def build(
     )
     pid_of = {id(p): i for i, p in enumerate(params_of(optimizer))}
     p = Parts(names, block_name, pid_of, Registry(c.staleness), schedule)
+    p.testing = test_overrides()
     # Under torch.distributed: topology, owners and the sync of replicated blocks (Note
     # [Distributed coherence] in distributed.py). Its attach-time checks are collective and
     # come before any thread, hook or pool exists.

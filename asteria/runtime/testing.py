@@ -22,7 +22,9 @@ computes:
   executor that runs on the CPU, which refresh placement may move jobs to (Note [Refresh
   placement] in placement.py).
 
-Must not: be used outside tests and benchmarks of the runtime.
+Must not: be used outside tests and benchmarks of the runtime, or be imported by the runtime's
+own modules: a runtime consults it at attach, and only where it was imported (Note [Test
+overrides at build] in attach.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ bases strategy (the window forced with ``asteria.runtime.testing.pretend_arch``)
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -226,3 +228,26 @@ def test_bases_stay_on_the_device_exactly_when_the_device_state_fits_the_budget(
     assert placement["tiers"]["bases"] == ("device" if fits else "host")
     assert placement["bases_access"] == (None if fits else "window")
     assert any("budget" in n for n in placement["notes"]) == (fraction * free >= 1)
+
+
+def test_a_production_run_never_imports_the_test_hooks():
+    # Note [Test overrides at build]: a runtime attached and stepped without the test hooks
+    # imported takes no test branch (its parts hold none) and imports none
+    code = """
+import sys, torch
+from asteria.optim import SOAP
+from asteria.runtime import Runtime, RuntimeConfig
+model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+opt = SOAP(model.parameters(), precondition_frequency=2)
+with Runtime(model, opt, RuntimeConfig(staleness=1, workers=1)) as rt:
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+    assert rt._parts.testing is None and rt._wrap_statistics is None
+    assert rt._executors._delayed is None
+assert "asteria.runtime.testing" not in sys.modules
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
