@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "BATCH_ELEMENTS",
     "bases_of",
+    "block_key",
     "batched_gram",
     "batched_mode_products",
     "pieces",
@@ -55,8 +56,13 @@ Mats = Sequence[torch.Tensor | None]
 #     pays for.
 # The ops dispatched per step then grow with the number of shape groups (and pieces: a piece
 # is cut at ``BATCH_ELEMENTS`` elements, and at the refresher's ``bases_room``), not blocks.
-# ``bmm`` sums in the order ``mm`` does on the CPU backends measured, but it need not: results
-# agree with the per-block ops to rounding, not bit for bit (docs/fidelity.md, "Batched steps").
+# On the CPU the results are bitwise those of the per-block ops (tests/unit/test_fused_steps.py,
+# test_batched_steps.py): ``bmm`` calls the BLAS ``gemm`` that ``mm`` calls, on operands in the
+# same layout (``stack`` keeps column-major bases column-major; the general order-k path moves
+# dims as kron's ``tensordot`` does), except for products under ``SMALL_BMM`` multiply-adds,
+# which ATen's ``bmm`` computes with its own loop: such blocks run alone (``block_key``). On a
+# GPU cuBLAS may choose other kernels for a batched product than for one matrix: there the
+# results agree with the per-block ops to rounding (docs/fidelity.md, "Batched steps").
 # A group of one block goes through the per-block ops (nothing to stack).
 
 
@@ -72,6 +78,20 @@ def shape_groups(items: Sequence[T], key: Callable[[T], Hashable]) -> list[list[
 def tensor_key(t: torch.Tensor | None) -> Hashable:
     """What must agree for tensors to be stacked: shape, dtype, device."""
     return None if t is None else (tuple(t.shape), t.dtype, t.device)
+
+
+#: On the CPU, ATen's ``bmm`` computes a product of fewer multiply-adds than this (rows x
+#: cols x contraction) with its own loop, not BLAS: other roundings than ``mm``'s.
+SMALL_BMM = 400
+
+
+def block_key(t: torch.Tensor) -> Hashable:
+    """``tensor_key`` of a block (its gradient), or a key of its own (a group of one, the
+    per-block ops) where a CPU ``bmm`` of its products would round otherwise than ``mm``
+    (``SMALL_BMM``: every product of a block with a basis has ``numel x d_i`` multiply-adds)."""
+    if t.device.type == "cpu" and t.numel() * min(t.shape, default=1) < SMALL_BMM:
+        return object()
+    return tensor_key(t)
 
 
 def pieces(
@@ -136,15 +156,18 @@ def batched_mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch
         if right is not None:
             x = torch.bmm(x, right if transpose else right.transpose(1, 2))
         return x
+    # kron's general path per block: one dim at a time, the processed dim moved last (tensordot
+    # over dim 0), so that each bmm reads its operands in the layout each mm read them in
     batch = x.shape[0]
-    for i, m in enumerate(mats):
+    for m in mats:
+        moved = x.movedim(1, -1)
         if m is None:
+            x = moved
             continue
-        moved = x.movedim(i + 1, -1)
-        shape = moved.shape
-        flat = moved.reshape(batch, -1, shape[-1])
+        rest = moved.shape[1:-1]
+        flat = moved.reshape(batch, -1, moved.shape[-1])
         out = torch.bmm(flat, m if transpose else m.transpose(1, 2))
-        x = out.reshape(shape).movedim(-1, i + 1)
+        x = out.reshape(batch, *rest, m.shape[-1])
     return x
 
 

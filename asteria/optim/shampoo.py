@@ -67,6 +67,7 @@ from asteria.optim.base import (
     ParamsT,
     RefreshJob,
     RootRefresh,
+    Update,
     block_views,
     check_betas,
     check_range,
@@ -74,6 +75,7 @@ from asteria.optim.base import (
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
+from asteria.optim.shampoo_step import update_group
 
 __all__ = ["Shampoo", "GRAFTINGS", "merge_small_dims_reversed"]
 
@@ -252,6 +254,15 @@ class Shampoo(KroneckerOptimizer):
             ]
         return state
 
+    def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
+        """The group's parameters at once (shampoo_step.py, Note [Batched steps] in
+        batched.py): the ops of ``_update_param``, each over many blocks. With momentum each
+        parameter runs ``_update_param``."""
+        if group["momentum"] > 0:
+            super()._update_params(group, updates)
+            return
+        update_group(self, group, updates)
+
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         beta1 = group["betas"][0]
         lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
@@ -347,14 +358,7 @@ class Shampoo(KroneckerOptimizer):
         """Step ``t``'s factor update. With ``b2 < 1`` and ``use_bias_correction`` the factors
         are kept divided by ``c_t = 1 - b2^t`` (what Meta divides them by before each root):
         ``L_t / c_t = (b2 c_{t-1}) / c_t * L_{t-1} / c_{t-1} + (1 - b2) / c_t * G G^T``."""
-        beta2 = group["betas"][1]
-        if beta2 == 1.0:
-            scale, weight = 1.0, 1.0
-        elif group["use_bias_correction"]:
-            c_prev, c = 1 - beta2 ** (t - 1), 1 - beta2**t
-            scale, weight = beta2 * c_prev / c, (1 - beta2) / c
-        else:
-            scale, weight = beta2, 1 - beta2
+        scale, weight = factor_scales(group, t)
         for i, f in enumerate(block["factors"]):
             if scale != 1.0:
                 f.mul_(scale)
@@ -416,6 +420,18 @@ class Shampoo(KroneckerOptimizer):
         block["roots"] = [
             r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
         ]
+
+
+def factor_scales(group: dict[str, Any], t: int) -> tuple[float, float]:
+    """Step ``t``'s ``(scale, weight)`` of the factor update ``L <- scale L + weight G G^T``
+    (``Shampoo._update_factors``)."""
+    beta2 = group["betas"][1]
+    if beta2 == 1.0:
+        return 1.0, 1.0
+    if group["use_bias_correction"]:
+        c_prev, c = 1 - beta2 ** (t - 1), 1 - beta2**t
+        return beta2 * c_prev / c, (1 - beta2) / c
+    return beta2, 1 - beta2
 
 
 def merge_small_dims_reversed(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:

@@ -51,6 +51,7 @@ from asteria.optim.batched import (
     bases_room,
     batched_gram,
     batched_mode_products,
+    block_key,
     pieces,
     shape_groups,
     stack,
@@ -352,11 +353,11 @@ def _after_group() -> None:
 
 
 def _factors_key(c: _BlockStep) -> tuple:
-    return (tensor_key(c.grad), tuple(f is not None for f in c.block["factors"]))
+    return (block_key(c.grad), tuple(f is not None for f in c.block["factors"]))
 
 
 def _shape_key(c: _BlockStep) -> tuple:
-    return (tensor_key(c.grad), tuple(tensor_key(q) for q in c.block["bases"]))
+    return (block_key(c.grad), tuple(tensor_key(q) for q in c.block["bases"]))
 
 
 def _elements(c: _BlockStep) -> int:
@@ -455,7 +456,7 @@ def _rotate(
     its RMS (the authors' ``normalize_grads``)."""
     out = list(xs)
     for idx in shape_groups(
-        blocks, lambda item: (tensor_key(item[0].grad), *map(tensor_key, item[1]))
+        blocks, lambda item: (block_key(item[0].grad), *map(tensor_key, item[1]))
     ):
         qs = blocks[idx[0]][1]
         if len(idx) == 1:
