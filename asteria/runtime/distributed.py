@@ -12,7 +12,8 @@ Owns: what the runtime needs under ``torch.distributed`` (DDP, FSDP2 ``fully_sha
   once, on every rank, in the same order;
 * ownership: every replicated block has one owner in its replica group, chosen greedily to
   balance refresh cost (``sum d^3`` over its factored dims) across nodes, then ranks;
-* the sync of one block's refresh from its owner to its replica group (``Coherence.sync``): the
+* the sync of one block's refresh from its owner to its replica group (``Coherence.exchange``;
+  ``Refreshes.sync_replicated`` waits on the owner and installs on every rank): the
   owner waits for its job and sends its outcome (``OK`` with the results, ``FAILED`` for a
   refresh that failed in float32 and float64, ``CRASHED`` for any other error in a worker), and
   every rank acts on the same outcome at the same step; hierarchical for the world group
@@ -50,20 +51,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from asteria.optim.base import BlockKey, KroneckerOptimizer, local_tensor
-from asteria.runtime.registry import RefreshFailedError, StalenessTimeoutError
-
-if TYPE_CHECKING:
-    from asteria.runtime.refreshes import Refreshes
-    from asteria.runtime.registry import BlockEntry
+from asteria.runtime.registry import StalenessTimeoutError
 
 __all__ = [
     "CRASHED",
@@ -352,47 +348,6 @@ class Coherence:
         return self.owner(key) == self.rank
 
     # -- one block's sync -------------------------------------------------------------------
-
-    def sync(
-        self, key: BlockKey, e: BlockEntry, step: int, block: dict | None, refreshes: Refreshes
-    ) -> None:
-        """Install replicated block ``key``'s refresh in flight at ``step`` on every rank of its
-        replica group: the owner waits for it (the bounded barrier on its own pool) and sends
-        its outcome; every rank installs what the owner sent, or keeps its previous version
-        (``FAILED``), or raises (``CRASHED``), alike."""
-        pending = e.pending
-        if block is None:
-            block = refreshes.block_state(key)
-        status, results, error = OK, None, ""
-        if self.is_owner(key):
-            refreshes.wait(e, step)
-            try:
-                results = refreshes.results(key, e, pending, block)
-            except refreshes.errors as err:
-                status, error = FAILED, str(err)
-            except Exception as err:
-                status, error = CRASHED, f"{type(err).__name__}: {err}"
-        e.pending = None
-        factors = block["factors"]
-        dims = [0 if f is None else int(f.shape[0]) for f in factors]
-        dtype = next(f for f in factors if f is not None).dtype
-        t0 = time.perf_counter()
-        status, results = self.exchange(
-            key, e.name, step, pending.jobs, dims, dtype, status, results
-        )
-        refreshes.wait_s += time.perf_counter() - t0
-        owner = self.owner(key)
-        if status == FAILED:
-            refreshes.count_failure(e, f" (owner rank {owner})", error)
-            return  # keep the previous version, on every rank
-        if status != OK:
-            refreshes.failed += 1
-            raise RefreshFailedError(
-                f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
-                f"in a worker of its owner rank {owner}" + (f": {error}" if error else "")
-            )
-        refreshes.install_results(key, e, pending, block, step, results)
-        e.synced_step = step
 
     def exchange(
         self,

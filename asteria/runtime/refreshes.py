@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,6 +28,7 @@ from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.optim.tensors import no_autocast
 from asteria.runtime.bases import BasesAccess
 from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.distributed import CRASHED, FAILED, OK, Coherence
 from asteria.runtime.lane import StatisticsLaneError
 from asteria.runtime.registry import (
     BlockEntry,
@@ -39,9 +40,6 @@ from asteria.runtime.registry import (
 from asteria.runtime.schedule import Pacer
 from asteria.runtime.snapshots import Snapshots, pool_submit
 from asteria.runtime.spill import SpillTier
-
-if TYPE_CHECKING:
-    from asteria.runtime.distributed import Coherence
 
 __all__ = ["Refreshes", "Restored", "block_state"]
 
@@ -307,7 +305,7 @@ class Refreshes:
         """Install ``e``'s refresh in flight at this boundary, waiting for it: on every rank at
         once for a replicated block (Note [Distributed coherence] in distributed.py)."""
         if replicated:
-            self.coherence.sync(key, e, step, block, self)
+            self.sync_replicated(key, e, step, block)
         else:
             self.wait(e, step)
             self.install(key, e, step, block)
@@ -361,6 +359,47 @@ class Refreshes:
             e.pending = None
         self.registry.record_install(e, pending.requested, step)
 
+    def sync_replicated(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None) -> None:
+        """Install replicated block ``key``'s refresh in flight at ``step`` on every rank of its
+        replica group (Note [Distributed coherence] in distributed.py): the owner waits for it
+        (the bounded barrier on its own pool) and the coherence sends its outcome; every rank
+        installs what the owner sent, or keeps its previous version (``FAILED``), or raises
+        (``CRASHED``), alike."""
+        coherence = self.coherence
+        pending = e.pending
+        if block is None:
+            block = self.block_state(key)
+        status, results, error = OK, None, ""
+        if coherence.is_owner(key):
+            self.wait(e, step)
+            try:
+                results = self.results(key, e, pending, block)
+            except self.errors as err:
+                status, error = FAILED, str(err)
+            except Exception as err:
+                status, error = CRASHED, f"{type(err).__name__}: {err}"
+        e.pending = None
+        factors = block["factors"]
+        dims = [0 if f is None else int(f.shape[0]) for f in factors]
+        dtype = next(f for f in factors if f is not None).dtype
+        t0 = time.perf_counter()
+        status, results = coherence.exchange(
+            key, e.name, step, pending.jobs, dims, dtype, status, results
+        )
+        self.wait_s += time.perf_counter() - t0
+        owner = coherence.owner(key)
+        if status == FAILED:
+            self.count_failure(e, f" (owner rank {owner})", error)
+            return  # keep the previous version, on every rank
+        if status != OK:
+            self.failed += 1
+            raise RefreshFailedError(
+                f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
+                f"in a worker of its owner rank {owner}" + (f": {error}" if error else "")
+            )
+        self.install_results(key, e, pending, block, step, results)
+        e.synced_step = step
+
     def count_failure(
         self, e: BlockEntry, where: str, error: str, cause: BaseException | None = None
     ) -> None:
@@ -395,7 +434,7 @@ class Refreshes:
             if e.pending is None:
                 continue
             if self.replicated(key):
-                self.coherence.sync(key, e, self.current_step(key), None, self)
+                self.sync_replicated(key, e, self.current_step(key), None)
                 continue
             try:
                 self.wait(e, self.current_step(key))
