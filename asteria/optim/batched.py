@@ -76,8 +76,9 @@ def shape_groups(items: Sequence[T], key: Callable[[T], Hashable]) -> list[list[
 
 
 def tensor_key(t: torch.Tensor | None) -> Hashable:
-    """What must agree for tensors to be stacked: shape, dtype, device."""
-    return None if t is None else (tuple(t.shape), t.dtype, t.device)
+    """What must agree for tensors to be stacked: shape, dtype, device, and the layout (a
+    stack keeps its first tensor's: ``stack``)."""
+    return None if t is None else (tuple(t.shape), t.dtype, t.device, t.stride())
 
 
 #: On the CPU, ATen's ``bmm`` computes a product of fewer multiply-adds than this (rows x

@@ -60,7 +60,9 @@ from asteria.optim.base import (
     shampoo_beta,
     state_dtype,
 )
+from asteria.optim.batched import bases_of, shape_groups
 from asteria.optim.blocking import ParamLayout, make_layout
+from asteria.optim.kl_step import adamw_group, statistics_2d, statistics_key, update_group
 from asteria.optim.kron import gram, mode_products, mode_scale
 
 __all__ = ["KLShampoo"]
@@ -202,10 +204,10 @@ class KLShampoo(KroneckerOptimizer):
             super()._update_params(group, updates)
             return
         beta1, lr = group["betas"][0], group["lr"]
+        adamw_group([u for u in updates if "blocks" not in u.state], group)
         work: list[_KLBlock] = []
         for u in updates:
             if "blocks" not in u.state:
-                self._update_param(u.pid, u.p, u.grad, group, u.state, u.layout)
                 continue
             u.state["step"] += 1
             for bi, (spec, b, g, w) in enumerate(
@@ -218,24 +220,46 @@ class KLShampoo(KroneckerOptimizer):
             ):
                 key = (u.pid, bi)
                 self._refresher.block_begin(key, b)  # the last step's statistics are in
-                bases = list(self._refresher.bases(key, b))
-                work.append(_KLBlock(key, b, g, w, bases, spec.numel, u))
+                work.append(_KLBlock(key, b, g, w, [], spec.numel, u))
+        # every block's bases in one call (Note [Batched steps] in batched.py)
+        bases = bases_of(self._refresher, [k.key for k in work], [k.block for k in work])
+        work = [k._replace(bases=list(q)) for k, q in zip(work, bases)]
         self._run_split(_update_blocks, work, _update_flops, beta1, lr, group["eps"])
         beta, clamp = shampoo_beta(group), group["max_clamp_value"]
         freq = group["precondition_frequency"]
+        stats = self._statistics(work, beta, clamp)
         # The statistics read this step's bases (the lists taken above): a refresh installed at
         # a block's boundary cannot change what they read.
-        self._end_blocks(group, (self._block_end(k, beta, clamp, freq) for k in work))
+        self._end_blocks(group, (self._block_end(k, freq, stats) for k in work))
         if group["weight_decay"] > 0.0:
-            for u in updates:
-                if "blocks" in u.state:
-                    u.p.add_(u.p, alpha=-lr * group["weight_decay"])
+            ps = [u.p for u in updates if "blocks" in u.state]
+            if ps:
+                torch._foreach_add_(ps, ps, alpha=-lr * group["weight_decay"])
 
-    def _block_end(self, k: _KLBlock, beta: float, clamp: float, freq: int) -> BlockEnd:
+    def _statistics(self, work: list[_KLBlock], beta: float, clamp: float) -> dict:
+        """Per block, its statistics ``(fn, args)``: matrix blocks of one shape together
+        (``kl_step.statistics_2d`` at the group's first block, ``_after_group`` at the others,
+        which a refresher runs after it: Note [Batched steps]); the others their own."""
+        out: dict[BlockKey, tuple] = {}
+        for idx in shape_groups(work, statistics_key):
+            group = [work[i] for i in idx]
+            k = group[0]
+            if len(group) == 1 or statistics_key(k) is None:
+                for k in group:
+                    out[k.key] = (self._update_statistics, (k.block, k.bases, k.grad, k.numel,
+                                                            beta, clamp))  # fmt: skip
+                continue
+            args = ([c.block for c in group], [c.bases for c in group], [c.grad for c in group],
+                    k.numel, beta, clamp)  # fmt: skip
+            out[k.key] = (statistics_2d, args)
+            for c in group[1:]:
+                out[c.key] = (_after_group, ())
+        return out
+
+    def _block_end(self, k: _KLBlock, freq: int, stats: dict) -> BlockEnd:
         """A block's statistics (with the bases its update read) and refresh decision."""
         step = k.update.state["step"]
-        args = (k.block, k.bases, k.grad, k.numel, beta, clamp)
-        return BlockEnd(k.key, k.block, step, step % freq == 0, self._update_statistics, args)
+        return BlockEnd(k.key, k.block, step, step % freq == 0, *stats[k.key])
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         if "blocks" not in state:
@@ -356,6 +380,13 @@ def _update_block(
     ``M <- lerp(M, G, 1 - beta1)``; ``s = s_0 o s_1 o ...`` damped to ``s / (1 + eps * s)``;
     ``W -= lr * (Q^T M Q * s) in the original basis``."""
     b["exp_avg"].lerp_(g, 1 - beta1)
+    _project_update(b, w, bases, lr, eps)
+
+
+def _project_update(
+    b: dict[str, Any], w: torch.Tensor, bases: list[torch.Tensor], lr: float, eps: float
+) -> None:
+    """``_update_block`` after the first moment's EMA."""
     projected = mode_products(b["exp_avg"], bases, True)
     s = _outer(b["eigen_sqrt_inv"])
     if eps > 0.0:
@@ -364,9 +395,12 @@ def _update_block(
 
 
 def _update_blocks(blocks: list[_KLBlock], beta1: float, lr: float, eps: float) -> None:
-    """``_update_block`` for each block, in order."""
-    for k in blocks:
-        _update_block(k.block, k.grad, k.weight, k.bases, beta1, lr, eps)
+    """``_update_block`` for every block, per shape group (``kl_step.update_group``)."""
+    update_group(blocks, beta1, lr, eps)
+
+
+def _after_group() -> None:
+    """The statistics of a block whose shape group's first block updated them all."""
 
 
 def _outer(vectors: list[torch.Tensor]) -> torch.Tensor:
