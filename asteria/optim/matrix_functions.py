@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import torch
 
+from asteria.optim.batched import SMALL_BMM
+
 __all__ = [
     "MatrixFunctionError",
     "check_matrix",
     "check_real",
     "eigh_descending",
     "qr_refresh",
+    "qr_refresh_many",
     "inverse_root",
 ]
 
@@ -194,6 +197,39 @@ def qr_refresh(
 
     out = _with_fp64_retry(run, dtype, "qr_refresh", valid=_finite_orthonormal)
     return (out[0], None) if len(out) == 1 else (out[0], out[1].to(torch.long))
+
+
+def qr_refresh_many(
+    factors: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    sort: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """``qr_refresh`` of factors of one shape at once: the power iteration one ``bmm``, the
+    estimates, sort and gather one op each, the QR one batched ``geqrf`` + ``orgqr`` (LAPACK
+    per matrix: the same calls, bit for bit). A block whose result is not finite gets ``None``
+    (its caller runs ``qr_refresh``, with its float64 retry, for it alone)."""
+    for f, q in zip(factors, bases):
+        _check_square("factor", f)
+        if q.shape != f.shape:
+            raise ValueError(f"basis shape {tuple(q.shape)} != factor shape {tuple(f.shape)}")
+    d = factors[0].shape[0] if factors else 0
+    if len(factors) < 2 or (factors[0].device.type == "cpu" and d**3 < SMALL_BMM):
+        # ATen's bmm rounds products this small otherwise than mm: one at a time
+        return [qr_refresh(f, q, sort=sort, dtype=dtype) for f, q in zip(factors, bases)]
+    f = torch.stack([_canonical(x, dtype) for x in factors])
+    qt = torch.stack([q.T for q in bases]).to(dtype)  # row-major Q^T, as _canonical(basis.T)
+    power_t = torch.bmm(qt, f.mT)  # Note [QR layout], per matrix
+    perm = None
+    if sort:
+        est = (qt * power_t).sum(dim=2)
+        perm = torch.argsort(est, dim=1, descending=True)
+        power_t = torch.take_along_dim(power_t, perm.unsqueeze(2), dim=1)
+    q = _qr_q(power_t.mT)
+    ok = torch.isfinite(q.sum(dim=(1, 2))).tolist()
+    return [
+        (q[i], None if perm is None else perm[i]) if ok[i] else None for i in range(len(factors))
+    ]
 
 
 def inverse_root(

@@ -331,6 +331,8 @@ class NativeRefresher:
         #: Failed refreshes since this refresher was attached.
         self.failed = 0
         self._error: BaseException | None = None
+        #: Blocks whose refresh is due this step, not yet run: (key, block, group, step).
+        self._due: list[tuple] = []
 
     def step_begin(self) -> None:
         pass
@@ -342,9 +344,11 @@ class NativeRefresher:
         pass
 
     def bases(self, key, block) -> list:
+        self._run_due()
         return block[self._field]
 
     def bases_many(self, keys, blocks) -> list[list]:
+        self._run_due()
         return [block[self._field] for block in blocks]
 
     bases_stable = True  # the blocks' own tensors
@@ -356,6 +360,7 @@ class NativeRefresher:
     def state_replaced(self) -> None:
         self.failures.clear()
         self._error = None
+        self._due.clear()
 
     splits_updates = False  # everything in the step's own thread
 
@@ -366,17 +371,28 @@ class NativeRefresher:
         raise RuntimeError("NativeRefresher runs the whole update in the step's thread")
 
     def block_boundary(self, key, block, group, step, due) -> None:
-        if not due:
+        if due:  # run before anything reads the bases again (Note [Batched refreshes])
+            self._due.append((key, block, group, step))
+
+    def _run_due(self) -> None:
+        """The due refreshes, those of one kind and shape computed together, then installed
+        in block order (Note [Batched refreshes])."""
+        if not self._due:
             return
+        due, self._due = self._due, []
         opt = self._opt()
-        jobs = opt.refresh_jobs(block, group)
-        try:
-            results = [None if j is None else j.run() for j in jobs]
-        except mf.MatrixFunctionError as err:
-            self._count_failure(opt, key, step, err)
-            return  # Note [Refresh failures]: the previous bases or roots stay
-        self.failures.pop(key, None)
-        opt.install_refresh(block, results)
+        jobs = [opt.refresh_jobs(block, group) for _, block, group, _ in due]
+        precomputed = _batched_qr(jobs)
+        for (key, block, _, step), block_jobs in zip(due, jobs):
+            try:
+                results = [
+                    None if j is None else precomputed.get(id(j)) or j.run() for j in block_jobs
+                ]
+            except mf.MatrixFunctionError as err:
+                self._count_failure(opt, key, step, err)
+                continue  # Note [Refresh failures]: the previous bases or roots stay
+            self.failures.pop(key, None)
+            opt.install_refresh(block, results)
 
     def _count_failure(self, opt, key: BlockKey, step: int, err: BaseException) -> None:
         self.failed += 1
@@ -396,6 +412,42 @@ class NativeRefresher:
             self._error = error
 
     def step_end(self) -> None:
+        self._run_due()
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _batched_qr(jobs: list[list[RefreshJob | None]]) -> dict[int, Any]:
+    """The results of the ``QRRefresh`` jobs among ``jobs`` whose factors share a shape (and
+    sort, dtype, device), by ``id`` of the job: one ``qr_refresh_many`` per such group. A job
+    left out (alone of its shape, or whose batched result was not finite) runs alone."""
+    groups: dict[Any, list[QRRefresh]] = {}
+    for j in (j for block_jobs in jobs for j in block_jobs):
+        if isinstance(j, QRRefresh):
+            f = j.factor
+            groups.setdefault((tuple(f.shape), f.dtype, f.device, j.sort, j.dtype), []).append(j)
+    out: dict[int, Any] = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        results = mf.qr_refresh_many([j.factor for j in group], [j.basis for j in group],
+                                     sort=group[0].sort, dtype=group[0].dtype)  # fmt: skip
+        for j, r in zip(group, results):
+            if r is not None:
+                out[id(j)] = r
+    return out
+
+
+# Note [Batched refreshes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Natively a due refresh is computed in the step, from the factors the step's statistics
+# updated. ``NativeRefresher`` keeps the due blocks of a step and runs them together before the
+# bases are read again (the next ``bases``/``bases_many`` call: Shampoo's roots of step t
+# precondition step t) or at ``step_end``, whichever comes first: QR refreshes of one shape
+# (SOAP, KL-Shampoo) as one ``qr_refresh_many`` (one batched power iteration, sort and
+# ``geqrf``/``orgqr``; bitwise each block's ``qr_refresh`` on the CPU), then each block's
+# install in block order, exactly as one at a time. Nothing reads a block's bases, moments or
+# factors between its boundary and that point. Shampoo's roots (an eigendecomposition each, with
+# Meta's shifts per factor) still run one block at a time. A runtime's pool runs one job a
+# core: its jobs stay per block.
