@@ -36,6 +36,7 @@ optimizer against torch.optim.AdamW.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -171,6 +172,11 @@ def contenders(max_dim: int | None = None, freq: int = FREQ) -> dict[str, Conten
     table = [
         Contender(
             "torch_adamw", lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01), _never
+        ),
+        Contender(
+            "torch_adamw_foreach",
+            lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01, foreach=True),
+            _never,
         ),
         Contender(
             "asteria_soap",
@@ -412,7 +418,55 @@ def count_main(args, names: list[str], device: torch.device) -> None:
             print(f"   {model} {name}: ordinary {o.get('ops')} ops, refresh {r.get('ops')} "
                   f"ops, {res['blocks']} blocks", flush=True)  # fmt: skip
     env |= {"device": str(device), "max_dim": args.max_dim, "steps": args.count_steps}
-    emit_json({"env": env, "counts": results})
+    payload: dict = {"env": env, "counts": results}
+    if args.baseline:
+        payload["goals"] = count_goals(results, _load_counts(args.baseline))
+        print(json.dumps(payload["goals"]["met"]))
+    emit_json(payload)
+
+
+OURS = ("asteria_soap", "asteria_kl_shampoo", "asteria_shampoo")
+PEERS = ("pytorch_optimizer_soap", "heavyball_soap", "heavyball_kl_shampoo", "meta_shampoo",
+         "meta_soap", "meta_kl_shampoo")  # fmt: skip
+
+
+def _load_counts(paths: str) -> dict[str, dict]:
+    """The ``counts`` of earlier ``--count`` JSONs (comma-separated paths), merged."""
+    merged: dict[str, dict] = {}
+    for path in paths.split(","):
+        merged |= json.loads(Path(path).read_text().strip().splitlines()[-1])["counts"]
+    return merged
+
+
+def count_goals(now: dict[str, dict], before: dict[str, dict]) -> dict:
+    """Issue 38's goals on the ordinary step: each of ours at most a quarter of its ops in
+    ``before`` (the same model), and fewer than every peer's (now, or in ``before``: a peer's
+    code did not change)."""
+    rows: dict[str, dict] = {}
+    for key, res in now.items():
+        name, model = key.split("@")
+        if name not in OURS or not res.get("ordinary"):
+            continue
+        ops = res["ordinary"]["ops"]
+        old = (before.get(key) or {}).get("ordinary") or {}
+        peers = {p: ((now.get(f"{p}@{model}") or before.get(f"{p}@{model}") or {})
+                     .get("ordinary") or {}).get("ops") for p in PEERS}  # fmt: skip
+        peers = {p: n for p, n in peers.items() if n is not None}
+        rows[key] = {
+            "ops": ops,
+            "before": old.get("ops"),
+            "ratio_to_before": None if not old.get("ops") else round(ops / old["ops"], 4),
+            "quarter": bool(old.get("ops")) and ops <= old["ops"] / 4,
+            "fewest_peer": min(peers.values()) if peers else None,
+            "below_every_peer": bool(peers) and ops < min(peers.values()),
+            "refresh_ops": (res.get("refresh") or {}).get("ops"),
+            "refresh_before": ((before.get(key) or {}).get("refresh") or {}).get("ops"),
+        }
+    met = {
+        "quarter": all(r["quarter"] for r in rows.values()),
+        "below_every_peer": all(r["below_every_peer"] for r in rows.values()),
+    }
+    return {"by_optimizer": rows, "met": met}
 
 
 def main() -> None:
@@ -436,6 +490,7 @@ def main() -> None:
     ap.add_argument("--models", default="tiny", help="--count: tiny,olmo-150m")
     ap.add_argument("--count-steps", type=int, default=7)
     ap.add_argument("--max-dim", type=int, default=None, help="cap on every factor's dim")
+    ap.add_argument("--baseline", help="--count: earlier --count JSONs (comma-separated)")
     args = ap.parse_args()
 
     set_threads(args.threads)

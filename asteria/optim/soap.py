@@ -501,17 +501,16 @@ def _update_normalized(refresher, blocks: list[_BlockStep], group: dict[str, Any
 # Note [Fused elementwise steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # SOAP's step is some twenty small ops per block, and on small blocks their dispatch costs more
-# than their arithmetic. So the step runs over chunks of blocks, not one block at a time:
-#   * 2-D blocks and blocks without bases (linear layers' weights, unpreconditioned 1-D ones):
-#     one C++ call per chunk, which issues the same ATen ops per block (Note [SOAP step in C++]
-#     in csrc/core/soap_step.cpp); their statistics go through ``asteria._C.soap_accumulate``;
-#   * the others (order 3 and more, 1-D with ``precondition_1d``): the tensordot path, with each
-#     elementwise op run over all of them in one ``torch._foreach_*`` call (on CUDA a few
-#     multi-tensor kernel launches per op instead of one per block).
-# The arithmetic per block is unchanged: parameters and state are bitwise those of the per-block
-# ops of the authors' formulation (tests/unit/test_fused_steps.py). On the 64-96-96-32 MLP of
-# bench/distributed.py (13 blocks, one thread) SOAP's step went from 1.02 ms (per-block Python)
-# to 0.69 ms. The foreach lists hold one temporary per block, so a chunk is cut at
-# FUSED_ELEMENTS elements (a block over it is its own chunk): the extra memory stays that of a
-# few blocks, not of the model. When the refresher's bases are valid only until its next
-# ``bases`` call (a device window), a chunk is one block.
+# than their arithmetic. So the step runs over pieces of blocks, not one block at a time
+# (``_update_batched``): the products with the bases once per shape group (stacked, ``bmm``:
+# Note [Batched steps] in batched.py), each elementwise op over every block of the piece in one
+# ``torch._foreach_*`` call (on CUDA a few multi-tensor kernel launches per op instead of one
+# per block), and the factor statistics one ``bmm`` per shape group and factored dim
+# (``_group_statistics``). The arithmetic per block is unchanged: on the CPU parameters and
+# state are bitwise those of the per-block ops of the authors' formulation
+# (tests/unit/test_fused_steps.py). A piece is cut at ``batched.BATCH_ELEMENTS`` gradient
+# elements (the stacks and foreach lists hold a few temporaries of its size) and at the
+# refresher's ``bases_room``; a piece of one 2-D or basis-free block (a device window's one
+# block at a time) is one C++ call (``_update_native``: Note [SOAP step in C++] in
+# csrc/core/soap_step.cpp). On the ``tiny`` LM's 47 blocks an ordinary step went from 715 ATen
+# ops to 74 (bench/optim_step.py --count; docs/benchmarks.md).
