@@ -545,7 +545,9 @@ def connect(
                 pid for pid in p.pid_of.values() if installs_on_signal(config, p.coherence, pid)
             )
             signalled = [i for i, pid in p.pid_of.items() if pid in p.signalled]
-            p.signals = ModuleSignals(model, signalled, _weak_signal(runtime))
+            # forward signals only: the first one installs the step's batch (Note [One install
+            # batch per step] in runtime.py), a backward one would find nothing to do
+            p.signals = ModuleSignals(model, signalled, _weak_signal(runtime), backward=False)
             weakref.finalize(runtime, p.signals.remove)
         p.finalizer = weakref.finalize(runtime, _shutdown, p.pool, p.spill, p.lane, p.grad_guards)
     except BaseException:

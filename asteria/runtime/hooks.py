@@ -8,6 +8,10 @@ are ready (installs them) and, on devices where results must travel, starts thei
     fires when the gradient with respect to that output is complete, that is, just before the
     module's own backward. It is what ``register_full_backward_pre_hook`` signals, without its
     cost (Note [Backward signals]).
+The runtime asks for the forward signals only: it installs a step's finished refreshes in one
+batch at the first signal after the step (Note [One install batch per step] in runtime.py), which
+is a forward pre-hook, so a backward signal would only ever return at the flag, after costing a
+forward hook, a gradient-hook registration and a call per module per step.
 The hooks are signals, never math: removing them changes when a ready refresh is installed,
 never what is computed, and never the staleness bound.
 
@@ -75,10 +79,17 @@ class ModuleSignals:
     """Hooks on ``model``'s modules that call ``signal(param_ids, event)``.
 
     ``param_ids`` are the ``id()`` of the module's own parameters that are in ``tracked``;
-    ``event`` is ``"forward"`` or ``"backward"``. ``remove()`` detaches every hook.
+    ``event`` is ``"forward"`` or ``"backward"`` (``backward=False``: the forward signals only).
+    ``remove()`` detaches every hook.
     """
 
-    def __init__(self, model: torch.nn.Module, tracked: Iterable[int], signal: Signal) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tracked: Iterable[int],
+        signal: Signal,
+        backward: bool = True,
+    ) -> None:
         tracked = set(tracked)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for module in model.modules():
@@ -86,7 +97,8 @@ class ModuleSignals:
             if not ids:
                 continue
             self._handles.append(module.register_forward_pre_hook(self._forward(signal, ids)))
-            self._handles.append(module.register_forward_hook(self._arm_backward(signal, ids)))
+            if backward:
+                self._handles.append(module.register_forward_hook(self._arm_backward(signal, ids)))
 
     @staticmethod
     def _forward(signal: Signal, ids: tuple[int, ...]):

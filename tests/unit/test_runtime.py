@@ -281,7 +281,9 @@ def test_hooks_are_signals_and_close_removes_them():
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     opt = SOAP(model.parameters(), precondition_frequency=2)
     with Runtime(model, opt, RuntimeConfig(staleness=4, workers=1)) as rt:
-        assert rt.stats()["hooks"] == 4  # forward pre + forward (arms the backward) on each Linear
+        # a forward pre-hook on each Linear (Note [One install batch per step]: the first signal
+        # installs the step's batch, so the runtime arms no backward signals)
+        assert rt.stats()["hooks"] == 2
         for _ in range(12):
             opt.zero_grad()
             model(torch.randn(16, 6)).square().mean().backward()
