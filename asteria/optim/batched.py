@@ -60,7 +60,9 @@ Mats = Sequence[torch.Tensor | None]
 # test_batched_steps.py): ``bmm`` calls the BLAS ``gemm`` that ``mm`` calls, on operands in the
 # same layout (``stack`` keeps column-major bases column-major; the general order-k path moves
 # dims as kron's ``tensordot`` does), except for products under ``SMALL_BMM`` multiply-adds,
-# which ATen's ``bmm`` computes with its own loop: such blocks run alone (``block_key``). On a
+# which ATen's ``bmm`` computes with its own loop, and for blocks of order 3 or more, whose
+# Gram matrices ``bmm`` rounds otherwise: on the CPU such blocks run alone (``block_key``; a
+# language model has none: its blocks are matrices and vectors). On a
 # GPU cuBLAS may choose other kernels for a batched product than for one matrix: there the
 # results agree with the per-block ops to rounding (docs/fidelity.md, "Batched steps").
 # A group of one block goes through the per-block ops (nothing to stack).
@@ -88,9 +90,12 @@ SMALL_BMM = 400
 
 def block_key(t: torch.Tensor) -> Hashable:
     """``tensor_key`` of a block (its gradient), or a key of its own (a group of one, the
-    per-block ops) where a CPU ``bmm`` of its products would round otherwise than ``mm``
-    (``SMALL_BMM``: every product of a block with a basis has ``numel x d_i`` multiply-adds)."""
-    if t.device.type == "cpu" and t.numel() * min(t.shape, default=1) < SMALL_BMM:
+    per-block ops) where a CPU ``bmm`` of its products would round otherwise than ``mm``:
+    products under ``SMALL_BMM`` multiply-adds (every product of a block with a basis has
+    ``numel x d_i``), and blocks of order 3 or more (their Gram matrices, ``d x R`` by
+    ``R x d`` products, came out of ``bmm`` in other bits than out of ``mm``: measured over
+    shapes up to 16 x 40 x 33)."""
+    if t.device.type == "cpu" and (t.dim() > 2 or t.numel() * min(t.shape, default=1) < SMALL_BMM):
         return object()
     return tensor_key(t)
 
@@ -176,6 +181,11 @@ def batched_gram(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``kron.gram`` of every block of a stack ``x`` (``(B, ...)``) along block dim ``dim``."""
     if x.dim() == 3:
         return torch.bmm(x, x.transpose(1, 2)) if dim == 0 else torch.bmm(x.transpose(1, 2), x)
-    moved = x.movedim(dim + 1, 1)
-    flat = moved.reshape(x.shape[0], x.shape[dim + 1], -1)
-    return torch.bmm(flat, flat.transpose(1, 2))
+    if x.dim() == 2:  # vectors: outer products (one exact multiply per entry)
+        return torch.bmm(x.unsqueeze(2), x.unsqueeze(1))
+    # kron's tensordot over the other dims: both operands reshaped from permutations (copies
+    # where not contiguous), so that each bmm reads them in the layout each mm read them in
+    batch, d = x.shape[0], x.shape[dim + 1]
+    left = x.movedim(dim + 1, 1).reshape(batch, d, -1)
+    right = x.movedim(dim + 1, -1).reshape(batch, -1, d)
+    return torch.bmm(left, right)

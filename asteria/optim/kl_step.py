@@ -63,6 +63,8 @@ def _outer(s: list[torch.Tensor]) -> torch.Tensor:
 def update_group(blocks: list, beta1: float, lr: float, eps: float) -> None:
     """``kl_shampoo._update_block`` of every block (``_KLBlock``s): the first moments in one
     op, then per shape group ``W -= lr * Q (Q^T M Q * s) Q^T`` on stacks."""
+    if not blocks:
+        return
     torch._foreach_lerp_([k.block["exp_avg"] for k in blocks], [k.grad for k in blocks], 1 - beta1)
     for idx in shape_groups(blocks, _update_key):
         group = [blocks[i] for i in idx]
