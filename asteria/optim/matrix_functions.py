@@ -207,8 +207,9 @@ def qr_refresh_many(
 ) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
     """``qr_refresh`` of factors of one shape at once: the power iteration one ``bmm``, the
     estimates, sort and gather one op each, the QR one batched ``geqrf`` + ``orgqr`` (LAPACK
-    per matrix: the same calls, bit for bit). A block whose result is not finite gets ``None``
-    (its caller runs ``qr_refresh``, with its float64 retry, for it alone)."""
+    per matrix: the same calls, bit for bit). A block whose result is not finite (or whose
+    ``qr_refresh`` failed) gets ``None``: its caller runs ``qr_refresh``, with its float64
+    retry and its error, for it alone."""
     for f, q in zip(factors, bases):
         _check_square("factor", f)
         if q.shape != f.shape:
@@ -216,7 +217,14 @@ def qr_refresh_many(
     d = factors[0].shape[0] if factors else 0
     if len(factors) < 2 or (factors[0].device.type == "cpu" and d**3 < SMALL_BMM):
         # ATen's bmm rounds products this small otherwise than mm: one at a time
-        return [qr_refresh(f, q, sort=sort, dtype=dtype) for f, q in zip(factors, bases)]
+        return [_qr_refresh_or_none(f, q, sort, dtype) for f, q in zip(factors, bases)]
+    try:
+        return _qr_many(factors, bases, sort, dtype)
+    except torch.linalg.LinAlgError:
+        return [None] * len(factors)  # each alone, with its float64 retry
+
+
+def _qr_many(factors, bases, sort: bool, dtype: torch.dtype) -> list:
     f = torch.stack([_canonical(x, dtype) for x in factors])
     qt = torch.stack([q.T for q in bases]).to(dtype)  # row-major Q^T, as _canonical(basis.T)
     power_t = torch.bmm(qt, f.mT)  # Note [QR layout], per matrix
@@ -230,6 +238,13 @@ def qr_refresh_many(
     return [
         (q[i], None if perm is None else perm[i]) if ok[i] else None for i in range(len(factors))
     ]
+
+
+def _qr_refresh_or_none(f, q, sort, dtype):
+    try:
+        return qr_refresh(f, q, sort=sort, dtype=dtype)
+    except MatrixFunctionError:
+        return None  # the caller runs it alone, and meets the error there
 
 
 def inverse_root(
