@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from asteria.optim.base import Update
+from asteria.optim.base import Update, adamw_update
 from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
@@ -34,6 +34,11 @@ def adamw_group(updates: list[Update], group: dict[str, Any]) -> None:
     if not updates:
         return
     lr, (beta1, beta2) = group["lr"], group["betas"]
+    if isinstance(lr, torch.Tensor):  # a tensor lr: its step sizes are tensors, one op each
+        for u in updates:
+            adamw_update(u.p, u.grad, u.state, lr, (beta1, beta2), group["eps"],
+                         group["weight_decay"])  # fmt: skip
+        return
     for u in updates:
         u.state["step"] += 1
     steps = [u.state["step"] for u in updates]

@@ -256,9 +256,9 @@ class Shampoo(KroneckerOptimizer):
 
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
         """The group's parameters at once (shampoo_step.py, Note [Batched steps] in
-        batched.py): the ops of ``_update_param``, each over many blocks. With momentum each
-        parameter runs ``_update_param``."""
-        if group["momentum"] > 0:
+        batched.py): the ops of ``_update_param``, each over many blocks. With momentum or a
+        tensor ``lr`` (step sizes that are tensors) each parameter runs ``_update_param``."""
+        if group["momentum"] > 0 or isinstance(group["lr"], torch.Tensor):
             super()._update_params(group, updates)
             return
         update_group(self, group, updates)
