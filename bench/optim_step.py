@@ -27,7 +27,14 @@ refresh at it:
   and SOAP's / KL-Shampoo's betas and weight decay, without grafting.
 
 Usage: ``python bench/optim_step.py [--threads 1] [--steps 60] [--only asteria_soap,...]
-[--sequential]``.
+[--sequential] [--device cuda]``. On CUDA every contender steps on the GPU (timed with the
+device drained before and after each step) and heavyball's steps are ``torch.compile``d as it
+ships; asking for CUDA where torch sees none is an error that says so.
+
+``--count [--models tiny,olmo-150m] [--max-dim 1024] [--baseline JSON]``: no timing; the ATen
+ops each contender dispatches per ordinary step and per refresh step (a ``TorchDispatchMode``
+counter, views and metadata apart: Note [Counted steps]) on the weight shapes of ``tiny`` and of
+OLMo-150m, with issue 38's goals against an earlier count (``--baseline``).
 The last line of output is one JSON object: env, results {name: {median_ms, refresh_ms, ...}},
 and ratios ``ours / peer`` (below 1: ours is faster) for every Asteria-vs-peer pair and every
 optimizer against torch.optim.AdamW.
@@ -150,16 +157,20 @@ def meta_contenders(max_dim: int | None = None, freq: int = FREQ) -> list[Conten
     ]
 
 
-def contenders(max_dim: int | None = None, freq: int = FREQ) -> dict[str, Contender]:
+def contenders(
+    max_dim: int | None = None, freq: int = FREQ, compile_heavyball: bool = False
+) -> dict[str, Contender]:
     """Every optimizer the benchmark knows, configured alike (lr 3e-3, wd 0.01, refresh every
     ``freq``); ``max_dim`` caps every factor's dim (default: each optimizer's own, 10000 for the
-    SOAP family and KL-Shampoo, 1024 for Shampoo)."""
+    SOAP family and KL-Shampoo, 1024 for Shampoo). heavyball's steps are compiled as it ships
+    only with ``compile_heavyball`` (on a GPU; on the CPU compiling only adds minutes)."""
     import heavyball
     import pytorch_optimizer
 
     from asteria.optim import SOAP, KLShampoo, Shampoo
 
-    heavyball.utils.compile_mode = None
+    if not compile_heavyball:
+        heavyball.utils.compile_mode = None
     ours = {} if max_dim is None else {"max_preconditioner_dim": max_dim}
     hb_common = {
         "weight_decay": 0.01,
@@ -409,7 +420,7 @@ def count_main(args, names: list[str], device: torch.device) -> None:
     for model in args.models.split(","):
         d, layers, mlp, vocab = COUNT_MODELS[model]
         shapes = transformer_shapes(d, layers, mlp, vocab)
-        table = contenders(args.max_dim, freq=3)
+        table = contenders(args.max_dim, freq=3, compile_heavyball=device.type == "cuda")
         for name in names:
             res = count_ops(table[name], shapes, steps=args.count_steps, seed=args.seed,
                             device=device)  # fmt: skip
@@ -497,7 +508,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
-    table = contenders(args.max_dim)
+    table = contenders(args.max_dim, compile_heavyball=device.type == "cuda")
     names = list(table) if not args.only else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in table]
     if unknown:
