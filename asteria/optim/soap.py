@@ -216,7 +216,7 @@ class SOAP(KroneckerOptimizer):
         }
 
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
-        """Steps 3-6 of ALGORITHMS.md for a group's parameters, over chunks of blocks (Note
+        """Steps 3-6 of ALGORITHMS.md for a group's parameters, over pieces of blocks (Note
         [Fused elementwise steps])."""
         beta1, beta2 = group["betas"]
         work: list[_BlockStep] = []
