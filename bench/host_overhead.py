@@ -339,13 +339,20 @@ def goals(summaries: dict[str, dict[str, Any]], layers: list[int]) -> dict[str, 
             key = f"{opt}_{mode}"
             if key + lo in summaries and key + hi in summaries and len(layers) > 1:
                 out[key + "_growth"] = {
-                    what: _ratio(
+                    what: _growth_ratio(
                         _grow(summaries, key, lo, hi, what),
                         _grow(summaries, f"{opt}_native", lo, hi, what),
                     )
                     for what in ("ops", "py_calls")
                 }
     return {"by_variant": out, "met": _met(out)}
+
+
+def _growth_ratio(ours: float | None, theirs: float | None) -> float | None:
+    """Our growth over native's; 1.0 where neither grows (batched updates: flat counts)."""
+    if ours is not None and theirs == 0:
+        return 1.0 if ours == 0 else float("inf")
+    return _ratio(ours, theirs)
 
 
 def _grow(summaries: dict, key: str, lo: str, hi: str, what: str) -> float | None:
