@@ -432,7 +432,7 @@ def count_main(args, names: list[str], device: torch.device) -> None:
     payload: dict = {"env": env, "counts": results}
     if args.baseline:
         payload["goals"] = count_goals(results, _load_counts(args.baseline))
-        print(json.dumps(payload["goals"]["met"]))
+        print(f"   goals met: {payload['goals']['met']}")
     emit_json(payload)
 
 
