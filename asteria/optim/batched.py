@@ -40,7 +40,7 @@ Mats = Sequence[torch.Tensor | None]
 
 # Note [Batched steps]
 # ~~~~~~~~~~~~~~~~~~~~
-# The math of SOAP, KL-Shampoo and Shampoo is the authors' (../shared/ALGORITHMS.md); only the
+# The math of SOAP, KL-Shampoo and Shampoo is the authors' (docs/fidelity.md); only the
 # launch pattern is Asteria's. Per step each block is a handful of products with its bases and
 # some elementwise ops: issued block by block, a step dispatches some twenty ATen ops per block
 # (715 for SOAP on ``tiny``'s 47 blocks; on a GPU each one a kernel launch). Here:

@@ -1,6 +1,6 @@
 """SOAP: Adam in the eigenbasis of Shampoo's factors (Vyas et al., 2024, arXiv 2409.11321).
 
-Owns: SOAP's math for one block, as the authors define it (../shared/ALGORITHMS.md): the first
+Owns: SOAP's math for one block, as the authors define it (nikhilvyas/SOAP's soap.py): the first
 step only initialises factors and bases; the first moment lives in the eigenbasis; the second
 moment is permuted (not rotated) when a refresh re-orders the basis; refreshes are one
 warm-started power iteration + QR, every ``precondition_frequency`` steps.
@@ -216,7 +216,7 @@ class SOAP(KroneckerOptimizer):
         }
 
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
-        """Steps 3-6 of ALGORITHMS.md for a group's parameters, over pieces of blocks (Note
+        """SOAP's steps 3-6 for a group's parameters, over pieces of blocks (Note
         [Fused elementwise steps])."""
         beta1, beta2 = group["betas"]
         work: list[_BlockStep] = []

@@ -1,5 +1,5 @@
 // SOAP's per-step block math in one call per chunk of blocks (Note [SOAP step in C++] in
-// soap_step.cpp): the update (steps 3-4 of ../shared/ALGORITHMS.md's SOAP) and the factor
+// soap_step.cpp): the update (steps 3-4 of SOAP, the authors' soap.py) and the factor
 // statistics (step 1).
 //
 // Contract

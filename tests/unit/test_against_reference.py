@@ -1,8 +1,9 @@
 """Asteria's optimizers against tests/reference.py, step for step.
 
 tests/reference.py is a plain, slow implementation written from the papers and the authors'
-code (its docstring names them), independently of asteria/optim. Every comparison runs >= 100 steps that include refreshes, with
-fresh gradient noise every step (see Note [Degenerate eigenbases] in test_against_peers.py).
+code (its docstring names them), independently of asteria/optim. Every comparison runs >= 100
+steps that include refreshes, with fresh gradient noise every step (see Note [Degenerate
+eigenbases] in test_against_peers.py).
 Tolerances: relative parameter difference <= 1e-10 in float64 (with float64 refreshes on both
 sides) and <= 1e-5 in float32.
 """
