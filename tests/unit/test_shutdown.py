@@ -184,7 +184,7 @@ def test_garbage_collection_without_close():
         assert r["collected"], f"runtime/optimizer not collectable (keep_model={keep_model})"
         assert r["after"] == out["base"], f"pool threads left (keep_model={keep_model})"
     kept = out["results"]["True"]
-    assert kept["hooks_before"] == 4 and kept["hooks_after"] == 0
+    assert kept["hooks_before"] == 2 and kept["hooks_after"] == 0
 
 
 @pytest.mark.parametrize("how", ["normal", "exception"])
