@@ -275,13 +275,7 @@ class Shampoo(KroneckerOptimizer):
 
         blocks = state.get("blocks")
         if blocks is not None:
-            # a runtime may request the refresh of step t + lead now (Note [Refresh lead]),
-            # and the first roots of step t itself (Note [First roots] in runtime/schedule.py)
-            r = self._refresher
-            first = any(root is None for b in blocks for root in b["roots"])
-            urgent = first or any(self.refresh_urgent(b, t) for b in blocks)
-            lead = r.first_lead if urgent else r.lead
-            due = self._refresh_due(state, group, next_step=lead > 0)
+            due = self._due_now_or_ahead(state, group, blocks, t)
             stats = self._update_factors
             self._end_blocks(
                 group,
@@ -391,6 +385,19 @@ class Shampoo(KroneckerOptimizer):
     # tiny +1.2% -> +0.2%, nano +0.3% -> +0.0%.
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
+
+    def _due_now_or_ahead(
+        self, state: dict[str, Any], group: dict[str, Any], blocks: list[dict], t: int
+    ) -> bool:
+        """Whether a parameter's blocks request a refresh at step ``t``: a runtime may request
+        the refresh of step t + lead now (Note [Refresh lead]), and the first roots, or those
+        of rank-deficient factors, of step t itself (Notes [First roots] and [Rank-deficient
+        factors] in asteria/runtime/schedule.py)."""
+        r = self._refresher
+        first = any(root is None for b in blocks for root in b["roots"])
+        urgent = first or any(self.refresh_urgent(b, t) for b in blocks)
+        lead = r.first_lead if urgent else r.lead
+        return self._refresh_due(state, group, next_step=lead > 0)
 
     def refresh_urgent(self, block: dict[str, Any], step: int) -> bool:
         """While a factor may still be rank-deficient at ``step``: ``L_i`` of a block of

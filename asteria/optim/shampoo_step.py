@@ -113,16 +113,12 @@ def _end_blocks(opt: Shampoo, group: dict[str, Any], updates: list[Update], step
     """Every block's statistics and boundary, in block order, as ``_update_param`` hands them
     to the refresher; the statistics of a shape group (and step) in one call
     (``_group_factors``) at its first block."""
-    r = opt._refresher
     items = []
     for u, t in zip(updates, steps):
         blocks = u.state.get("blocks")
         if blocks is None:
             continue
-        first = any(root is None for b in blocks for root in b["roots"])
-        urgent = first or any(opt.refresh_urgent(b, t) for b in blocks)
-        lead = r.first_lead if urgent else r.lead
-        due = opt._refresh_due(u.state, group, next_step=lead > 0)
+        due = opt._due_now_or_ahead(u.state, group, blocks, t)
         for bi, (b, g) in enumerate(zip(blocks, block_views(u.grad, u.layout))):
             items.append(((u.pid, bi), b, g, t, due))
     stats: dict[BlockKey, tuple] = {}
