@@ -211,7 +211,13 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         """Install the results of ``refresh_jobs(block, ...)``, carrying state over exactly."""
         raise NotImplementedError
 
-    def refresh_urgent(self, block: dict[str, Any], step: int) -> bool:
+    def install_refresh_many(self, blocks: list[dict[str, Any]], results: list[list]) -> None:
+        """``install_refresh(blocks[i], results[i])`` of each block (an optimizer whose install
+        computes may issue it per shape group: SOAP's Note [Batched installs])."""
+        for block, result in zip(blocks, results):
+            self.install_refresh(block, result)
+
+    def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
         """Whether ``block``'s refresh requested at ``step`` costs the most quality when it
         arrives late, so that a runtime waits for it at that step, as natively (Note
         [Rank-deficient factors] in asteria/runtime/schedule.py). ``False``: any refresh may

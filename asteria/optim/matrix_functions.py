@@ -23,6 +23,7 @@ __all__ = [
     "qr_refresh",
     "qr_refresh_many",
     "inverse_root",
+    "inverse_root_many",
 ]
 
 # The shift the authors of SOAP add before eigh ("L + 1e-30 I"); kept so results match theirs.
@@ -277,6 +278,101 @@ def inverse_root(
         return ((evecs * scale) @ evecs.T,)
 
     return _with_fp64_retry(run, dtype, "inverse_root")[0]
+
+
+def inverse_root_many(
+    factors: list[torch.Tensor],
+    root: float,
+    epsilons: list[float],
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor | None]:
+    """``inverse_root(factors[i], root, epsilons[i], dtype)`` of factors of one shape at once
+    (Note [Batched roots]): the shifted copies one op, the eigendecompositions one batched
+    ``eigh`` (LAPACK per matrix: the same calls, bit for bit), Meta's shift and the round-off
+    floor per matrix along the batch, the products one ``bmm``. A factor that is not finite, or
+    whose batched root is not, gets ``None``: its caller runs ``inverse_root``, with its
+    float64 retry and its error, for it alone; so does every factor when the batch's ``eigh``
+    fails, and factors of order ``d`` with ``d^3 < SMALL_BMM`` on the CPU."""
+    if len(epsilons) != len(factors):
+        raise ValueError(f"{len(factors)} factors but {len(epsilons)} epsilons")
+    for f in factors:
+        _check_square("factor", f)
+    if root <= 0:
+        raise ValueError(f"root must be > 0, got {root}")
+    if any(e <= 0 for e in epsilons):
+        raise ValueError(f"every epsilon must be > 0, got {epsilons}")
+    if len({(tuple(f.shape), f.dtype, f.device) for f in factors}) > 1:
+        raise ValueError("inverse_root_many: factors of one shape, dtype and device")
+    d = factors[0].shape[0] if factors else 0
+    if len(factors) < 2 or (factors[0].device.type == "cpu" and d**3 < SMALL_BMM):
+        # ATen's bmm rounds products this small otherwise than mm: one at a time
+        return [_inverse_root_or_none(f, root, e, dtype) for f, e in zip(factors, epsilons)]
+    stacked = torch.stack(factors)
+    finite = torch.isfinite(stacked.sum(dim=(1, 2))).tolist()
+    rows = [i for i, ok in enumerate(finite) if ok]
+    if len(rows) < len(factors):  # a non-finite factor raises alone (inverse_root's check)
+        if len(rows) < 2:
+            return [_inverse_root_or_none(f, root, e, dtype) for f, e in zip(factors, epsilons)]
+        stacked = stacked[rows]
+    try:
+        roots = _roots_many(stacked, root, [epsilons[i] for i in rows], dtype)
+    except torch.linalg.LinAlgError:
+        return [None] * len(factors)  # each alone, with its float64 retry
+    ok = torch.isfinite(roots.sum(dim=(1, 2))).tolist()
+    out: list[torch.Tensor | None] = [None] * len(factors)
+    for j, i in enumerate(rows):
+        out[i] = roots[j] if ok[j] else None
+    return out
+
+
+def _roots_many(stacked: torch.Tensor, root: float, epsilons: list[float], dtype: torch.dtype):
+    """``inverse_root``'s ``run`` in ``dtype`` along a stack's leading dim (Note [Batched
+    roots])."""
+    n, d = stacked.shape[0], stacked.shape[1]
+    same = all(e == epsilons[0] for e in epsilons)
+    # each epsilon rounded to dtype as a Python scalar is in the per-matrix ops
+    eps = epsilons[0] if same else torch.tensor(epsilons, dtype=dtype).view(n, 1)
+    shifted = torch.empty((n, d, d), dtype=dtype, device=stacked.device).mT  # _shifted's layout
+    shifted.copy_(stacked)
+    shifted.diagonal(dim1=1, dim2=2).add_(eps)
+    evals, evecs = torch.linalg.eigh(shifted)
+    # pow per row: a vectorised pow rounds otherwise than its scalar tail, and one pow over
+    # the stack would cut the rows into other runs of vector lanes
+    rows = torch._foreach_pow(list(_perturbed_many(evals, eps).unbind(0)), -1.0 / root)
+    return torch.bmm(evecs * torch.stack(rows).unsqueeze(1), evecs.mT)
+
+
+def _perturbed_many(lam: torch.Tensor, epsilon: float | torch.Tensor) -> torch.Tensor:
+    """``_perturbed`` of each row of ``lam`` (``(n, d)``), ``epsilon`` a scalar or ``(n, 1)``."""
+    floor = lam.abs().amax(dim=1, keepdim=True) * (lam.shape[1] * torch.finfo(lam.dtype).eps)
+    lam = torch.maximum(lam, floor)  # roundoff_floor per matrix (Note [Round-off floor])
+    low = lam.amin(dim=1, keepdim=True)
+    return torch.where(low < epsilon, (lam - low) + epsilon, lam)
+
+
+def _inverse_root_or_none(f, root, epsilon, dtype):
+    try:
+        return inverse_root(f, root, epsilon, dtype=dtype)
+    except MatrixFunctionError:
+        return None  # the caller runs it alone, and meets the error there
+
+
+# Note [Batched roots]
+# ~~~~~~~~~~~~~~~~~~~~
+# Shampoo's refresh is one root per factor: an ``eigh`` and some elementwise ops. Natively (and
+# on a device stream) the due factors of one shape run as one stack: the ops are those of
+# ``inverse_root`` in its order, each over the stack, with each matrix's own round-off floor
+# (its largest |eigenvalue| along the batch) and Meta's shift by its own smallest eigenvalue.
+# On the CPU the result is bitwise ``inverse_root`` of each factor: the batched ``eigh`` copies
+# the stack to column-major (the layout ``_shifted`` makes) and calls LAPACK's ``syevd`` per
+# matrix; a per-matrix max/min is exact; the elementwise ops round each entry alone, but for
+# ``pow``, whose vectorised kernel rounds otherwise than its scalar tail: it runs per matrix
+# (``_foreach_pow``: one dispatch), so each row meets the lanes it met alone; an epsilon as a
+# tensor of ``dtype`` rounds as the Python scalar does; the ``bmm`` reads its operands in the
+# layouts ``mm`` read (column-major ``evecs * scale``, row-major ``evecs^T``) and calls the
+# same ``gemm`` per matrix above ``SMALL_BMM`` (tests/unit/test_batched_roots.py).
+# On a GPU the batched ``eigh`` (cuSOLVER's batched ``syevj`` for small matrices) and ``bmm``
+# may differ from the single ones in the last bits: the results agree to rounding.
 
 
 def _perturbed(lam: torch.Tensor, epsilon: float) -> torch.Tensor:

@@ -37,6 +37,7 @@ __all__ = [
     "Refresher",
     "RootRefresh",
     "Update",
+    "run_batched",
 ]
 
 #: A block's identity inside one optimizer: (index of its parameter in the flattened param
@@ -171,7 +172,10 @@ class RootRefresh(RefreshJob):
         native and orchestrated roots of the same factor agree bit for bit."""
         if self.rel_epsilon == 0.0:
             return self.epsilon
-        bound = float(torch.linalg.matrix_norm(factor.double(), ord=float("inf")))
+        return self.damping_of(float(torch.linalg.matrix_norm(factor.double(), ord=float("inf"))))
+
+    def damping_of(self, bound: float) -> float:
+        """The epsilon for a factor whose infinity norm (in float64) is ``bound``."""
         return max(self.epsilon, self.rel_epsilon * bound)  # (a NaN bound: the factor's error)
 
     def run(self) -> Any:
@@ -382,17 +386,19 @@ class NativeRefresher:
         due, self._due = self._due, []
         opt = self._opt()
         jobs = [opt.refresh_jobs(block, group) for _, block, group, _ in due]
-        precomputed = _batched_qr(jobs)
+        flat = [j for block_jobs in jobs for j in block_jobs if j is not None]
+        precomputed = {id(j): r for j, r in zip(flat, run_batched(flat)) if r is not None}
+        blocks, installs = [], []
         for (key, block, _, step), block_jobs in zip(due, jobs):
             try:
-                results = [
-                    None if j is None else precomputed.get(id(j)) or j.run() for j in block_jobs
-                ]
+                results = [None if j is None else _result(j, precomputed) for j in block_jobs]
             except mf.MatrixFunctionError as err:
                 self._count_failure(opt, key, step, err)
                 continue  # Note [Refresh failures]: the previous bases or roots stay
             self.failures.pop(key, None)
-            opt.install_refresh(block, results)
+            blocks.append(block)
+            installs.append(results)
+        opt.install_refresh_many(blocks, installs)
 
     def _count_failure(self, opt, key: BlockKey, step: int, err: BaseException) -> None:
         self.failed += 1
@@ -418,25 +424,53 @@ class NativeRefresher:
             raise error
 
 
-def _batched_qr(jobs: list[list[RefreshJob | None]]) -> dict[int, Any]:
-    """The results of the ``QRRefresh`` jobs among ``jobs`` whose factors share a shape (and
-    sort, dtype, device), by ``id`` of the job: one ``qr_refresh_many`` per such group. A job
-    left out (alone of its shape, or whose batched result was not finite) runs alone."""
-    groups: dict[Any, list[QRRefresh]] = {}
-    for j in (j for block_jobs in jobs for j in block_jobs):
+def _result(job: RefreshJob, precomputed: dict[int, Any]) -> Any:
+    result = precomputed.get(id(job))
+    return job.run() if result is None else result
+
+
+def run_batched(jobs: Sequence[RefreshJob]) -> list[Any | None]:
+    """Each job's result (what ``job.run()`` returns), computed together with the jobs of its
+    kind, shape and options (Note [Batched refreshes]): ``QRRefresh`` jobs as one
+    ``qr_refresh_many``, ``RootRefresh`` jobs as one ``inverse_root_many`` (each with its own
+    ``damping``). ``None`` for a job to run alone (``job.run()``, which raises its error): alone
+    of its group, or whose batched result failed or was not finite."""
+    groups: dict[Any, list[int]] = {}
+    for i, j in enumerate(jobs):
+        f = j.factor
         if isinstance(j, QRRefresh):
-            f = j.factor
-            groups.setdefault((tuple(f.shape), f.dtype, f.device, j.sort, j.dtype), []).append(j)
-    out: dict[int, Any] = {}
-    for group in groups.values():
-        if len(group) < 2:
+            key = (QRRefresh, tuple(f.shape), f.dtype, f.device, j.sort, j.dtype)
+        elif isinstance(j, RootRefresh):
+            key = (RootRefresh, tuple(f.shape), f.dtype, f.device, j.root, j.dtype)
+        else:
             continue
-        results = mf.qr_refresh_many([j.factor for j in group], [j.basis for j in group],
-                                     sort=group[0].sort, dtype=group[0].dtype)  # fmt: skip
-        for j, r in zip(group, results):
-            if r is not None:
-                out[id(j)] = r
+        groups.setdefault(key, []).append(i)
+    out: list[Any | None] = [None] * len(jobs)
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        group = [jobs[i] for i in idx]
+        for i, r in zip(idx, _run_group(group)):
+            out[i] = r
     return out
+
+
+def _run_group(group: list[Any]) -> list[Any | None]:
+    first = group[0]
+    factors = [j.factor for j in group]
+    if isinstance(first, QRRefresh):
+        bases = [j.basis for j in group]
+        return mf.qr_refresh_many(factors, bases, sort=first.sort, dtype=first.dtype)
+    return mf.inverse_root_many(factors, first.root, _dampings(group), dtype=first.dtype)
+
+
+def _dampings(group: list[RootRefresh]) -> list[float]:
+    """``job.damping(job.factor)`` of each job, the relative ones' norms in one op."""
+    if all(j.rel_epsilon == 0.0 for j in group):
+        return [j.epsilon for j in group]
+    stacked = torch.stack([j.factor for j in group]).double()
+    bounds = torch.linalg.matrix_norm(stacked, ord=float("inf")).tolist()
+    return [j.epsilon if j.rel_epsilon == 0.0 else j.damping_of(b) for j, b in zip(group, bounds)]
 
 
 # Note [Batched refreshes]
@@ -446,8 +480,11 @@ def _batched_qr(jobs: list[list[RefreshJob | None]]) -> dict[int, Any]:
 # bases are read again (the next ``bases``/``bases_many`` call: Shampoo's roots of step t
 # precondition step t) or at ``step_end``, whichever comes first: QR refreshes of one shape
 # (SOAP, KL-Shampoo) as one ``qr_refresh_many`` (one batched power iteration, sort and
-# ``geqrf``/``orgqr``; bitwise each block's ``qr_refresh`` on the CPU), then each block's
-# install in block order, exactly as one at a time. Nothing reads a block's bases, moments or
-# factors between its boundary and that point. Shampoo's roots (an eigendecomposition each, with
-# Meta's shifts per factor) still run one block at a time. A runtime's pool runs one job a
-# core: its jobs stay per block.
+# ``geqrf``/``orgqr``; bitwise each block's ``qr_refresh`` on the CPU), Shampoo's roots of one
+# shape and root as one ``inverse_root_many`` (one batched ``eigh``, Meta's shifts and the
+# round-off floor per matrix: Note [Batched roots] in matrix_functions.py; bitwise each
+# ``inverse_root`` on the CPU) (``run_batched``, which a device-stream executor can call on its
+# queue as well), then the installs, in one ``install_refresh_many`` (SOAP's per shape group:
+# Note [Batched installs] in soap.py; bitwise each block's ``install_refresh`` on the CPU).
+# Nothing reads a block's bases, moments or factors between its boundary and that point. A
+# runtime's pool runs one job a core: its jobs stay per block.

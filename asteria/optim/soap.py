@@ -47,6 +47,7 @@ from asteria.optim.base import (
     state_dtype,
 )
 from asteria.optim.batched import (
+    SMALL_BMM,
     bases_of,
     bases_room,
     batched_gram,
@@ -296,6 +297,17 @@ class SOAP(KroneckerOptimizer):
             m = mode_products(m, back, transpose=False)
         block["exp_avg"] = mode_products(m, forth, transpose=True)
 
+    def install_refresh_many(self, blocks: list[dict[str, Any]], results: list[list]) -> None:
+        """``install_refresh`` of each block, blocks of one shape and layout together (Note
+        [Batched installs]); a block alone of its kind, or whose products a CPU ``bmm`` would
+        round otherwise (``batched.block_key``), is installed alone."""
+        for idx in shape_groups(range(len(blocks)), lambda i: _install_key(blocks[i], results[i])):
+            if len(idx) == 1:
+                for i in idx:
+                    self.install_refresh(blocks[i], results[i])
+                continue
+            _install_group([blocks[i] for i in idx], [results[i] for i in idx])
+
     def install_cost(self, block: dict[str, Any]) -> float:
         """The rotation of ``m`` as ``install_refresh`` does it, per factored dim (``R_i`` or
         back and forth, whichever is cheaper), and the permutation of ``v``."""
@@ -306,6 +318,73 @@ class SOAP(KroneckerOptimizer):
                 d = f.shape[0]
                 cost += min(d**3 + numel * d, 2 * numel * d) + numel
         return float(cost)
+
+
+def _install_key(block: dict[str, Any], result: list) -> Any:
+    """What must agree for blocks to be installed together: ``m``'s and ``v``'s shape, dtype
+    and layout, and per dim whether it was refreshed and the layouts of its old and new bases;
+    a key of its own (installed alone) where a CPU ``bmm`` would round otherwise, or where the
+    new bases need a conversion."""
+    m, v = block["exp_avg"], block["exp_avg_sq"]
+    key = [block_key(m), tensor_key(v)]
+    for res, q in zip(result, block["bases"]):
+        if res is None:
+            key.append(None)
+            continue
+        new_q, perm = res
+        small = m.device.type == "cpu" and q.shape[0] ** 3 < SMALL_BMM
+        if small or perm is None or new_q.dtype != v.dtype or new_q.device != v.device:
+            return object()
+        key.append((tensor_key(q), tensor_key(new_q)))
+    return tuple(key)
+
+
+def _install_group(blocks: list[dict[str, Any]], results: list[list]) -> None:
+    """``SOAP.install_refresh`` of blocks of one ``_install_key``, each op once for the group
+    (Note [Batched installs])."""
+    v = torch.stack([b["exp_avg_sq"] for b in blocks])
+    m = stack([b["exp_avg"] for b in blocks])
+    n = m.dim() - 1
+    back: list[torch.Tensor | None] = [None] * n
+    forth: list[torch.Tensor | None] = [None] * n
+    for i, res in enumerate(results[0]):
+        if res is None:
+            continue
+        perm = torch.stack([r[i][1] for r in results])  # (B, d_i)
+        v = torch.take_along_dim(v, perm.view(len(blocks), *_along(i, n)), dim=i + 1)
+        old_q = [b["bases"][i] for b in blocks]
+        new_q = [r[i][0] for r in results]
+        if old_q[0].shape[0] ** 2 < blocks[0]["exp_avg"].numel():  # d_i < numel / d_i
+            forth[i] = torch.bmm(stack([q.T for q in old_q]), stack(new_q))
+        else:
+            back[i], forth[i] = stack(old_q), stack(new_q)
+        for b, q in zip(blocks, new_q):
+            b["bases"][i] = q
+    if any(b is not None for b in back):
+        m = batched_mode_products(m, back, transpose=False)
+    m = batched_mode_products(m, forth, transpose=True)
+    torch._foreach_copy_([b["exp_avg_sq"] for b in blocks], list(v.unbind(0)))
+    torch._foreach_copy_([b["exp_avg"] for b in blocks], list(m.unbind(0)))
+
+
+def _along(i: int, n: int) -> list[int]:
+    """The shape (without the batch dim) that broadcasts a permutation of dim ``i`` of an
+    order-``n`` block along its other dims."""
+    return [-1 if j == i else 1 for j in range(n)]
+
+
+# Note [Batched installs]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Natively the due blocks of a step are installed together (Note [Batched refreshes] in
+# refresher.py): per group of blocks whose moments and bases agree in shape, dtype and layout,
+# ``v``'s permutations are one ``take_along_dim`` per dim (an exact gather, as
+# ``index_select``), ``m``'s rotation is one ``bmm`` per dim for ``R = Q_old^T Q_new`` or the
+# back-and-forth ``batched_mode_products`` (Note [Batched steps] in batched.py: ``bmm`` on
+# operands in ``mm``'s layouts), and the results are copied into each block's own ``m`` and
+# ``v`` (one ``_foreach_copy_`` each: state stays per block). On the CPU every block's state is
+# bitwise ``install_refresh``'s (tests/unit/test_batched_roots.py, test_batched_steps.py);
+# blocks whose products ``bmm`` would round otherwise (``block_key``) are installed alone. A
+# runtime installs block by block (``install_refresh``), at the boundaries its schedule picks.
 
 
 def _block_end(c: _BlockStep, freq: int, stats: dict[BlockKey, tuple]) -> BlockEnd:

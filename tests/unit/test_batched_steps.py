@@ -163,6 +163,8 @@ def test_shampoo_batched_step_is_bitwise_the_per_block_path(shapes, max_dim, dat
         use_bias_correction=data.draw(st.booleans()),
         weight_decay=data.draw(st.sampled_from([0.0, 0.01])),
         momentum=data.draw(st.sampled_from([0.0, 0.5])),
+        epsilon=data.draw(st.sampled_from([1e-12, 1e-6])),
+        rel_epsilon=data.draw(st.sampled_from([0.0, 1e-5])),
     )
     _same(_run(_per_parameter(Shampoo), shapes, options, 6), _run(Shampoo, shapes, options, 6))
 
