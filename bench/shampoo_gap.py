@@ -99,8 +99,9 @@ def _runtime_config(base: str, staleness: int) -> RuntimeConfig | None:
 
 def split_variant(variant: str) -> tuple[str, dict]:
     """``fd1_eps1e-6`` -> ``("fd1", {"epsilon": 1e-6})``; ``native_rel1e-4`` -> ``rel_epsilon``
-    1e-4."""
-    for tag, key in (("_eps", "epsilon"), ("_rel", "rel_epsilon")):
+    1e-4; ``native_lrx1.000001`` -> the learning rate times 1.000001 (the protocol's own
+    sensitivity: how far a perturbation far below any runtime's moves the evaluation loss)."""
+    for tag, key in (("_eps", "epsilon"), ("_rel", "rel_epsilon"), ("_lrx", "lr_scale")):
         base, found, value = variant.partition(tag)
         if found:
             return base, {key: float(value)}
@@ -109,7 +110,9 @@ def split_variant(variant: str) -> tuple[str, dict]:
 
 def make_shampoo(params, lr: float, **mod) -> Shampoo:
     """asteria/train/optimizers.py's Shampoo, with ``epsilon`` or ``rel_epsilon`` where given."""
-    kwargs = dict(lr=lr, betas=(0.9, 1.0), precondition_frequency=10, grafting="adam")
+    mod = dict(mod)
+    kwargs = dict(lr=lr * mod.pop("lr_scale", 1.0), betas=(0.9, 1.0), precondition_frequency=10,
+                  grafting="adam")  # fmt: skip
     return Shampoo(params, **(kwargs | mod))
 
 
@@ -173,7 +176,7 @@ def run_schedule(variant: str, args: argparse.Namespace, corpus, seed: int) -> d
     cfg = TrainConfig(
         model=args.model, optimizer=name, mode="native" if base == "native" else "asteria",
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-        seed=seed, val_every=10,
+        seed=seed, val_every=10, val_batches=args.val_batches,
     )  # fmt: skip
     result = train(
         cfg, corpus, runtime_config=_runtime_config(base, args.staleness), progress=False
@@ -203,7 +206,10 @@ def run_mlp(variant: str, args: argparse.Namespace, seed: int) -> dict:
         torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
         torch.nn.Linear(64, 16),
     )  # fmt: skip
-    kwargs = dict(lr=args.lr or 1e-3, precondition_frequency=args.frequency or 5)
+    mod = dict(mod)
+    kwargs = dict(
+        lr=(args.lr or 1e-3) * mod.pop("lr_scale", 1.0), precondition_frequency=args.frequency or 5
+    )
     if args.start is not None:
         kwargs["start_preconditioning_step"] = args.start
     opt = Shampoo(model.parameters(), **(kwargs | mod))
@@ -267,6 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--seeds", help="cosine: comma-separated seeds (default --seed)")
     p.add_argument("--lr", type=float, help="cosine: the peak rate (default the demo's)")
+    p.add_argument(
+        "--val-batches", type=int, default=4,
+        help="cosine: validation batches (time_to_target.py's 4 by default)",
+    )  # fmt: skip
     p.add_argument("--frequency", type=int, help="mlp: the precondition frequency (default 5)")
     p.add_argument("--start", type=int, help="mlp: start_preconditioning_step (default Meta's)")
     args = p.parse_args(argv)

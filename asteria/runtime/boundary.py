@@ -70,7 +70,7 @@ class Boundaries:
         replicated = refreshes.replicated(key)
         exact = schedule.fixed or replicated
         # Note [Rank-deficient factors] in schedule.py: as natively, waited for at its step
-        urgent = schedule.wait_first and refreshes.optimizer.refresh_urgent(block, step)
+        urgent = schedule.wait_first and refreshes.optimizer.refresh_urgent(block, step, group)
         if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
             due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
         elif due and e.pending is not None:

@@ -89,18 +89,22 @@ def test_rank_deficient_blocks_train_as_natively(
 
 
 def test_full_rank_blocks_keep_the_budget():
-    """A 2-D block of full-rank factors from its first step (8 x 8, unmerged) is not urgent:
-    its refreshes take the lead and the budget (age 1), and none is waited for."""
+    """A 2-D block of full-rank factors from its first step (8 x 8, unmerged) is not rank-
+    deficient: once its factors are past their youth (Note [Young factors]: at frequency 2,
+    the refreshes of steps 4, 6 and 8, whose last interval brought 2/t >= 1/4 of the factor),
+    its refreshes take the lead and the budget (age 1)."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen))]
     opt = Shampoo(params, precondition_frequency=2, merge_dims=False)
-    assert not opt.refresh_urgent({"factors": [torch.zeros(8, 8)] * 2}, 1)
-    assert opt.refresh_urgent({"factors": [torch.zeros(30, 30)]}, 29)
-    assert not opt.refresh_urgent({"factors": [torch.zeros(30, 30)]}, 30)
+    group = opt.param_groups[0]
+    assert not opt.refresh_urgent({"factors": [torch.zeros(8, 8)] * 2}, 9, group)
+    assert opt.refresh_urgent({"factors": [torch.zeros(8, 8)] * 2}, 7, group)  # due 8: young
+    assert opt.refresh_urgent({"factors": [torch.zeros(30, 30)]}, 27, group)  # due 28 < 30
+    assert not opt.refresh_urgent({"factors": [torch.zeros(30, 30)]}, 29, group)  # due 30
     with Runtime(None, opt, RuntimeConfig(staleness=2, workers=1, statistics_lane=False)) as rt:
-        for _ in range(12):
+        for _ in range(24):
             params[0].grad = torch.randn(8, 8, generator=gen)
             opt.step()
         stats = rt.stats()
-    assert stats["jobs"]["urgent_waits"] == 0
+    assert stats["jobs"]["urgent_waits"] == 3
     assert stats["max_staleness"] >= 1

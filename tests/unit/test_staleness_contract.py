@@ -281,8 +281,10 @@ def test_staggered_refresh_spreads_the_blocks_over_the_interval(
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_continuous_refresh_installs_more_often_than_the_frequency(name):
     """A fast pool and f = 10: interval refresh installs every 10 steps, continuous refresh as
-    soon as the executors have room, well inside the interval; the bound holds for both."""
-    frequency, steps = 10, 36
+    soon as the executors have room, well inside the interval; the bound holds for both.
+    Shampoo's refreshes up to step 40 are young (Note [Young factors]), refreshed at their step
+    in either mode: it runs 40 steps more."""
+    frequency, steps = 10, 76 if name == "shampoo" else 36
     out = {}
     for refresh in ("interval", "continuous"):
         config = asteria.RuntimeConfig(staleness=3, workers=1, refresh=refresh)
