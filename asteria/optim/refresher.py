@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
+from asteria.optim import batched
 from asteria.optim import matrix_functions as mf
 from asteria.optim.blocking import ParamLayout
 
@@ -433,8 +434,9 @@ def run_batched(jobs: Sequence[RefreshJob]) -> list[Any | None]:
     """Each job's result (what ``job.run()`` returns), computed together with the jobs of its
     kind, shape and options (Note [Batched refreshes]): ``QRRefresh`` jobs as one
     ``qr_refresh_many``, ``RootRefresh`` jobs as one ``inverse_root_many`` (each with its own
-    ``damping``). ``None`` for a job to run alone (``job.run()``, which raises its error): alone
-    of its group, or whose batched result failed or was not finite."""
+    ``damping``), in pieces of at most ``batched.BATCH_ELEMENTS`` factor elements. ``None``
+    for a job to run alone (``job.run()``, which raises its error): alone of its group, or
+    whose batched result failed or was not finite."""
     groups: dict[Any, list[int]] = {}
     for i, j in enumerate(jobs):
         f = j.factor
@@ -447,11 +449,15 @@ def run_batched(jobs: Sequence[RefreshJob]) -> list[Any | None]:
         groups.setdefault(key, []).append(i)
     out: list[Any | None] = [None] * len(jobs)
     for idx in groups.values():
-        if len(idx) < 2:
-            continue
-        group = [jobs[i] for i in idx]
-        for i, r in zip(idx, _run_group(group)):
-            out[i] = r
+        # pieces of at most BATCH_ELEMENTS factor elements: a batch's temporaries (a few
+        # copies of its stack) are bounded by that, not by the model
+        numel = jobs[idx[0]].factor.numel()
+        limit = batched.BATCH_ELEMENTS
+        for piece in batched.pieces(idx, lambda _, n=numel: n, lambda _: 0, None, limit):
+            if len(piece) < 2:
+                continue
+            for i, r in zip(piece, _run_group([jobs[i] for i in piece])):
+                out[i] = r
     return out
 
 

@@ -8,7 +8,8 @@ Invariants, each over a space of settings drawn by hypothesis:
   * a factor that is not finite gets ``None`` (its caller runs it alone and meets the error),
     and the others are still bitwise their own roots;
   * ``run_batched`` gives each job ``job.run()``'s result bit for bit, or ``None`` (run alone),
-    over mixed kinds, shapes and relative epsilons;
+    over mixed kinds, shapes and relative epsilons, its batches within ``BATCH_ELEMENTS``;
+  * SOAP's ``install_refresh_many`` leaves each block as its ``install_refresh`` does;
   * a native refresh step's ATen ops do not grow with the number of blocks of one shape.
 """
 
@@ -21,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.optim import SOAP, KLShampoo, Shampoo, batched
 from asteria.optim import matrix_functions as mf
 from asteria.optim.refresher import QRRefresh, RootRefresh, run_batched
 from tests.unit.test_batched_steps import _Ops
@@ -105,8 +106,11 @@ def test_inverse_root_many_checks_before_it_computes():
     rel=st.lists(st.sampled_from([0.0, 1e-6, 1e-2]), min_size=8, max_size=8),
     dtype=dtypes,
     seed=st.integers(0, 2**16),
+    limit=st.sampled_from([None, 0, 600, 2000]),
 )
-def test_run_batched_is_bitwise_each_job_run(dims, kinds, rel, dtype, seed):
+def test_run_batched_is_bitwise_each_job_run(dims, kinds, rel, dtype, seed, limit):
+    """With any ``BATCH_ELEMENTS``: every batch holds at most that many factor elements (or
+    one factor), and each result is the job's own."""
     jobs = []
     for i, d in enumerate(dims):
         f = _factors(d, 1, d // 2 + 1, torch.float32, seed + i)[0]
@@ -115,7 +119,25 @@ def test_run_batched_is_bitwise_each_job_run(dims, kinds, rel, dtype, seed):
         else:
             basis = mf.eigh_descending(f + torch.eye(d), torch.float32)[1]
             jobs.append(QRRefresh(f, basis, sort=kinds[i] == "qr_sorted", dtype=dtype))
-    results = run_batched(jobs)
+    seen: list[int] = []
+    many = (mf.inverse_root_many, mf.qr_refresh_many)
+
+    def spy(fn):
+        def wrapped(factors, *args, **kwargs):
+            seen.append(sum(f.numel() for f in factors))
+            return fn(factors, *args, **kwargs)
+
+        return wrapped
+
+    saved = batched.BATCH_ELEMENTS
+    mf.inverse_root_many, mf.qr_refresh_many = map(spy, many)
+    batched.BATCH_ELEMENTS = saved if limit is None else limit
+    try:
+        results = run_batched(jobs)
+    finally:
+        batched.BATCH_ELEMENTS = saved
+        mf.inverse_root_many, mf.qr_refresh_many = many
+    assert all(n <= (saved if limit is None else limit) for n in seen), seen
     assert len(results) == len(jobs)
     for job, got in zip(jobs, results):
         if got is None:
