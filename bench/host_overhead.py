@@ -21,8 +21,9 @@ optimizer's step and for the runtime's module signals (``hooks``):
 Variants: ``adamw`` (``torch.optim.AdamW``, ``foreach=True``), ``<opt>_native``, and for each of
 ``soap``, ``kl_shampoo`` and ``shampoo`` the runtime with the GPU strategies forced through
 ``asteria.runtime.testing`` on the CPU (no statistics lane, staged snapshots through the staging
-ring): ``<opt>_window`` (``pretend_arch(Arch(cuda=True))``: the bases in host memory behind the
-window) and ``<opt>_device`` (the same with ``placement={'bases': 'device'}``). The runtime's
+ring): ``<opt>_window`` (``pretend_arch(Arch(cuda=True))`` with ``--device-free-gib`` free: the
+bases in host memory behind the window, its slots a shape group's bases where the bases budget
+leaves room) and ``<opt>_device`` (the same with ``placement={'bases': 'device'}``). The runtime's
 refreshes are ``refresh='interval'`` so that an ordinary step installs nothing (the staggered
 default spreads the same installs over every step; its per-interval totals are the same work).
 
@@ -193,13 +194,14 @@ def _patched(cls: type, name: str, counts: Counts, tag: str, extra: str | None) 
         setattr(cls, name, original)
 
 
-def _forced(mode: str, device: torch.device) -> contextlib.ExitStack:
-    """The GPU strategies forced on the CPU for ``mode`` (module docstring); on a GPU, the
-    runtime's own."""
+def _forced(mode: str, device: torch.device, free_bytes: int) -> contextlib.ExitStack:
+    """The GPU strategies forced on the CPU for ``mode`` (module docstring), on a pretended
+    GPU with ``free_bytes`` of device memory free (what the window's slots are sized within:
+    Note [Window by shape group] in asteria/memory/tiers.py); on a GPU, the runtime's own."""
     stack = contextlib.ExitStack()
     if mode in ("window", "device") and device.type == "cpu":
         stack.enter_context(testing.staged_snapshots())
-        stack.enter_context(testing.pretend_arch(Arch(cuda=True)))
+        stack.enter_context(testing.pretend_arch(Arch(cuda=True), device_free_bytes=free_bytes))
     return stack
 
 
@@ -228,7 +230,7 @@ def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> 
             cls = type(opt)
             stack.enter_context(_patched(cls, "install_refresh", counts, "install", "installs"))
         if mode != "native":
-            with _forced(mode, device):
+            with _forced(mode, device, int(args.device_free_gib * 2**30)):
                 placement = {"bases": "device" if mode == "device" else "host"}
                 config = RuntimeConfig(
                     workers=args.workers,
@@ -411,6 +413,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--device-free-gib",
+        type=float,
+        default=70.0,
+        help="on the CPU: the device memory the pretended GPU has free (an H100's, about)",
+    )
     p.add_argument("--variants", default="", help="comma-separated; default: all")
     args = p.parse_args(argv)
     if args.steps < 2:

@@ -65,7 +65,7 @@ def estimate_blocks(
 
     out: list[BlockSizes] = []
     pid = -1
-    for group in optimizer.param_groups:
+    for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             pid += 1
             if not p.requires_grad:
@@ -76,7 +76,7 @@ def estimate_blocks(
                 if moments:
                     out.append(BlockSizes(name(pid, -1), pid, moments=moments))
                 for bi, block in enumerate(template.get("blocks", ())):
-                    out.append(_block_sizes(optimizer, group, block, name(pid, bi), pid))
+                    out.append(_block_sizes(optimizer, group, block, name(pid, bi), pid, gi))
             except NotImplementedError:
                 raise ValueError(
                     f"no state-size model for {type(optimizer).__name__}: it describes no state "
@@ -109,7 +109,7 @@ def snapshot_tensors(optimizer: KroneckerOptimizer) -> list[int]:
 
 
 def _block_sizes(
-    optimizer: KroneckerOptimizer, group: dict, block: dict, name: str, pid: int
+    optimizer: KroneckerOptimizer, group: dict, block: dict, name: str, pid: int, gi: int
 ) -> BlockSizes:
     field = optimizer.bases_field
     jobs = [j for j in optimizer.refresh_jobs(block, group) if j is not None]
@@ -121,7 +121,14 @@ def _block_sizes(
         bases=_nbytes(block[field]),
         results=sum(j.result_bytes() for j in jobs),
         snapshots=sum(j.input_bytes() for j in jobs),
+        group=(gi, _shapes(block[field])),
     )
+
+
+def _shapes(bases: list) -> tuple:
+    """The shapes and dtypes of a block's bases (what blocks read together share: Note [Window
+    by shape group] in tiers.py)."""
+    return tuple(None if q is None else (tuple(q.shape), q.dtype) for q in bases)
 
 
 def _nbytes(value: object) -> int:

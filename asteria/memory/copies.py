@@ -105,18 +105,18 @@ class CudaCopies:
         with torch.cuda.stream(self.stream):
             for event in waits:
                 self.stream.wait_event(event)
-            for dst, src in zip(dsts, srcs):
-                dst.copy_(src, non_blocking=True)
-                for t in (dst, src):  # device memory the caching allocator must not reuse
-                    if t.is_cuda:  # before the copy stream is done with it
-                        t.record_stream(self.stream)
+            _copy_all(dsts, srcs, non_blocking=True)
+            seen: set[int] = set()  # device memory the caching allocator must not reuse before
+            for t in (*dsts, *srcs):  # the copy stream is done with it: once per storage
+                if t is not None and t.is_cuda and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    t.record_stream(self.stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
 
     def to_host(self, dsts: Tensors, srcs: Tensors) -> torch.cuda.Event:
-        for dst, src in zip(dsts, srcs):  # on the main stream (Note [Host writes])
-            dst.copy_(src, non_blocking=True)
+        _copy_all(dsts, srcs, non_blocking=True)  # on the main stream (Note [Host writes])
         self._host_writes = self.record()
         return self._host_writes
 
@@ -195,8 +195,7 @@ class HostCopies:
         return done
 
     def to_host(self, dsts: Tensors, srcs: Tensors) -> HostEvent:
-        for dst, src in zip(dsts, srcs):
-            dst.copy_(src)
+        _copy_all(dsts, srcs)
         self._host_writes = event = HostEvent(next(self._order), done=self.auto_complete)
         self.log.append(("to_host", event))
         return event
@@ -210,8 +209,7 @@ class HostCopies:
         """Run queued copies, in order, until one waits for an event not yet complete."""
         while self._queue and all(e.query() for e in self._queue[0][0]):
             waits, dsts, srcs, done = self._queue.pop(0)
-            for dst, src in zip(dsts, srcs):
-                dst.copy_(src)
+            _copy_all(dsts, srcs)
             done.complete()
             self.log.append(("copy", done, waits))
 
@@ -239,3 +237,14 @@ class HostCopies:
 def copies_for(device: torch.device) -> Copies:
     """The copy stream of ``device``: ``CudaCopies`` on a GPU, the stand-in on the CPU."""
     return CudaCopies(device) if device.type == "cuda" else HostCopies()
+
+
+def _copy_all(dsts: Tensors, srcs: Tensors, non_blocking: bool = False) -> None:
+    """Each src into its dst in one ``torch._foreach_copy_`` (one dispatch for a window's fill or a
+    batch's copy to host, however many tensors: Note [Grouped install copies] in
+    asteria/runtime/bases.py); pairs with a None are skipped."""
+    pairs = [(d, s) for d, s in zip(dsts, srcs) if d is not None and s is not None]
+    if pairs:
+        torch._foreach_copy_(
+            [d for d, _ in pairs], [s for _, s in pairs], non_blocking=non_blocking
+        )

@@ -33,6 +33,7 @@ blocks' bases: ``slots`` buffers of ``slot_bytes`` each (tiers.plan's ``window_b
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -77,9 +78,10 @@ class BasesWindow:
     def bytes_of(srcs: Tensors) -> int:
         """Bytes a slot needs for ``srcs``, packed in order (each at a multiple of its itemsize)."""
         offset = 0
-        for s in srcs:
+        for s in srcs:  # (inline: called for every fill, over a group's every tensor)
             if s is not None:
-                offset = _round_up(offset, s.element_size()) + s.numel() * s.element_size()
+                k = s.element_size()
+                offset = -(-offset // k) * k + s.numel() * k
         return offset
 
     def buffers(self) -> list[torch.Tensor]:
@@ -98,16 +100,16 @@ class BasesWindow:
         """Device copies of ``srcs`` (the bases of block ``key``), ready for the main stream's
         next kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot."""
         self.finish()
-        if all(s is None for s in srcs):
-            return list(srcs)
-        need = self.bytes_of(srcs)
-        if need > self._slot_bytes:
-            raise ValueError(
-                f"the bases of block {key!r} need {need} bytes, the window's slots have "
-                f"{self._slot_bytes}: resize() it first"
-            )
-        slot = self._holding(key, srcs)
+        slot = self._holding(key, srcs)  # a hit fitted when it was filled
         if slot is None:
+            if all(s is None for s in srcs):
+                return list(srcs)
+            need = self.bytes_of(srcs)
+            if need > self._slot_bytes:
+                raise ValueError(
+                    f"the bases of block {key!r} need {need} bytes, the window's slots have "
+                    f"{self._slot_bytes}: resize() it first"
+                )
             slot = self._victim(key, exclude=None)
             self._fill(slot, key, srcs)
         else:
@@ -120,6 +122,10 @@ class BasesWindow:
         if upcoming is not None:
             self._prefetch(*upcoming, exclude=slot)
         return list(slot.views)
+
+    def holds(self, key: Hashable, srcs: Tensors) -> bool:
+        """Whether a slot holds exactly ``srcs`` as ``key``'s (``use`` then hands it out)."""
+        return self._holding(key, srcs) is not None
 
     def finish(self) -> None:
         """The block handed out last is no longer read by kernels issued from now on: record the
@@ -175,9 +181,9 @@ class BasesWindow:
         return min(free, key=lambda s: s.used, default=None)
 
     def _prefetch(self, key: Hashable, srcs: Tensors, exclude: _Slot) -> None:
-        if all(s is None for s in srcs) or self.bytes_of(srcs) > self._slot_bytes:
-            return
         if self._holding(key, srcs) is not None:
+            return
+        if all(s is None for s in srcs) or self.bytes_of(srcs) > self._slot_bytes:
             return
         slot = self._victim(key, exclude)
         if slot is not None:
@@ -218,7 +224,7 @@ class _Slot:
 
 
 def _same(held: tuple | None, srcs: Tensors) -> bool:
-    return held is not None and len(held) == len(srcs) and all(a is b for a, b in zip(held, srcs))
+    return held is not None and len(held) == len(srcs) and all(map(operator.is_, held, srcs))
 
 
 def _round_up(n: int, k: int) -> int:

@@ -55,6 +55,7 @@ from asteria.memory.host import (
 )
 from asteria.memory.window import BasesWindow, view_like
 from asteria.optim.base import BlockKey, KroneckerOptimizer
+from asteria.optim.batched import pieces
 from asteria.runtime.lane import StatisticsLane
 
 __all__ = ["BasesAccess", "DeviceBases", "MappedBases", "WindowBases"]
@@ -288,7 +289,11 @@ class WindowBases(BasesAccess):
             return [self.read(keys[0], blocks[0])]
         group = tuple(keys)
         self._group_blocks[group] = list(blocks)
-        hosted = self._host_bases_many(blocks)
+        hosted = (
+            self._host_bases_many(blocks)
+            if self._unhosted_may_exist
+            else [b[self.field] for b in blocks]
+        )  # (every basis is in host memory: Note [Bases made by a step])
         flat = [q for bases in hosted for q in bases]
         views = self._use_srcs(group, flat, prefetch=True)
         out, i = [], 0
@@ -297,24 +302,44 @@ class WindowBases(BasesAccess):
             i += len(bases)
         return out
 
-    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        """The new bases go to pinned host memory (``install_many``: one copy for the batch); an
-        install that reads the current bases (SOAP's rotation of ``m``) reads device copies
-        from the window."""
-        bases = self._host_bases(block)
-        handed: list[Any] = []
-        if self.optimizer.install_reads_bases and any(q is not None for q in bases):
-            hosted = list(bases)
-            handed = bases[:] = self._use(key, block, prefetch=False)
+    def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
+        """The new bases go to pinned host memory (one copy for the batch). An install that reads
+        the current bases (SOAP's rotation of ``m``) reads device copies from the window: the
+        batch's blocks in pieces of a slot each, one fill and one event a piece (Note [Window by
+        shape group] in asteria/memory/tiers.py), not one a block."""
+        moved = to_device_many([r for _, _, r in items], [b for _, b, _ in items])
+        blocks = [b for _, b, _ in items]
+        hosted = [list(h) for h in self._host_bases_many(blocks)]  # (keys: one item a block)
+        reads = self.optimizer.install_reads_bases
+        direct = [i for i, h in enumerate(hosted) if not reads or all(q is None for q in h)]
+        for i in direct:
+            self.optimizer.install_refresh(blocks[i], moved[i])
+        skip = set(direct)
+        reading = [i for i in range(len(items)) if i not in skip]
+        room = self.window.slot_bytes
+        for piece in pieces(reading, lambda i: 0, lambda i: BasesWindow.bytes_of(hosted[i]), room):
+            keys = tuple(items[i][0] for i in piece)
+            flat = [q for i in piece for q in hosted[i]]
+            views = self._use_srcs(keys if len(keys) > 1 else keys[0], flat, prefetch=False)
+            at = 0
+            for i in piece:  # the views are valid until the next fill: install the piece now
+                n = len(hosted[i])
+                self._install_reading(blocks[i], hosted[i], views[at : at + n], moved[i])
+                at += n
+        self._host_bases_many(blocks)  # one copy to host memory
+
+    def _install_reading(
+        self, block: dict, hosted: list[Any], handed: list[Any], results: list[Any]
+    ) -> None:
+        """``install_refresh`` of ``results`` into ``block`` with its bases read from the window's
+        device copies ``handed`` (of its host tensors ``hosted``)."""
+        bases = block[self.field]
+        bases[:] = handed
         self.optimizer.install_refresh(block, results)
         bases = block[self.field]
         for i, q in enumerate(handed):  # a dim the refresh left alone keeps its host tensor
             if q is not None and bases[i] is q:
                 bases[i] = hosted[i]
-
-    def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
-        super().install_many(items)
-        self._host_bases_many([block for _, block, _ in items])  # one copy to host memory
 
     def state_replaced(self) -> None:
         self._unhosted_may_exist = True
@@ -367,11 +392,14 @@ class WindowBases(BasesAccess):
             self._seen.append(key)
             nxt = self._next.get(key)
             nsrcs = None if nxt is None else self._srcs_or_none(nxt)
-            if nsrcs is not None and all(q is None or is_host_tensor(q) for q in nsrcs):
+            if nsrcs is not None and (
+                not self._unhosted_may_exist or all(q is None or is_host_tensor(q) for q in nsrcs)
+            ):
                 upcoming = (nxt, nsrcs)
-        need = BasesWindow.bytes_of(srcs)
-        if need > self.window.slot_bytes:
-            self._fit(key, need, self.window)
+        if not self.window.holds(key, srcs):
+            need = BasesWindow.bytes_of(srcs)
+            if need > self.window.slot_bytes:
+                self._fit(key, need, self.window)
         return self.window.use(key, srcs, upcoming)
 
     def _srcs_or_none(self, key: Any) -> list[Any] | None:

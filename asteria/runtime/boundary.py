@@ -47,6 +47,8 @@ class Boundaries:
         self.bases_field = bases_field
         self.error: BaseException | None = None
         self.in_step = False
+        # per block: (refresh due, frequency, betas, refresh_urgent's answer): ``_urgent``
+        self._urgency: dict[BlockKey, tuple] = {}
 
     def begin(self) -> None:
         """A step begins (after :meth:`finish_interrupted`)."""
@@ -66,19 +68,28 @@ class Boundaries:
         coalesce; measure the age of the basis this step's update reads."""
         schedule, refreshes = self.schedule, self.refreshes
         freq = group["precondition_frequency"]
-        e = refreshes.entry(key)
-        replicated = refreshes.replicated(key)
+        # Note [Boundary work per block]: the sub-decisions that cannot change the outcome
+        # at this boundary are skipped, not computed
+        e = self.registry.entries.get(key) or refreshes.entry(key)
+        replicated = refreshes.coherence is not None and refreshes.replicated(key)
         exact = schedule.fixed or replicated
         # Note [Rank-deficient factors] in schedule.py: as natively, waited for at its step
-        urgent = schedule.wait_first and refreshes.optimizer.refresh_urgent(block, step, group)
+        urgent = schedule.wait_first and self._urgent(key, block, step, group, freq)
         if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
-            due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
+            if e.version is not None and (
+                schedule.continuous or (schedule.staggered and not exact)
+            ):
+                due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
         elif due and e.pending is not None:
             self._install(key, e, step, block, replicated)  # older than this step's request
-        has_bases = _has_bases(block, self.bases_field)
-        if e.version is None and has_bases:
-            e.version = schedule.initial_version(step, freq)  # a basis made before us
-        wait = schedule.waits_for(e, due, has_bases, urgent)  # Note [First roots]
+        if e.version is None:
+            has_bases = _has_bases(block, self.bases_field)
+            if has_bases:
+                e.version = schedule.initial_version(step, freq)  # a basis made before us
+        else:
+            has_bases = True  # (what ``waits_for`` reads it for: a first refresh)
+        # Note [First roots]
+        wait = due and schedule.wait_first and schedule.waits_for(e, due, has_bases, urgent)
         schedule.urgent_waits += wait and urgent and e.version is not None
         if not schedule.precedes_update:
             schedule.record_age(e, step, freq)  # the update of this step read it already
@@ -93,7 +104,9 @@ class Boundaries:
                 schedule.coalesced += 1
             e.owed = True  # requested where the refresh in flight is installed
         elif (
-            due or (e.owed and e.pending is None) or (not urgent and schedule.wants(key, e, exact))
+            due
+            or (e.owed and e.pending is None)
+            or (not urgent and schedule.continuous and schedule.wants(key, e, exact))
         ):
             e.owed = False
             refreshes.request(key, e, block, group, step)
@@ -102,6 +115,19 @@ class Boundaries:
         if schedule.precedes_update:
             schedule.record_age(e, step, freq)  # installed above, read by this step
         e.boundary_step = step
+
+    def _urgent(self, key: BlockKey, block: dict, step: int, group: dict, freq: int) -> bool:
+        """``optimizer.refresh_urgent(block, step, group)``, asked once per block and refresh
+        interval: its answer depends on the block's shapes, the refresh due at or after
+        ``step`` and the group's betas and frequency only (Note [Boundary work per block])."""
+        due_at = -(-step // freq) * freq
+        betas = group.get("betas")
+        seen = self._urgency.get(key)
+        if seen is not None and seen[0] == due_at and seen[1] == freq and seen[2] == betas:
+            return seen[3]
+        urgent = self.refreshes.optimizer.refresh_urgent(block, step, group)
+        self._urgency[key] = (due_at, freq, betas, urgent)
+        return urgent
 
     def _install(self, key: BlockKey, e: Any, step: int, block: dict, replicated: bool) -> None:
         """Install ``e``'s refresh in flight; a refresh failure past the limit or a barrier
@@ -147,6 +173,7 @@ class Boundaries:
         taken from the loaded state at its next boundary (Note [Transactional loads] in
         asteria/optim/state_io.py)."""
         self.in_step, self.error = False, None
+        self._urgency.clear()
         for e in self.registry.entries.values():
             e.version, e.owed, e.consecutive_failures = None, False, 0
             e.boundary_step = -1
@@ -161,6 +188,20 @@ def _refresh_cost(block: dict) -> float:
     ``d^3`` for a ``d x d`` one (Note [Staggered refresh] in schedule.py)."""
     return float(sum(f.shape[0] ** 3 for f in block.get("factors", ()) if f is not None))
 
+
+# Note [Boundary work per block]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``run`` is called at every block of every step: on a GPU its Python is paid per block before
+# the kernels of the next step are launched (issue 37: Shampoo's boundaries made 1.33-1.39x
+# native's Python calls per step). So it asks only what can change its outcome: the schedule's
+# ``due`` only where the schedule decides (continuous or staggered refresh, a block with a
+# version), the block's bases only while it has no version (``waits_for`` and the initial
+# version read them for a first refresh only), ``wants`` only under continuous refresh, the
+# coherence only where there is one, and ``refresh_urgent`` once per block and refresh
+# interval (its answer holds over the interval: ``Shampoo.refresh_urgent``; ``_urgent`` keys it
+# by the due step, the frequency and the betas). The decisions are the same as asking every
+# time: tests/unit/test_staleness_contract.py and test_rank_deficient_refresh.py; the count,
+# tests/unit/test_host_work.py.
 
 # Note [All-or-nothing steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~

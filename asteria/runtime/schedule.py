@@ -374,8 +374,11 @@ class Schedule:
             self._installs[entry.name] = (entry.installs, entry.installed_step)
         age = step - entry.version
         entry.age = age
-        entry.max_age = max(entry.max_age, age)
-        entry.bound = self.bound(frequency)
+        if age > entry.max_age:  # (per block and step: only what changed is written)
+            entry.max_age = age
+        bound = max(frequency, self.budget) + self.budget  # basis_age_bound, inline
+        if entry.bound != bound:
+            entry.bound = bound
         self.age_histogram[age] += 1
 
     def report(self, entries: list[Any]) -> dict[str, Any]:

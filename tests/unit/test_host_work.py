@@ -9,6 +9,8 @@
   step's end once no block can be made.
 * ``Runtime.bases_many``: a group read through the window is the blocks' own bases, bitwise, in
   one fill of one slot.
+* Note [Window by shape group] (asteria/memory/tiers.py): a window slot holds the largest shape
+  group's bases within the room; a step reads the window per shape group, not per block.
 
 The properties run over the optimizers, the depth of the model (blocks), the staleness and the
 bases strategy (the window forced with ``asteria.runtime.testing.pretend_arch``).
@@ -25,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asteria.memory.accounting import estimate_blocks
-from asteria.memory.tiers import Arch
+from asteria.memory.tiers import Arch, BlockSizes, window_slot
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.bases import WindowBases
@@ -251,3 +253,63 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@SETTINGS
+@given(
+    blocks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 12)), min_size=1, max_size=12),
+    slots=st.integers(1, 3),
+    room=st.one_of(st.none(), st.integers(0, 1 << 15)),
+)
+def test_a_window_slot_holds_the_largest_shape_group_within_the_room(blocks, slots, room):
+    """Note [Window by shape group] (asteria/memory/tiers.py): a slot is the largest group's
+    bases, at most ``room // slots``, never less than the largest block's."""
+    sizes = [BlockSizes(f"b{i}", i, bases=n, group=g) for i, (g, n) in enumerate(blocks)]
+    slot = window_slot(sizes, slots, room)
+    largest = max(n for _, n in blocks)
+    groups: dict[int, int] = {}
+    for g, n in blocks:
+        groups[g] = groups.get(g, 0) + n
+    widest = max(groups.values())
+    assert slot >= largest
+    if room is None or room // slots >= widest:
+        assert slot == widest  # every group fits a slot: one piece a group
+    else:
+        assert slot == max(largest, room // slots)
+    alone = [BlockSizes(s.name, s.param, bases=s.bases) for s in sizes]  # no group: a block
+    assert window_slot(alone, slots, room) == largest
+
+
+@SETTINGS
+@given(name=st.sampled_from(["soap", "shampoo"]), staleness=st.integers(0, 2))
+def test_the_window_is_read_per_shape_group_not_per_block(name, staleness):
+    """A step that installs nothing reads the bases through the window once per piece (Note
+    [Window by shape group]): as many ``use`` calls at 1 and at 4 hidden layers, fewer than the
+    blocks; a step that installs adds at most one per block it installs."""
+    quiet_uses = {}
+    for layers in (1, 4):
+        model = _mlp(layers)
+        opt = _opt(name, model)
+        uses, installs = [0], [0]
+        config = RuntimeConfig(
+            staleness=staleness, workers=1, refresh="interval", placement={"bases": "host"}
+        )
+        with (
+            pretend_arch(Arch(cuda=True), device_free_bytes=1 << 30),
+            Runtime(model, opt, config) as rt,
+            _counting(type(opt), "install_refresh", installs),
+        ):
+            window = rt._bases.window
+            assert rt.bases_room == window.slot_bytes > max(b.bases for b in estimate_blocks(opt))
+            rows = []
+            with _counting(window, "use", uses):
+                for t in range(12):
+                    before, installed = uses[0], installs[0]
+                    _step(model, opt, t)
+                    rows.append((uses[0] - before, installs[0] - installed))
+            blocks = len(rt.registry.entries)
+        quiet = {used for used, installed in rows[3:] if installed == 0}
+        assert len(quiet) == 1 and next(iter(quiet)) < blocks
+        assert all(used <= installed + min(quiet) for used, installed in rows[3:])
+        quiet_uses[layers] = quiet
+    assert quiet_uses[1] == quiet_uses[4]
