@@ -1,8 +1,10 @@
 """Matrix functions of the preconditioner refreshes, in pure torch.
 
 Owns: the three refreshes the optimizers need (eigendecomposition, one warm-started power iteration
-followed by QR, inverse p-th root), their precision policy (compute in ``dtype``, retry in float64
-when LAPACK fails or the result is not finite) and the error raised when even the retry fails.
+followed by QR, inverse p-th root), the last two also for many factors of one shape at once
+(``qr_refresh_many``, ``inverse_root_many``: bitwise the single ones on the CPU), their precision
+policy (compute in ``dtype``, retry in float64 when LAPACK fails or the result is not finite) and
+the error raised when even the retry fails.
 
 Must not: know about optimizers, blocks or state. The C++ twins in
 ``csrc/core/matrix_functions.cpp`` (``asteria._C``) compute the same functions on the worker

@@ -5,9 +5,10 @@ or on the worker pool; its kinds are types, ``QRRefresh`` and ``RootRefresh``, e
 knows how it runs, how it is submitted to the pool, what its result holds and how it is
 written in a checkpoint), ``Update`` (one parameter's update of a step), ``BlockEnd`` (what a
 block hands its refresher at the end of its step), the ``Refresher`` protocol the optimizers
-call during a step, and ``NativeRefresher``, the synchronous algorithm (a due refresh computed
-and installed inside the step). ``asteria.Runtime`` is the other refresher. A refresher is bound
-to its optimizer when it is made or attached, so its methods do not take the optimizer.
+call during a step, ``NativeRefresher``, the synchronous algorithm (a due refresh computed
+and installed inside the step), and ``run_batched`` (jobs of one kind and shape computed
+together: Note [Batched refreshes]). ``asteria.Runtime`` is the other refresher. A refresher
+is bound to its optimizer when it is made or attached, so its methods do not take the optimizer.
 
 Must not: hold any algorithm's math beyond running a job's matrix function.
 """
