@@ -72,7 +72,9 @@ class RuntimeConfig:
             grafting direction. The same holds for every refresh of a block whose factors may
             still be rank-deficient (``refresh_urgent``: Shampoo's 1-D blocks and merged small
             dims for as many steps as their dim; Note [Rank-deficient factors] in
-            schedule.py), counted in ``stats()["jobs"]["urgent_waits"]``. ``None`` (default):
+            schedule.py) or young (the last interval brought a quarter of the factor or more:
+            Shampoo's refreshes of steps ``2f`` to ``4f`` at ``betas[1] = 1``; Note [Young
+            factors]), counted in ``stats()["jobs"]["urgent_waits"]``. ``None`` (default):
             on, except under ``fixed_delay`` (whose every refresh keeps the fixed delay unless
             this is ``True``). No effect at a budget of 0.
         barrier_timeout_s: how long a step waits at the barrier before failing with an error
