@@ -333,7 +333,9 @@ def _roots_many(stacked: torch.Tensor, root: float, epsilons: list[float], dtype
     n, d = stacked.shape[0], stacked.shape[1]
     same = all(e == epsilons[0] for e in epsilons)
     # each epsilon rounded to dtype as a Python scalar is in the per-matrix ops
-    eps = epsilons[0] if same else torch.tensor(epsilons, dtype=dtype).view(n, 1)
+    eps = (
+        epsilons[0] if same else torch.tensor(epsilons, dtype=dtype, device=stacked.device)[:, None]
+    )
     shifted = torch.empty((n, d, d), dtype=dtype, device=stacked.device).mT  # _shifted's layout
     shifted.copy_(stacked)
     shifted.diagonal(dim1=1, dim2=2).add_(eps)
