@@ -144,8 +144,20 @@ def test_keyboard_interrupt_where_an_install_is_due(name, monkeypatch):
     assert stats["basis_age"]["within_bound"] and stats["installs"] > 0
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises ``KeyboardInterrupt`` during the test, as in an interactive session: a suite
+    started in the background by a non-interactive shell inherits SIGINT ignored (POSIX), and
+    Python then leaves it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_real_sigint_during_the_barrier(name):
+def test_a_real_sigint_during_the_barrier(name, sigint_raises):
     """A SIGINT while a step waits at the barrier (a slowed pool), then training on."""
     net = model()
     opt = two_groups(net, name)
