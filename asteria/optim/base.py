@@ -219,9 +219,13 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
 
     def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
         """Whether ``block``'s refresh requested at ``step`` costs the most quality when it
-        arrives late, so that a runtime waits for it at that step, as natively (Note
-        [Rank-deficient factors] in asteria/runtime/schedule.py). ``False``: any refresh may
-        take the runtime's staleness budget."""
+        arrives late, so that a runtime waits for it at that step, as natively (Notes
+        [Rank-deficient factors] and [Young factors] in asteria/runtime/schedule.py).
+        ``False``: any refresh may take the runtime's staleness budget. The answer must depend
+        only on the block's shapes, the group's hyperparameters and the refresh due at or after
+        ``step`` (a multiple of the frequency): it is the same over a refresh interval, so that
+        a request made ahead and one made at its step never both pass a due step by, and a
+        runtime asks it once per block and interval."""
         return False
 
     def install_cost(self, block: dict[str, Any]) -> float:
