@@ -13,6 +13,14 @@ Must not: decide when a refresh is requested or installed (schedule.py), install
 a job computes (the optimizer's ``RefreshJob`` does; both executors run the same functions: the
 C++ twins on the pool, asteria.optim.matrix_functions on the stream).
 
+Note [One submission path]: a refresh's job reaches the executors once, as the optimizer made
+it: ``snapshots.pool_submit`` hands it to ``Executors.submit_job`` with its inputs (or their
+snapshots), which places it and submits it to the pool (``job.submit``: the C++ call) or the
+stream. Before, the job submitted itself to the executors as to a pool
+(``submit_qr_refresh``), which built the same job again from the arguments and submitted that:
+two more calls and a validation of the inputs per job. ``submit_qr_refresh`` and
+``submit_inverse_root`` stay for callers that hold a pool's interface only.
+
 Note [Refresh placement]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A job requested at step ``t`` must be installed by ``t + B``: about ``B`` step times from now.
@@ -41,6 +49,7 @@ install reads them after the thread has seen the stream finish.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import threading
@@ -279,21 +288,43 @@ class Executors:
 
     # -- the pool's interface (RefreshJob.submit) ----------------------------------------------
 
+    def submit_job(
+        self,
+        job: RefreshJob,
+        name: str,
+        version: int,
+        deadline: int,
+        factor: torch.Tensor,
+        basis: torch.Tensor | None,
+    ) -> Any:
+        """The one submission path (``snapshots.pool_submit``): ``job`` on ``factor`` and
+        ``basis`` (its inputs, or their snapshots), placed and submitted as handed, not rebuilt
+        (Note [One submission path])."""
+        return self._submit(job, name, version, deadline, factor, basis)
+
     def submit_qr_refresh(
         self, name, version, deadline, factor, basis, sort=True, dtype=torch.float32
     ):
         job = QRRefresh(factor, basis, sort=sort, dtype=dtype)
-        return self._submit(job, name, version, deadline)
+        return self._submit(job, name, version, deadline, factor, basis)
 
     def submit_inverse_root(
         self, name, version, deadline, factor, root, epsilon=1e-12, dtype=torch.float32
     ):
         job = RootRefresh(factor, root=root, epsilon=epsilon, dtype=dtype)
-        return self._submit(job, name, version, deadline)
+        return self._submit(job, name, version, deadline, factor, None)
 
-    def _submit(self, job: RefreshJob, name: str, version: int, deadline: int) -> Any:
+    def _submit(
+        self,
+        job: RefreshJob,
+        name: str,
+        version: int,
+        deadline: int,
+        factor: torch.Tensor,
+        basis: torch.Tensor | None,
+    ) -> Any:
         self._harvest()
-        kind, size = job.kind, int(job.factor.shape[0])
+        kind, size = job.kind, int(factor.shape[0])
         where = self._place(kind, size, deadline - version)
         if where == "pool":
             # Note [Versions after a load]: the C++ pool refuses a version older than the one
@@ -303,10 +334,12 @@ class Executors:
             # at the queued version, so it supersedes (cancels) the dropped job instead of being
             # refused. The deadline, which orders the queue, stays the request's.
             version = self._versions[name] = max(version, self._versions.get(name, version))
-            future = job.submit(self.pool, name, version, deadline, job.factor, job.basis)
+            future = job.submit(self.pool, name, version, deadline, factor, basis)
             if self._delayed is not None:
                 future = self._delayed(future, self._timeout_error)
         else:
+            if job.factor is not factor or job.basis is not basis:  # the stream runs the job
+                job = dataclasses.replace(job, factor=factor, basis=basis)  # on the snapshots
             future = self.stream.submit(job, deadline)
         predicted = self.durations.predict(where, kind, size)
         self._outstanding[where].append((future, kind, size, predicted))

@@ -80,6 +80,9 @@ def pool_submit(
             check_matrix(f"{name}: basis", basis)
     except ValueError as err:
         return Refused(err)
+    submit = getattr(pool, "submit_job", None)  # Note [One submission path] in placement.py
+    if submit is not None:
+        return submit(job, name, version, deadline, factor, basis)
     return job.submit(pool, name, version, deadline, factor, basis)
 
 
