@@ -23,7 +23,10 @@ Variants: ``adamw`` (``torch.optim.AdamW``, ``foreach=True``), ``<opt>_native``,
 ``asteria.runtime.testing`` on the CPU (no statistics lane, staged snapshots through the staging
 ring): ``<opt>_window`` (``pretend_arch(Arch(cuda=True))`` with ``--device-free-gib`` free: the
 bases in host memory behind the window, its slots a shape group's bases where the bases budget
-leaves room) and ``<opt>_device`` (the same with ``placement={'bases': 'device'}``). The runtime's
+leaves room), ``<opt>_device`` (the same with ``placement={'bases': 'device'}``) and
+``<opt>_mapped`` (``Arch(cuda=True, unified_memory=True)``: the bases in host memory read
+through mapped views; nothing is mapped on the CPU, so it counts the strategy's own work; not
+in the default run, ask for it with ``--variants``). The runtime's
 refreshes are ``refresh='interval'`` so that an ordinary step installs nothing (the staggered
 default spreads the same installs over every step; its per-interval totals are the same work).
 
@@ -77,7 +80,7 @@ from asteria.train.optimizers import build_optimizer  # noqa: E402
 from bench._common import emit_json, env_header, print_table, set_threads  # noqa: E402
 
 OPTIMIZERS = ("soap", "kl_shampoo", "shampoo")
-MODES = ("native", "window", "device")
+MODES = ("native", "window", "device", "mapped")
 #: Ops one batched install may add to a step: a grouped copy per tier and dtype group and one
 #: event (two tiers x two dtypes x one copy, with the event's record and its wait).
 INSTALL_BATCH_OPS = 8
@@ -199,9 +202,10 @@ def _forced(mode: str, device: torch.device, free_bytes: int) -> contextlib.Exit
     GPU with ``free_bytes`` of device memory free (what the window's slots are sized within:
     Note [Window by shape group] in asteria/memory/tiers.py); on a GPU, the runtime's own."""
     stack = contextlib.ExitStack()
-    if mode in ("window", "device") and device.type == "cpu":
+    if mode in ("window", "device", "mapped") and device.type == "cpu":
+        arch = Arch(cuda=True, unified_memory=mode == "mapped")
         stack.enter_context(testing.staged_snapshots())
-        stack.enter_context(testing.pretend_arch(Arch(cuda=True), device_free_bytes=free_bytes))
+        stack.enter_context(testing.pretend_arch(arch, device_free_bytes=free_bytes))
     return stack
 
 
@@ -388,17 +392,17 @@ def _le(value: float | None, limit: float | None) -> bool | None:
 
 
 def variants(selected: str) -> list[tuple[str, str]]:
-    """``(optimizer, mode)`` pairs: ``adamw``, then native, window and device of each."""
-    out = [("adamw", "native")]
-    out += [(o, m) for o in OPTIMIZERS for m in MODES]
-    if selected:
-        wanted = set(selected.split(","))
-        names = {f"{o}_{m}" if o != "adamw" else o for o, m in out}
-        unknown = wanted - names
-        if unknown:
-            raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {sorted(names)}")
-        out = [(o, m) for o, m in out if (o if o == "adamw" else f"{o}_{m}") in wanted]
-    return out
+    """``(optimizer, mode)`` pairs: ``adamw``, then native, window and device of each (and
+    mapped where asked for)."""
+    out = [("adamw", "native")] + [(o, m) for o in OPTIMIZERS for m in MODES]
+    if not selected:  # mapped: asked for (module docstring)
+        return [(o, m) for o, m in out if m != "mapped"]
+    wanted = set(selected.split(","))
+    names = {f"{o}_{m}" if o != "adamw" else o for o, m in out}
+    unknown = wanted - names
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {sorted(names)}")
+    return [(o, m) for o, m in out if (o if o == "adamw" else f"{o}_{m}") in wanted]
 
 
 def main(argv: list[str] | None = None) -> None:

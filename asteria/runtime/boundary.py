@@ -74,7 +74,13 @@ class Boundaries:
         replicated = refreshes.coherence is not None and refreshes.replicated(key)
         exact = schedule.fixed or replicated
         # Note [Rank-deficient factors] in schedule.py: as natively, waited for at its step
-        urgent = schedule.wait_first and self._urgent(key, block, step, group, freq)
+        urgent = False
+        if schedule.wait_first:  # ``_urgent``'s answer for this interval, where it was asked
+            seen, due_at = self._urgency.get(key), -(-step // freq) * freq
+            if seen is not None and seen[:3] == (due_at, freq, group.get("betas")):
+                urgent = seen[3]
+            else:
+                urgent = self._urgent(key, block, step, group, freq)
         if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
             if e.version is not None and (
                 schedule.continuous or (schedule.staggered and not exact)
@@ -117,16 +123,12 @@ class Boundaries:
         e.boundary_step = step
 
     def _urgent(self, key: BlockKey, block: dict, step: int, group: dict, freq: int) -> bool:
-        """``optimizer.refresh_urgent(block, step, group)``, asked once per block and refresh
-        interval: its answer depends on the block's shapes, the refresh due at or after
-        ``step`` and the group's betas and frequency only (Note [Boundary work per block])."""
-        due_at = -(-step // freq) * freq
-        betas = group.get("betas")
-        seen = self._urgency.get(key)
-        if seen is not None and seen[0] == due_at and seen[1] == freq and seen[2] == betas:
-            return seen[3]
+        """``optimizer.refresh_urgent(block, step, group)``, kept for the block's refresh
+        interval (``run`` reads it back): its answer depends on the block's shapes, the refresh
+        due at or after ``step`` and the group's betas and frequency only (Note [Boundary work
+        per block])."""
         urgent = self.refreshes.optimizer.refresh_urgent(block, step, group)
-        self._urgency[key] = (due_at, freq, betas, urgent)
+        self._urgency[key] = (-(-step // freq) * freq, freq, group.get("betas"), urgent)
         return urgent
 
     def _install(self, key: BlockKey, e: Any, step: int, block: dict, replicated: bool) -> None:

@@ -261,7 +261,7 @@ class Refreshes:
         """A refresh's results, from its futures or through the spill tier (which recomputes
         a lost one). ``consume``: an install (the spill tier then forgets the refresh)."""
         if self.spill is None:
-            return [None if f is None else f.result() for f in pending.futures]
+            return pending.results()
 
         def recompute(pending: PendingRefresh, inputs: list[Any] | None) -> list[Any]:
             return self._recompute(key, e, pending, block, inputs)

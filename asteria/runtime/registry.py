@@ -31,10 +31,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "BlockEntry",
+    "RefreshFuture",
     "BlockView",
     "PendingRefresh",
     "Registry",
@@ -51,12 +52,36 @@ class RefreshFailedError(RuntimeError):
     """A block's refresh failed ``max_consecutive_failures`` times in a row, or crashed."""
 
 
+@runtime_checkable
+class RefreshFuture(Protocol):
+    """Note [One future protocol]: what a refresh in flight holds per dim, whoever computes
+    it: the C++ pool's ``asteria._C.Future``, the device stream's (placement.py), a refusal at
+    submission (snapshots.py), a result restored from a checkpoint (refreshes.py), a test's
+    slowed future (testing.py). The runtime polls them only through ``PendingRefresh.done``,
+    reads them only through ``PendingRefresh.results``, and waits for them only at the barrier
+    (``Refreshes.wait``, in slices so that Ctrl-C is seen) and in a recompute; nothing else
+    asks a future's type (tests/unit/test_host_work.py checks every kind against this)."""
+
+    def done(self) -> bool:
+        """Whether the result (or the error) is there: never blocks."""
+        ...
+
+    def cancelled(self) -> bool:
+        """Whether the job was cancelled before it ran (superseded, shut down)."""
+        ...
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """The result, waiting up to ``timeout_s`` (None: as long as it takes); raises the
+        job's error, or the executor's timeout error."""
+        ...
+
+
 @dataclass
 class PendingRefresh:
     """A refresh in flight: requested at ``requested`` (its version), one future per dim."""
 
     requested: int
-    futures: list[Any]  # asteria._C.Future or None (dims without a factor)
+    futures: list[RefreshFuture | None]  # None: a dim without a factor
     copies: list[Any] = field(default_factory=list)  # snapshots in flight (CUDA, lane)
     jobs: list[Any] = field(default_factory=list)  # per dim: the job's options (no tensors)
     group: dict | None = None  # the parameter group (a recompute needs it)
@@ -65,7 +90,13 @@ class PendingRefresh:
     owner: int | None = None  # distributed: the rank computing it (None: this rank)
 
     def done(self) -> bool:
+        """Whether every snapshot landed and every job finished (polls, never waits)."""
         return not self.copies and all(f is None or f.done() for f in self.futures)
+
+    def results(self) -> list[Any]:
+        """Every dim's result (None without a factor), waiting for any not finished; raises the
+        first job's error (Note [One future protocol])."""
+        return [None if f is None else f.result() for f in self.futures]
 
 
 @dataclass

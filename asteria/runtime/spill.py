@@ -332,7 +332,7 @@ class SpillTier:
         if pending.spilled is not None or not self.spills(name) or not pending.done():
             return False
         try:
-            results = [None if f is None else f.result() for f in pending.futures]
+            results = pending.results()
         except Exception:
             return False
         rec = SpilledRefresh(f"{name}/v{pending.requested}/r", len(results))
@@ -383,7 +383,7 @@ class SpillTier:
         else None, for the block's current ones). ``consume`` (an install) discards what the
         store keeps of it afterwards; a checkpoint reads without consuming."""
         if pending.spilled is None:
-            results = [None if f is None else f.result() for f in pending.futures]
+            results = pending.results()
             if consume:
                 self.spiller.discard(pending.snapshots)
             return results

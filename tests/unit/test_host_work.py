@@ -313,3 +313,56 @@ def test_the_window_is_read_per_shape_group_not_per_block(name, staleness):
         assert all(used <= installed + min(quiet) for used, installed in rows[3:])
         quiet_uses[layers] = quiet
     assert quiet_uses[1] == quiet_uses[4]
+
+
+def test_every_kind_of_refresh_future_has_the_one_protocol():
+    """Note [One future protocol] (registry.py): every future a refresh in flight may hold is a
+    ``RefreshFuture``, and a live run's futures are."""
+    from asteria import _C
+    from asteria.runtime.placement import _StreamFuture
+    from asteria.runtime.refreshes import Restored
+    from asteria.runtime.registry import RefreshFuture
+    from asteria.runtime.snapshots import Refused
+    from asteria.runtime.testing import _Delayed
+
+    for cls in (_C.Future, _StreamFuture, Refused, Restored, _Delayed):
+        assert issubclass(cls, RefreshFuture), cls
+    model = _mlp(2)
+    opt = _opt("soap", model)
+    seen = 0
+    with slow_pool(0.05), Runtime(model, opt, RuntimeConfig(staleness=3, workers=1)) as rt:
+        for t in range(8):
+            _step(model, opt, t)
+            for e in rt.registry.in_flight.values():
+                for f in e.pending.futures:
+                    assert f is None or isinstance(f, RefreshFuture)
+                    seen += f is not None
+    assert seen > 0
+
+
+@SETTINGS
+@given(frequency=st.integers(1, 6), staleness=st.integers(1, 3), layers=st.integers(1, 2))
+def test_refresh_urgent_is_asked_once_per_block_and_interval(frequency, staleness, layers):
+    """Note [Boundary work per block] (boundary.py): the boundaries ask Shampoo's
+    ``refresh_urgent`` once per block and refresh interval, and the answer they keep is the one
+    it gives for that interval."""
+    model = _mlp(layers)
+    opt = Shampoo(model.parameters(), precondition_frequency=frequency, max_preconditioner_dim=8)
+    asked = []
+    with Runtime(model, opt, RuntimeConfig(staleness=staleness, workers=1)) as rt:
+        assert rt.schedule.wait_first
+        boundaries = rt._boundaries
+        ask = boundaries._urgent
+
+        def spy(key, block, step, group, freq):
+            asked.append((key, -(-step // freq) * freq))
+            return ask(key, block, step, group, freq)
+
+        boundaries._urgent = spy
+        for t in range(3 * frequency + 2):
+            _step(model, opt, t)
+            for key, _, block, group in opt.blocks():
+                due_at, _, _, urgent = boundaries._urgency[key]
+                assert urgent == opt.refresh_urgent(block, due_at, group)
+    blocks = len(list(opt.blocks()))
+    assert len(asked) == len(set(asked)) >= blocks
