@@ -97,6 +97,10 @@ class Runtime:
         # every part, made once (attach.py; a refused attach leaves no thread, hook or file)
         self._parts = p = attach.build(self, model, optimizer, c, distributed, ranks_per_node)
         self.block_name, self.registry, self.schedule = p.block_name, p.registry, p.schedule
+        # ``Refresher.lead``/``first_lead``, fixed at attach and read per parameter and step:
+        # attributes, not properties (Note [Boundary work per block] in boundary.py)
+        self.lead: int = p.schedule.lead  # Note [Refresh lead] in schedule.py
+        self.first_lead: int = 0 if p.schedule.wait_first else p.schedule.lead  # [First roots]
         self.arch, self.placement = p.choices.arch, p.choices.placement
         self._lane, self._bases, self._refreshes = p.lane, p.bases, p.refreshes
         self._boundaries, self._executors = p.boundaries, p.executors
@@ -226,14 +230,6 @@ class Runtime:
     @property
     def splits_updates(self) -> bool:
         return self._lane is not None and self.config.split_updates
-
-    @property
-    def lead(self) -> int:
-        return self.schedule.lead  # Note [Refresh lead] in schedule.py
-
-    @property
-    def first_lead(self) -> int:
-        return 0 if self.schedule.wait_first else self.schedule.lead  # Note [First roots]
 
     def beside(self, fn: Any, *args: Any) -> Any:
         """Part of the step's update on the statistics lane (Note [Split updates] in lane.py)."""
