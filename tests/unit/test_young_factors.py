@@ -80,8 +80,9 @@ def test_young_factors_train_as_natively(frequency, b2, staleness, refresh, lead
     kw = dict(precondition_frequency=frequency, betas=(0.9, b2), merge_dims=False)
     settled = 1 - b2**frequency < YOUNG_SHARE
     young = _young_rounds(frequency, b2, CAP)
-    youth = young[-1] if young else frequency  # the last step that uses a waited-for root
-    youth = youth + frequency - 1 if settled else CAP  # ... until the next refresh is due
+    # the last young refresh's step: after it a staggered or continuous runtime may install
+    # a refresh before native's next one (its schedule, within the budget)
+    youth = (young[-1] if young else frequency) if settled else CAP
     made: list[Runtime] = []
 
     def orchestrated(steps: int):
