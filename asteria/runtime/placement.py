@@ -288,6 +288,18 @@ class Executors:
 
     # -- the pool's interface (RefreshJob.submit) ----------------------------------------------
 
+    def submit_qr_refresh(
+        self, name, version, deadline, factor, basis, sort=True, dtype=torch.float32
+    ):
+        job = QRRefresh(factor, basis, sort=sort, dtype=dtype)
+        return self.submit_job(job, name, version, deadline, factor, basis)
+
+    def submit_inverse_root(
+        self, name, version, deadline, factor, root, epsilon=1e-12, dtype=torch.float32
+    ):
+        job = RootRefresh(factor, root=root, epsilon=epsilon, dtype=dtype)
+        return self.submit_job(job, name, version, deadline, factor, None)
+
     def submit_job(
         self,
         job: RefreshJob,
@@ -300,29 +312,6 @@ class Executors:
         """The one submission path (``snapshots.pool_submit``): ``job`` on ``factor`` and
         ``basis`` (its inputs, or their snapshots), placed and submitted as handed, not rebuilt
         (Note [One submission path])."""
-        return self._submit(job, name, version, deadline, factor, basis)
-
-    def submit_qr_refresh(
-        self, name, version, deadline, factor, basis, sort=True, dtype=torch.float32
-    ):
-        job = QRRefresh(factor, basis, sort=sort, dtype=dtype)
-        return self._submit(job, name, version, deadline, factor, basis)
-
-    def submit_inverse_root(
-        self, name, version, deadline, factor, root, epsilon=1e-12, dtype=torch.float32
-    ):
-        job = RootRefresh(factor, root=root, epsilon=epsilon, dtype=dtype)
-        return self._submit(job, name, version, deadline, factor, None)
-
-    def _submit(
-        self,
-        job: RefreshJob,
-        name: str,
-        version: int,
-        deadline: int,
-        factor: torch.Tensor,
-        basis: torch.Tensor | None,
-    ) -> Any:
         self._harvest()
         kind, size = job.kind, int(factor.shape[0])
         where = self._place(kind, size, deadline - version)
