@@ -80,7 +80,7 @@ class Boundaries:
             if seen is not None and seen[:3] == (due_at, freq, group.get("betas")):
                 urgent = seen[3]
             else:
-                urgent = self._urgent(key, block, step, group, freq)
+                urgent = self._urgent(key, block, step, group, due_at)
         if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
             if e.version is not None and (
                 schedule.continuous or (schedule.staggered and not exact)
@@ -122,13 +122,14 @@ class Boundaries:
             schedule.record_age(e, step, freq)  # installed above, read by this step
         e.boundary_step = step
 
-    def _urgent(self, key: BlockKey, block: dict, step: int, group: dict, freq: int) -> bool:
+    def _urgent(self, key: BlockKey, block: dict, step: int, group: dict, due_at: int) -> bool:
         """``optimizer.refresh_urgent(block, step, group)``, kept for the block's refresh
         interval (``run`` reads it back): its answer depends on the block's shapes, the refresh
         due at or after ``step`` and the group's betas and frequency only (Note [Boundary work
         per block])."""
         urgent = self.refreshes.optimizer.refresh_urgent(block, step, group)
-        self._urgency[key] = (-(-step // freq) * freq, freq, group.get("betas"), urgent)
+        freq = group["precondition_frequency"]
+        self._urgency[key] = (due_at, freq, group.get("betas"), urgent)
         return urgent
 
     def _install(self, key: BlockKey, e: Any, step: int, block: dict, replicated: bool) -> None:

@@ -179,10 +179,11 @@ statistics: at Meta's ``betas[1] = 1`` (the sum) the refresh of step ``t`` adds 
 (``Shampoo.new_mass_share``: ``1 - b2^f m(t - f) / m(t)`` with ``m(t) = sum_{i<t} b2^i``,
 gradients of equal size assumed; at ``b2 < 1`` it falls to ``1 - b2^f``). Measured on ``nano``
 (bench/shampoo_gap.py's cosine protocol, 200 steps, frequency 10, 64 validation batches), seed
-5, against native: ``S = 1`` +1.43%, where its full-rank blocks were never urgent; refreshed as
-natively up to step 30 +0.80%, up to step 40 +0.12% (seed 1: -0.98%, +0.13%, +0.02%); ``S =
-5`` with the refreshes up to 40: +0.31% (seed 1: +0.09%). Native itself with its learning rate
-moved by 1e-6 differs by 0.005%: the gap is the staleness, not the measure's noise.
+5, against native: ``S = 1`` +1.43%, where its full-rank blocks were never urgent; with the
+refresh of step 20 waited for as natively +0.80%, with those of 20 and 30 +0.12% (seed 1:
+-0.98%, +0.13%, +0.02%); ``S = 5`` with those of 20 and 30: +0.31% (seed 1: +0.09%). Native
+itself with its learning rate moved by 1e-6 differs by 0.005%: the gap is the staleness, not
+the measure's noise.
 
 So ``Shampoo.refresh_urgent`` also holds while ``new_mass_share >= YOUNG_SHARE`` (1/4): the
 refreshes of ``2f``, ``3f`` and ``4f`` at ``b2 = 1``, at any frequency, and a few more at
