@@ -1,7 +1,8 @@
 """Blocks of one shape updated together: the launch pattern of the optimizers' per-step math.
 
 Owns: grouping a step's blocks by shape, dtype and device (``shape_groups``); cutting them into
-pieces whose bases a refresher can hand out at once (``pieces``, ``Refresher.bases_room``);
+pieces whose bases a refresher can hand out at once, on shape group boundaries where a group
+fits (``pieces``, ``group_pieces``, ``Refresher.bases_room``);
 mode products and Gram matrices of stacked blocks (a leading batch dim: ``bmm`` per factored
 dim instead of one ``mm`` per block); the bases of a piece from the refresher in one call
 (``bases_of``).
@@ -22,6 +23,7 @@ __all__ = [
     "bases_of",
     "block_key",
     "batched_gram",
+    "group_pieces",
     "batched_mode_products",
     "pieces",
     "shape_groups",
@@ -121,6 +123,72 @@ def pieces(
         size += n
         used += b
     return out
+
+
+def group_pieces(
+    groups: Sequence[Sequence[T]],
+    elements: Callable[[T], int],
+    nbytes: Callable[[T], int],
+    room: int | None,
+    limit: int = BATCH_ELEMENTS,
+) -> list[list[T]]:
+    """The items of ``groups`` (shape groups) in pieces of at most ``limit`` elements and
+    ``room`` bytes (``None``: no limit on bytes) but for an item over either, which runs alone;
+    a group that fits a piece lies in one, a larger one is cut into runs as ``pieces`` cuts
+    items. Groups are placed first fit, largest first; a piece lists its groups, and each group
+    its items, in the order given (Note [Pieces by shape group])."""
+    sized = []
+    for group in filter(None, groups):  # (an empty group has nothing to place)
+        ns, bs = list(map(elements, group)), list(map(nbytes, group))
+        sized.append((group, ns, bs, sum(ns), sum(bs)))
+    if room is None:
+        shares = [n / max(limit, 1) for _, _, _, n, _ in sized]
+    else:
+        shares = [max(n / max(limit, 1), b / max(room, 1)) for _, _, _, n, b in sized]
+    bins: list[list] = []  # [elements, bytes, [(group index, items)]], in the order opened
+    for g in sorted(range(len(sized)), key=shares.__getitem__, reverse=True):
+        group, ns, bs, n, b = sized[g]
+        if n <= limit and (room is None or b <= room):  # whole: the first piece it fits
+            for piece in bins:
+                if piece[0] + n <= limit and (room is None or piece[1] + b <= room):
+                    break
+            else:
+                piece = [0, 0, []]
+                bins.append(piece)
+            piece[0] += n
+            piece[1] += b
+            piece[2].append((g, list(group)))
+            continue
+        piece = None  # cut: runs of its own, each opened where the next item would overflow
+        for item, n, b in zip(group, ns, bs):
+            if piece is None or piece[0] + n > limit or (room is not None and piece[1] + b > room):
+                piece = [0, 0, [(g, [])]]
+                bins.append(piece)
+            piece[0] += n
+            piece[1] += b
+            piece[2][0][1].append(item)
+    return [[x for _, part in sorted(piece[2], key=_first) for x in part] for piece in bins]
+
+
+def _first(part: tuple) -> Any:
+    return part[0]
+
+
+# Note [Pieces by shape group]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A piece's blocks are stacked per shape group, so a group cut across two pieces costs a second
+# set of its stacks and products, and each piece costs its own elementwise ops (a foreach set)
+# and, behind a device window, a slot of the window (a fill where the pieces outnumber the
+# slots). Packing the groups in their order, greedily, cut them: SOAP's window step on
+# ``tiny``@4 stacked five groups where native stacks four. Keeping each group whole but in its
+# order cost a piece: three pieces for a two-slot window refilled all three slots at every
+# step, where two pieces stayed in the window. So ``group_pieces`` places whole groups first
+# fit, largest first (bin packing: the pieces' order does not matter to the blocks, which are
+# independent; each piece lists its groups in their given order, so a step of one piece is
+# unchanged): a group that fits a piece is never cut, and two pieces of whole groups never fit
+# together in one. A group larger than a piece (its elements over ``BATCH_ELEMENTS`` or its
+# bases over the room) is cut into runs, each opened where its next item would overflow the
+# last, and smaller groups fill its last run.
 
 
 def bases_of(refresher: Any, keys: list, blocks: list[dict]) -> list[list]:

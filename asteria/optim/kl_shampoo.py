@@ -60,7 +60,14 @@ from asteria.optim.base import (
     shampoo_beta,
     state_dtype,
 )
-from asteria.optim.batched import bases_of, shape_groups
+from asteria.optim.batched import (
+    bases_of,
+    bases_room,
+    block_key,
+    group_pieces,
+    shape_groups,
+    tensor_key,
+)
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kl_step import adamw_group, statistics_2d, statistics_key, update_group
 from asteria.optim.kron import gram, mode_products, mode_scale
@@ -193,17 +200,19 @@ class KLShampoo(KroneckerOptimizer):
         }
 
     def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
-        """The group's updates in three phases, so that the refresher may run half of the
-        blocks' arithmetic on another thread (Note [Split updates] in
-        asteria/runtime/lane.py): the waits for each block's statistics and bases (in the
-        training thread), the blocks' updates (split by flops), then each block's statistics and
-        refresh decision, in the per-parameter path's block order. Per block, the same ops on
-        the same tensors as ``_update_param``; where bases are valid only until the next
-        ``bases`` call (a device window), that path runs instead."""
-        if not self._refresher.bases_stable:
+        """The group's updates in pieces of blocks (Note [KL steps in pieces]): the waits for
+        each block's statistics (in the training thread); per piece, its bases in one call, its
+        blocks' updates (split by flops, so that the refresher may run half of them on another
+        thread: Note [Split updates] in asteria/runtime/lane.py) and their statistics while
+        those bases are valid; then each block's refresh decision, in the per-parameter path's
+        block order. Per block, the same ops on the same tensors as ``_update_param``; a
+        refresher whose bases are valid only until its next ``bases`` call and that cannot hand
+        out several at once (no ``bases_many``) gets that path instead."""
+        refresher = self._refresher
+        if not refresher.bases_stable and not hasattr(refresher, "bases_many"):
             super()._update_params(group, updates)
             return
-        beta1, lr = group["betas"][0], group["lr"]
+        beta1, lr, eps = group["betas"][0], group["lr"], group["eps"]
         adamw_group([u for u in updates if "blocks" not in u.state], group)
         work: list[_KLBlock] = []
         for u in updates:
@@ -219,18 +228,19 @@ class KLShampoo(KroneckerOptimizer):
                 )
             ):
                 key = (u.pid, bi)
-                self._refresher.block_begin(key, b)  # the last step's statistics are in
+                refresher.block_begin(key, b)  # the last step's statistics are in
                 work.append(_KLBlock(key, b, g, w, [], spec.numel, u))
-        # every block's bases in one call (Note [Batched steps] in batched.py)
-        bases = bases_of(self._refresher, [k.key for k in work], [k.block for k in work])
-        work = [k._replace(bases=list(q)) for k, q in zip(work, bases)]
-        self._run_split(_update_blocks, work, _update_flops, beta1, lr, group["eps"])
         beta, clamp = shampoo_beta(group), group["max_clamp_value"]
+        grouped = [[work[i] for i in idx] for idx in shape_groups(work, _piece_key)]
+        for piece in group_pieces(grouped, _elements, _bases_bytes, bases_room(refresher)):
+            bases = bases_of(refresher, [k.key for k in piece], [k.block for k in piece])
+            piece = [k._replace(bases=list(q)) for k, q in zip(piece, bases)]
+            self._run_split(_update_blocks, piece, _update_flops, beta1, lr, eps)
+            # the statistics read the piece's bases: handed over before the next bases_many
+            for key, (fn, args) in self._statistics(piece, beta, clamp).items():
+                refresher.accumulate(key, fn, *args)
         freq = group["precondition_frequency"]
-        stats = self._statistics(work, beta, clamp)
-        # The statistics read this step's bases (the lists taken above): a refresh installed at
-        # a block's boundary cannot change what they read.
-        self._end_blocks(group, (self._block_end(k, freq, stats) for k in work))
+        self._end_blocks(group, (_boundary(k, freq) for k in work))
         if group["weight_decay"] > 0.0:
             ps = [u.p for u in updates if "blocks" in u.state]
             if ps:
@@ -255,11 +265,6 @@ class KLShampoo(KroneckerOptimizer):
             for c in group[1:]:
                 out[c.key] = (_after_group, ())
         return out
-
-    def _block_end(self, k: _KLBlock, freq: int, stats: dict) -> BlockEnd:
-        """A block's statistics (with the bases its update read) and refresh decision."""
-        step = k.update.state["step"]
-        return BlockEnd(k.key, k.block, step, step % freq == 0, *stats[k.key])
 
     def _update_param(self, pid, p, grad, group, state, layout) -> None:
         if "blocks" not in state:
@@ -349,6 +354,31 @@ class KLShampoo(KroneckerOptimizer):
         ]
 
 
+# Note [KL steps in pieces]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A step's matrix blocks are updated per shape group (Note [Batched steps] in batched.py), in
+# pieces: the shape groups in order, cut at ``BATCH_ELEMENTS`` and at the refresher's
+# ``bases_room`` (``group_pieces``: a group that fits a piece lies in one). With the bases in
+# the blocks' own tensors (native mode, the runtime's device bases) the room is unlimited and
+# the step is one piece. Behind a device window the bases one ``bases_many`` call hands out are
+# valid only until the next call (their slot is refilled), so a piece's statistics, which read
+# them (the rotations of the gradient, the projection), are handed to the refresher in the
+# piece, right after its update; ``accumulate`` runs them at once, as no statistics lane runs
+# with the window (asteria/runtime/attach.py). The refresh decisions (``block_boundary``) come
+# after every piece, in the blocks' order: the blocks are independent, and each block's
+# statistics still precede its own boundary, as in the per-parameter path. An install at a
+# boundary cannot change what a statistics call reads: the call holds the list of bases its
+# update read (an install replaces the block's list entries, never a tensor in place), every
+# statistics call of the step was issued before the first boundary, and the window refills a
+# slot only after the event recorded after its last reader (Note [Bases window] in
+# asteria/memory/window.py); KL-Shampoo's install reads no bases (``install_reads_bases``), so
+# the window's ``install_many`` fills no slot for it. On the CPU the results are bitwise the
+# per-block path's (tests/unit/test_kl_window.py). What a piece costs beyond native's single
+# piece: its ``bases_many`` (a window fill: one grouped copy and one event), one
+# ``_foreach_lerp_`` of its first moments, and, for a shape group cut across two pieces, that
+# group's stacks and products again.
+
+
 class _KLBlock(NamedTuple):
     """One matrix block's part of a step: its key and state, gradient and weight views, the
     bases its update and statistics read, its element count, and its parameter's update."""
@@ -360,6 +390,26 @@ class _KLBlock(NamedTuple):
     bases: list[torch.Tensor]
     numel: int
     update: Update
+
+
+def _boundary(k: _KLBlock, freq: int) -> BlockEnd:
+    """A block's refresh decision (its statistics were handed over with its piece)."""
+    step = k.update.state["step"]
+    return BlockEnd(k.key, k.block, step, step % freq == 0, None, ())
+
+
+def _piece_key(k: _KLBlock) -> tuple:
+    """The shape group a block's piece keeps together: its gradient's and its bases' layouts
+    (``kl_step`` groups a piece's blocks by the bases it was handed)."""
+    return (block_key(k.grad), *(tensor_key(q) for q in k.block["bases"]))
+
+
+def _elements(k: _KLBlock) -> int:
+    return k.numel
+
+
+def _bases_bytes(k: _KLBlock) -> int:
+    return sum(q.nbytes for q in k.block["bases"])
 
 
 def _update_flops(k: _KLBlock) -> float:

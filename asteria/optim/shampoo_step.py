@@ -23,7 +23,7 @@ from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
     block_key,
-    pieces,
+    group_pieces,
     shape_groups,
     stack,
     tensor_key,
@@ -171,9 +171,9 @@ def _precondition(
                     block_views(u.p, u.layout))  # fmt: skip
         work.extend(_Block((u.pid, bi), b, mb, gb, w) for bi, (b, mb, gb, w) in enumerate(views))
     torch._foreach_mul_([u.p for u in updates], 1 - lr * wd)
-    order = [work[i] for idx in shape_groups(work, _roots_key) for i in idx]
+    grouped = [[work[i] for i in idx] for idx in shape_groups(work, _roots_key)]
     room = bases_room(opt._refresher)
-    for piece in pieces(order, lambda w: w.m_hat.numel(), _roots_bytes, room):
+    for piece in group_pieces(grouped, lambda w: w.m_hat.numel(), _roots_bytes, room):
         roots = bases_of(opt._refresher, [w.key for w in piece], [w.block for w in piece])
         direction = _directions(piece, roots, group["grafting"] != "none")
         torch._foreach_add_([w.weight for w in piece], direction, alpha=-lr)

@@ -53,7 +53,7 @@ from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
     block_key,
-    pieces,
+    group_pieces,
     shape_groups,
     stack,
     tensor_key,
@@ -245,8 +245,8 @@ class SOAP(KroneckerOptimizer):
         refresher = self._refresher
         # Note [Batched steps] in batched.py: blocks of one shape together, in pieces whose
         # bases the refresher hands out at once
-        order = [work_fused[i] for idx in shape_groups(work_fused, _shape_key) for i in idx]
-        for piece in pieces(order, _elements, _bases_bytes, bases_room(refresher)):
+        grouped = [[work_fused[i] for i in idx] for idx in shape_groups(work_fused, _shape_key)]
+        for piece in group_pieces(grouped, _elements, _bases_bytes, bases_room(refresher)):
             qs = bases_of(refresher, [c.key for c in piece], [c.block for c in piece])
             self._run_split(_update_batched, list(zip(piece, qs)), _chunk_flops, group)
         if group["weight_decay"] > 0.0:
