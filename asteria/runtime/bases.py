@@ -33,6 +33,18 @@ and one non-blocking copy to the device, the results becoming views of it with t
 layouts; the window then copies the new bases back to host memory in one ``to_host`` (one
 event). A step's installs thus cost a constant number of copies, not a few per block.
 
+Note [Host copies of a step's installs]: the window keeps the bases in host memory, so the new
+bases an install leaves on the device are copied there. A block whose refresh reaches its
+deadline is installed at its boundary, one ``install_many`` a block, and a copy to host per
+install made a step with many such installs pay a copy (and its event) per block. The copies
+wait instead: ``install_many`` lists its blocks, and one ``to_host`` moves the bases of every
+block listed at the first of the step's end, the next ``read``/``read_many`` and ``host_sync``
+(``Runtime.sync``: before the host reads the state). Until then the block's bases are device
+tensors, as ``DeviceBases`` keeps them: what a request at the same boundary reads (the next
+refresh's input) and what ``close`` keeps. An install that reads the bases it replaces (SOAP's
+rotation of ``m``) takes their device copies from the slot that holds them where one does (the
+block's shape group, just updated by the step: ``BasesWindow.part``) instead of a fill.
+
 Must not: decide what to install or when (refreshes.py, schedule.py), change the optimizer's
 math (``install_refresh`` carries state over), or place anything the tier policy did not.
 """
@@ -273,6 +285,7 @@ class WindowBases(BasesAccess):
         self._next: dict[Any, Any] = {}  # the block (or group) read after each, last step
         self._group_blocks: dict[tuple, list[dict]] = {}  # the blocks of each group read
         self._unhosted_may_exist = True  # Note [Bases made by a step]
+        self._unhosted: list[dict] = []  # blocks installed since the last copy to host memory
 
     @property
     def room(self) -> int:
@@ -280,6 +293,8 @@ class WindowBases(BasesAccess):
         return self.window.slot_bytes
 
     def read(self, key: BlockKey, block: dict) -> list:
+        if self._unhosted:
+            self._host_installed()
         return self._use(key, block, prefetch=True)
 
     def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
@@ -287,6 +302,8 @@ class WindowBases(BasesAccess):
         group (a group too big for a slot grows the window through ``fit``)."""
         if len(keys) == 1:
             return [self.read(keys[0], blocks[0])]
+        if self._unhosted:
+            self._host_installed()
         group = tuple(keys)
         self._group_blocks[group] = list(blocks)
         hosted = (
@@ -303,21 +320,28 @@ class WindowBases(BasesAccess):
         return out
 
     def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
-        """The new bases go to pinned host memory (one copy for the batch). An install that reads
-        the current bases (SOAP's rotation of ``m``) reads device copies from the window: the
-        batch's blocks in pieces of a slot each, one fill and one event a piece (Note [Window by
-        shape group] in asteria/memory/tiers.py), not one a block."""
+        """The new bases go to pinned host memory (Note [Host copies of a step's installs]). An
+        install that reads the current bases (SOAP's rotation of ``m``) reads their device
+        copies where a slot holds them already (the shape group the step just updated:
+        ``BasesWindow.part``), else from the window, the rest of the batch in pieces of a slot
+        each, one fill and one event a piece (Note [Window by shape group] in
+        asteria/memory/tiers.py), not one a block."""
         moved = to_device_many([r for _, _, r in items], [b for _, b, _ in items])
         blocks = [b for _, b, _ in items]
         hosted = [list(h) for h in self._host_bases_many(blocks)]  # (keys: one item a block)
         reads = self.optimizer.install_reads_bases
-        direct = [i for i, h in enumerate(hosted) if not reads or all(q is None for q in h)]
-        for i in direct:
-            self.optimizer.install_refresh(blocks[i], moved[i])
-        skip = set(direct)
-        reading = [i for i in range(len(items)) if i not in skip]
+        missing = []
+        for i, h in enumerate(hosted):
+            if not reads or all(q is None for q in h):
+                self.optimizer.install_refresh(blocks[i], moved[i])
+                continue
+            views = self.window.part(h)
+            if views is None:
+                missing.append(i)
+            else:
+                self._install_reading(blocks[i], h, views, moved[i])
         room = self.window.slot_bytes
-        for piece in pieces(reading, lambda i: 0, lambda i: BasesWindow.bytes_of(hosted[i]), room):
+        for piece in pieces(missing, lambda i: 0, lambda i: BasesWindow.bytes_of(hosted[i]), room):
             keys = tuple(items[i][0] for i in piece)
             flat = [q for i in piece for q in hosted[i]]
             views = self._use_srcs(keys if len(keys) > 1 else keys[0], flat, prefetch=False)
@@ -326,7 +350,14 @@ class WindowBases(BasesAccess):
                 n = len(hosted[i])
                 self._install_reading(blocks[i], hosted[i], views[at : at + n], moved[i])
                 at += n
-        self._host_bases_many(blocks)  # one copy to host memory
+        self._unhosted.extend(blocks)  # copied to host memory once, before the next read
+
+    def _host_installed(self) -> None:
+        """The copy to host memory of the bases the installs since the last one made (Note
+        [Host copies of a step's installs]): one ``to_host`` for them all."""
+        if self._unhosted:
+            self._host_bases_many(self._unhosted)
+            self._unhosted = []
 
     def _install_reading(
         self, block: dict, hosted: list[Any], handed: list[Any], results: list[Any]
@@ -343,12 +374,14 @@ class WindowBases(BasesAccess):
 
     def state_replaced(self) -> None:
         self._unhosted_may_exist = True
+        self._unhosted = []  # the loaded blocks replace them (and are looked at: the flag)
 
     def step_end(self) -> None:
         """The last block's kernels are issued; bases made this step (first steps) go to host
         memory (Note [Bases made by a step]); the order the step read the blocks in becomes
         the prefetch order."""
         self.window.finish()
+        self._host_installed()
         if self._unhosted_may_exist:
             blocks = [block for _, _, block, _ in self.optimizer.blocks()]
             moved = self._host_bases_many(blocks, count=True)
@@ -361,6 +394,7 @@ class WindowBases(BasesAccess):
             self._group_blocks = {k: groups[k] for k in self._next if k in groups}
 
     def close(self) -> None:
+        self._unhosted = []  # (on the device already, where close() puts every basis)
         try:
             self.window.close()
             for _, p, block, _ in self.optimizer.blocks():
@@ -411,6 +445,7 @@ class WindowBases(BasesAccess):
         return None if block is None else block[self.field]
 
     def host_sync(self) -> None:
+        self._host_installed()
         self.window.copies.host_sync()
 
     def _host_bases(self, block: dict) -> list[Any]:

@@ -1,0 +1,230 @@
+"""The window's host work on the steps that install, and its slot views, counted (issue 37).
+
+* Note [Slot views by layout] (asteria/memory/window.py): a refill of a slot with a layout it
+  packed before dispatches its copy and no view op, and whatever the sequence of fills every copy
+  handed out equals its sources, in their layout; ``BasesWindow.part`` hands out the copies of
+  tensors a slot holds among those it was filled with, and nothing else.
+* Note [Host copies of a step's installs] (asteria/runtime/bases.py): however many blocks a step
+  installs, the window copies new bases to host memory at most twice a step (the signal's batch
+  before the step's reads, the boundaries' installs at its end), every basis is in host memory
+  between steps, and training is bitwise that of native mode.
+
+The properties run over layouts, dtypes and slot counts (the ring), and over the optimizers, the
+depth of the model, the staleness and the refresh frequency (the runtime, the window forced with
+``asteria.runtime.testing.pretend_arch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from asteria.memory import is_host_tensor
+from asteria.memory.copies import HostCopies
+from asteria.memory.tiers import Arch
+from asteria.memory.window import BasesWindow
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.runtime import Runtime, RuntimeConfig
+from asteria.runtime.bases import WindowBases
+from asteria.runtime.refreshes import Refreshes
+from asteria.runtime.testing import pretend_arch
+
+OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
+SETTINGS = settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+class _Dispatched(TorchDispatchMode):
+    """Counts the view ops and the other ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views = self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.is_view or func.overloadpacket.__name__ in ("detach", "alias", "as_strided"):
+            self.views += 1
+        else:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+# ---- the ring ------------------------------------------------------------------------------------
+
+LAYOUT = st.tuples(
+    st.integers(1, 5),
+    st.integers(1, 5),
+    st.sampled_from([torch.float32, torch.float64]),
+    st.booleans(),
+)
+
+
+def _tensor(
+    rows: int, cols: int, dtype: torch.dtype, column_major: bool, seed: int
+) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(cols, rows, generator=gen, dtype=dtype)
+    return t.T if column_major else t.T.contiguous()
+
+
+def _groups(layouts: list, keys: int) -> list[list[torch.Tensor]]:
+    """``keys`` groups of tensors, group ``k`` with the layouts ``layouts`` rotated by ``k``."""
+    n = len(layouts)
+    return [
+        [_tensor(*layouts[(k + i) % n], seed=100 * k + i) for i in range(n)] for k in range(keys)
+    ]
+
+
+@SETTINGS
+@given(
+    layouts=st.lists(LAYOUT, min_size=1, max_size=4),
+    keys=st.integers(1, 4),
+    slots=st.integers(1, 3),
+    order=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+)
+def test_every_copy_handed_out_is_its_source_in_its_layout_whatever_the_views_kept(
+    layouts, keys, slots, order
+):
+    groups = _groups(layouts, keys)
+    room = max(BasesWindow.bytes_of(g) for g in groups)
+    window = BasesWindow(HostCopies(), slots, room)
+    for i, k in enumerate(order):
+        k %= keys
+        nxt = order[i + 1] % keys if i + 1 < len(order) else None
+        upcoming = None if nxt is None else (nxt, groups[nxt])
+        got = window.use(k, groups[k], upcoming)
+        for a, b in zip(got, groups[k]):
+            assert torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+        if i % 2 == 1:  # a new version of the group's first tensor, in the other layout
+            q = groups[k][0] * 2
+            q = q.T.contiguous().T if q.is_contiguous() else q.contiguous()
+            groups[k] = [q, *groups[k][1:]]
+    window.close()
+
+
+@SETTINGS
+@given(layouts=st.lists(LAYOUT, min_size=1, max_size=4), keys=st.integers(2, 4))
+def test_a_refill_with_a_layout_packed_before_dispatches_its_copy_and_no_view(layouts, keys):
+    groups = _groups(layouts, keys)
+    room = max(BasesWindow.bytes_of(g) for g in groups)
+    window = BasesWindow(HostCopies(), 1, room)  # one slot: every use of another key refills
+    for k in range(keys):  # the first fill of each layout packs views
+        window.use(k, groups[k])
+    for k in range(keys):
+        fresh = [t.clone() for t in groups[k]]  # (the same layouts: clone keeps them)
+        counted = _Dispatched()
+        with counted:
+            got = window.use(("again", k), fresh)
+        assert counted.views == 0 and counted.ops == 1  # one _foreach_copy_
+        assert all(torch.equal(a, b) for a, b in zip(got, fresh))
+    window.close()
+
+
+@SETTINGS
+@given(
+    layouts=st.lists(LAYOUT, min_size=2, max_size=5),
+    picks=st.lists(st.integers(0, 4), min_size=1, max_size=5),
+)
+def test_part_hands_out_what_a_slot_holds_and_nothing_else(layouts, picks):
+    (group,) = _groups(layouts, 1)
+    window = BasesWindow(HostCopies(), 2, BasesWindow.bytes_of(group))
+    window.use("group", group)
+    fills = window.stats()["fills"]
+    part = [group[p % len(group)] for p in picks] + [None]
+    got = window.part(part)
+    assert got is not None and got[-1] is None
+    for a, b in zip(got, part):
+        if b is not None:
+            assert torch.equal(a, b) and a.stride() == b.stride()
+    assert window.part([group[0].clone()]) is None  # equal values, another tensor: not held
+    assert window.stats()["fills"] == fills and window.stats()["part_hits"] == 1
+    window.close()
+
+
+# ---- the runtime's installs ---------------------------------------------------------------------
+
+
+def _mlp(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = [torch.nn.Linear(12, 16), torch.nn.Tanh()]
+    for _ in range(layers):
+        mods += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    mods.append(torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(*mods)
+
+
+def _step(model, opt, t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _train(name: str, layers: int, freq: int, config: RuntimeConfig, window: bool, steps: int):
+    """Train with the bases behind the window (or where the CPU keeps them); per step, the
+    copies to host memory and the installs counted."""
+    model = _mlp(layers)
+    opt = OPTIMIZERS[name](
+        model.parameters(), precondition_frequency=freq, max_preconditioner_dim=8
+    )
+    counts = {"to_host": 0, "installs": 0}
+    per_step = []
+    install = Refreshes.install_results
+
+    def counted_install(self, *args, **kwargs):
+        counts["installs"] += 1
+        return install(self, *args, **kwargs)
+
+    arch = pretend_arch(Arch(cuda=True)) if window else contextlib.nullcontext()
+    Refreshes.install_results = counted_install
+    try:
+        with arch, Runtime(model, opt, config) as rt:
+            if window:
+                assert isinstance(rt._bases, WindowBases)
+                copies = rt._bases.window.copies
+                to_host = copies.to_host
+
+                def counted_to_host(*args, **kwargs):
+                    counts["to_host"] += 1
+                    return to_host(*args, **kwargs)
+
+                copies.to_host = counted_to_host
+            for t in range(steps):
+                counts["to_host"] = counts["installs"] = 0
+                _step(model, opt, t)
+                per_step.append(dict(counts))
+                if window:  # between steps every basis is in host memory
+                    for _, _, block, _ in opt.blocks():
+                        assert all(q is None or is_host_tensor(q) for q in block[opt.bases_field])
+    finally:
+        Refreshes.install_results = install
+    return [p.detach().clone() for p in model.parameters()], per_step
+
+
+@SETTINGS
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    layers=st.integers(1, 3),
+    staleness=st.integers(0, 2),
+    freq=st.integers(2, 4),
+)
+def test_a_step_copies_new_bases_to_host_at_most_twice_however_many_it_installs(
+    name, layers, staleness, freq
+):
+    steps = 4 * freq
+    config = RuntimeConfig(
+        staleness=staleness, workers=1, refresh="interval", fixed_delay=staleness or None
+    )
+    ours, per_step = _train(name, layers, freq, config, window=True, steps=steps)
+    theirs, _ = _train(name, layers, freq, config, window=False, steps=steps)
+    # (the first step makes every block's bases: its step end copies them in one go)
+    assert all(s["to_host"] <= 2 for s in per_step[1:]), per_step
+    assert max(s["installs"] for s in per_step[1:]) >= 2  # steps installing several blocks
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
