@@ -57,6 +57,7 @@ Must not: know about runtimes, pools or memory tiers.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -182,6 +183,8 @@ class Shampoo(KroneckerOptimizer):
             refresh_dtype=refresh_dtype,
         )
         super().__init__(params, defaults)
+        #: id of a parameter's blocks -> its urgency, kept (``_keep_urgency``)
+        self._urgency: dict[int, tuple] = {}
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -419,10 +422,39 @@ class Shampoo(KroneckerOptimizer):
         r = self._refresher
         if r.first_lead == r.lead:  # native mode, or no waits: urgency cannot change the lead
             return self._refresh_due(state, group, next_step=r.lead > 0)
-        first = any(root is None for b in blocks for root in b["roots"])
-        urgent = first or any(self.refresh_urgent(b, t, group) for b in blocks)
-        lead = r.first_lead if urgent else r.lead
+        kept = self._urgency.get(id(blocks))  # inline: read per parameter and step
+        if kept is None or kept[0]() is not blocks[0]["factors"][0]:
+            kept = self._keep_urgency(group, blocks, t)
+        elif kept[1] is not None:  # every root exists: the answer of the due step and betas
+            freq = group["precondition_frequency"]
+            if kept[1] != -(-t // freq) * freq or kept[2] != group["betas"]:
+                kept = self._keep_urgency(group, blocks, t)
+        elif blocks[kept[4][0]]["roots"][kept[4][1]] is not None:  # the missing root arrived
+            kept = self._keep_urgency(group, blocks, t)
+        lead = r.first_lead if kept[3] else r.lead
         return self._refresh_due(state, group, next_step=lead > 0)
+
+    def _keep_urgency(self, group: dict[str, Any], blocks: list[dict], t: int) -> tuple:
+        """Whether a block of a parameter has no roots yet or is ``refresh_urgent`` at ``t``,
+        kept (``_due_now_or_ahead`` reads it back): asked per block at every step, it was host
+        work per block and step (issue 37). Without some root the parameter is urgent until
+        that root arrives; with every root, the answer holds over the interval
+        (``refresh_urgent``) at the group's betas. The entry is the parameter's first factor's
+        (a loaded state's blocks are other tensors) and holds no tensor alive:
+        ``(first factor, due step or None, betas, answer, (block, dim) of a missing root)``."""
+        first = weakref.ref(blocks[0]["factors"][0])
+        if len(self._urgency) > 64 + 4 * len(self.state):  # entries of states loaded over
+            self._urgency.clear()
+        for bi, b in enumerate(blocks):
+            for ri, root in enumerate(b["roots"]):
+                if root is None:  # the first roots (Note [First roots] in schedule.py)
+                    kept = self._urgency[id(blocks)] = (first, None, None, True, (bi, ri))
+                    return kept
+        freq = group["precondition_frequency"]
+        urgent = any(self.refresh_urgent(b, t, group) for b in blocks)
+        due_at = -(-t // freq) * freq
+        kept = self._urgency[id(blocks)] = (first, due_at, group["betas"], urgent, None)
+        return kept
 
     def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
         """While a late root of ``block`` costs the most, judged at the refresh due at or after
