@@ -69,7 +69,13 @@ from asteria.optim.batched import (
     tensor_key,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
-from asteria.optim.kl_step import adamw_group, statistics_2d, statistics_key, update_group
+from asteria.optim.kl_step import (
+    adamw_group,
+    first_moments,
+    statistics_2d,
+    statistics_key,
+    update_group,
+)
 from asteria.optim.kron import gram, mode_products, mode_scale
 
 __all__ = ["KLShampoo"]
@@ -231,11 +237,12 @@ class KLShampoo(KroneckerOptimizer):
                 refresher.block_begin(key, b)  # the last step's statistics are in
                 work.append(_KLBlock(key, b, g, w, [], spec.numel, u))
         beta, clamp = shampoo_beta(group), group["max_clamp_value"]
+        first_moments(work, beta1)  # (reads no bases: one op for every piece)
         grouped = [[work[i] for i in idx] for idx in shape_groups(work, _piece_key)]
         for piece in group_pieces(grouped, _elements, _bases_bytes, bases_room(refresher)):
             bases = bases_of(refresher, [k.key for k in piece], [k.block for k in piece])
             piece = [k._replace(bases=list(q)) for k, q in zip(piece, bases)]
-            self._run_split(_update_blocks, piece, _update_flops, beta1, lr, eps)
+            self._run_split(_update_blocks, piece, _update_flops, lr, eps)
             # the statistics read the piece's bases: handed over before the next bases_many
             for key, (fn, args) in self._statistics(piece, beta, clamp).items():
                 refresher.accumulate(key, fn, *args)
@@ -373,10 +380,11 @@ class KLShampoo(KroneckerOptimizer):
 # slot only after the event recorded after its last reader (Note [Bases window] in
 # asteria/memory/window.py); KL-Shampoo's install reads no bases (``install_reads_bases``), so
 # the window's ``install_many`` fills no slot for it. On the CPU the results are bitwise the
-# per-block path's (tests/unit/test_kl_window.py). What a piece costs beyond native's single
-# piece: its ``bases_many`` (a window fill: one grouped copy and one event), one
-# ``_foreach_lerp_`` of its first moments, and, for a shape group cut across two pieces, that
-# group's stacks and products again.
+# per-block path's (tests/unit/test_kl_window.py). The first moments read no bases: one
+# ``_foreach_lerp_`` for every piece of the step, before them. What a piece costs beyond
+# native's single piece is then its ``bases_many`` (a window fill, one grouped copy and one
+# event, where the window does not hold the piece already) and, for a shape group cut across
+# two pieces (one larger than the window's slot), that group's stacks and products again.
 
 
 class _KLBlock(NamedTuple):
@@ -444,9 +452,10 @@ def _project_update(
     w.add_(mode_products(projected * s, bases, False), alpha=-lr)
 
 
-def _update_blocks(blocks: list[_KLBlock], beta1: float, lr: float, eps: float) -> None:
-    """``_update_block`` for every block, per shape group (``kl_step.update_group``)."""
-    update_group(blocks, beta1, lr, eps)
+def _update_blocks(blocks: list[_KLBlock], lr: float, eps: float) -> None:
+    """``_update_block`` for every block after its first moment's EMA, per shape group
+    (``kl_step.update_group``)."""
+    update_group(blocks, lr, eps)
 
 
 def _after_group() -> None:

@@ -3,8 +3,9 @@
 Owns: the launch pattern of kl_shampoo.py's per-block ops over a step's blocks: the update
 (``_update_block``) and the statistics of matrix blocks (``_update_statistics``, order 2) once
 per shape group (stacked, ``bmm``), their elementwise ops over the group's stack, the first
-moments in one ``torch._foreach_lerp_``; AdamW for the group's vectors as ``torch._foreach_*``
-ops (``adamw_update``'s ops, in its order). Per element the ops are kl_shampoo.py's.
+moments of a step's blocks in one ``torch._foreach_lerp_``; AdamW for the group's vectors as
+``torch._foreach_*`` ops (``adamw_update``'s ops, in its order). Per element the ops are
+kl_shampoo.py's.
 
 Must not: hold KL-Shampoo's math of its own (kl_shampoo.py says what is computed: order 3 keeps
 the authors' statistics order there) or know about runtimes.
@@ -26,7 +27,7 @@ from asteria.optim.batched import (
     tensor_key,
 )
 
-__all__ = ["adamw_group", "statistics_2d", "update_group"]
+__all__ = ["adamw_group", "first_moments", "statistics_2d", "update_group"]
 
 
 def adamw_group(updates: list[Update], group: dict[str, Any]) -> None:
@@ -65,12 +66,17 @@ def _outer(s: list[torch.Tensor]) -> torch.Tensor:
     return out if k > 1 else out.clone()
 
 
-def update_group(blocks: list, beta1: float, lr: float, eps: float) -> None:
-    """``kl_shampoo._update_block`` of every block (``_KLBlock``s): the first moments in one
-    op, then per shape group ``W -= lr * Q (Q^T M Q * s) Q^T`` on stacks."""
-    if not blocks:
-        return
-    torch._foreach_lerp_([k.block["exp_avg"] for k in blocks], [k.grad for k in blocks], 1 - beta1)
+def first_moments(blocks: list, beta1: float) -> None:
+    """The first part of ``kl_shampoo._update_block`` for every block (``_KLBlock``s):
+    ``M <- lerp(M, G, 1 - beta1)`` in one op (it reads no bases: one op for a step's pieces)."""
+    if blocks:
+        exp_avg = [k.block["exp_avg"] for k in blocks]
+        torch._foreach_lerp_(exp_avg, [k.grad for k in blocks], 1 - beta1)
+
+
+def update_group(blocks: list, lr: float, eps: float) -> None:
+    """The rest of ``kl_shampoo._update_block`` (``_project_update``) for every block, after
+    ``first_moments``: per shape group ``W -= lr * Q (Q^T M Q * s) Q^T`` on stacks."""
     for idx in shape_groups(blocks, _update_key):
         group = [blocks[i] for i in idx]
         if len(group) == 1:
