@@ -32,6 +32,13 @@ blocks' bases: ``slots`` buffers of ``slot_bytes`` each (tiers.plan's ``window_b
   was filled with (one block of a shape group's slot: an install reading the bases it replaces),
   or None; it fills nothing.
 
+Note [Reads together]: ``use(..., together=True)`` hands out a block's copies while those handed
+out since the last ``finish`` stay valid: a read of several slots at once (a piece of a step
+larger than a slot, whose shape groups the ring holds in as many slots). The slots handed out
+are all "in use": none is a refill's or a prefetch's victim, and ``finish`` records one event
+after their readers for all of them. A read together that needs more slots than the ring has
+raises (the caller sizes its reads: ``WindowBases``).
+
 Note [Slot views by layout]: a fill hands out views of the slot's buffer with its sources'
 shapes, dtypes and strides. Making them costs some five view ops per tensor (a slice, a dtype
 view, the layout check's permute, the strided view, a detach), which a step of a window that
@@ -74,10 +81,11 @@ class BasesWindow:
         self.copies = copies
         self._slots = [_Slot(i) for i in range(slots)]
         self._slot_bytes = 0
-        self._current: _Slot | None = None
+        self._current: list[_Slot] = []  # the slots handed out since the last finish()
         self._retired: list[tuple[Any, tuple]] = []
         self._clock = itertools.count(1)
         self.fills = self.hits = self.prefetches = self.prefetch_hits = self.part_hits = 0
+        self.spares = 0
         self.resize(slot_bytes)
 
     @property
@@ -110,10 +118,14 @@ class BasesWindow:
         key: Hashable,
         srcs: Tensors,
         upcoming: tuple[Hashable, Tensors] | None = None,
+        together: bool = False,
     ) -> list[torch.Tensor | None]:
         """Device copies of ``srcs`` (the bases of block ``key``), ready for the main stream's
-        next kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot."""
-        self.finish()
+        next kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot. With
+        ``together``, the copies handed out since the last ``finish`` stay valid too (their
+        slots are neither refilled nor prefetched into: Note [Reads together])."""
+        if not together:
+            self.finish()
         slot = self._holding(key, srcs)  # a hit fitted when it was filled
         if slot is None:
             if all(s is None for s in srcs):
@@ -124,7 +136,12 @@ class BasesWindow:
                     f"the bases of block {key!r} need {need} bytes, the window's slots have "
                     f"{self._slot_bytes}: resize() it first"
                 )
-            slot = self._victim(key, exclude=None)
+            slot = self._victim(key, exclude=self._current)
+            if slot is None:
+                raise ValueError(
+                    f"the window's {len(self._slots)} slots are all in use by the copies handed "
+                    f"out together with block {key!r}'s"
+                )
             self._fill(slot, key, srcs)
         else:
             self.hits += 1
@@ -132,9 +149,10 @@ class BasesWindow:
         slot.prefetched = False
         self.copies.wait(slot.copied)
         slot.used = next(self._clock)
-        self._current = slot
+        if slot not in self._current:
+            self._current.append(slot)
         if upcoming is not None:
-            self._prefetch(*upcoming, exclude=slot)
+            self._prefetch(*upcoming, exclude=self._current)
         return list(slot.views)
 
     def part(self, srcs: Tensors) -> list[torch.Tensor | None] | None:
@@ -149,20 +167,38 @@ class BasesWindow:
                 self.part_hits += 1
                 self.copies.wait(slot.copied)
                 slot.used = next(self._clock)
-                self._current = slot
+                self._current = [slot]
                 return views
         return None
+
+    def spare(self, srcs: Tensors) -> list[torch.Tensor | None]:
+        """Device copies of ``srcs`` in a buffer of their own, allocated now and freed with the
+        copies (one copy, one event): a read that the ring cannot hold together (Note [Reads
+        together]); the ring's slots are left as they are."""
+        self.finish()
+        buffer = self.copies.alloc(self.bytes_of(srcs))
+        views = _pack(buffer, srcs)
+        pairs = [(v, q) for v, q in zip(views, srcs) if q is not None]
+        # the buffer is the main stream's: the copy waits for its kernels issued so far
+        ready = self.copies.record()
+        event = self.copies.copy([v for v, _ in pairs], [q for _, q in pairs], [ready])
+        self._retired.append((event, tuple(srcs)))  # the host sources outlive the copy
+        self.copies.wait(event)
+        self.spares += 1
+        return views
 
     def holds(self, key: Hashable, srcs: Tensors) -> bool:
         """Whether a slot holds exactly ``srcs`` as ``key``'s (``use`` then hands it out)."""
         return self._holding(key, srcs) is not None
 
     def finish(self) -> None:
-        """The block handed out last is no longer read by kernels issued from now on: record the
-        event its slot's next copy waits for."""
-        if self._current is not None:
-            self._current.read = self.copies.record()
-            self._current = None
+        """The blocks handed out since the last ``finish`` are no longer read by kernels issued
+        from now on: record the event their slots' next copies wait for."""
+        if self._current:
+            event = self.copies.record()
+            for slot in self._current:
+                slot.read = event
+            self._current = []
 
     def resize(self, slot_bytes: int) -> None:
         """Every slot to ``slot_bytes`` bytes (waits for every copy and reader first)."""
@@ -192,6 +228,7 @@ class BasesWindow:
             "prefetches": self.prefetches,
             "prefetch_hits": self.prefetch_hits,
             "part_hits": self.part_hits,
+            "spares": self.spares,
         }
 
     # -- the ring ---------------------------------------------------------------------------------
@@ -202,16 +239,16 @@ class BasesWindow:
                 return slot
         return None
 
-    def _victim(self, key: Hashable, exclude: _Slot | None) -> _Slot | None:
+    def _victim(self, key: Hashable, exclude: Sequence[_Slot]) -> _Slot | None:
         """The slot to fill for ``key``: one holding an older copy of it, else the least
-        recently used; never ``exclude`` (the slot in use)."""
-        free = [s for s in self._slots if s is not exclude]
+        recently used; never one of ``exclude`` (the slots in use)."""
+        free = [s for s in self._slots if s not in exclude]
         for slot in free:
             if slot.key == key:
                 return slot
         return min(free, key=lambda s: s.used, default=None)
 
-    def _prefetch(self, key: Hashable, srcs: Tensors, exclude: _Slot) -> None:
+    def _prefetch(self, key: Hashable, srcs: Tensors, exclude: Sequence[_Slot]) -> None:
         if self._holding(key, srcs) is not None:
             return
         if all(s is None for s in srcs) or self.bytes_of(srcs) > self._slot_bytes:

@@ -46,7 +46,7 @@ from asteria.memory.window import WINDOW_BLOCKS, BasesWindow
 from asteria.optim.base import BlockKey, KroneckerOptimizer
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.runtime import state
-from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases, WindowBases
+from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases
 from asteria.runtime.boundary import Boundaries
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import Coherence
@@ -58,6 +58,7 @@ from asteria.runtime.registry import Registry
 from asteria.runtime.schedule import InstallCosts, Pacer, Schedule
 from asteria.runtime.snapshots import LaneSnapshots, Snapshots, StagedSnapshots
 from asteria.runtime.spill import SpillTier, open_spill
+from asteria.runtime.window_bases import WindowBases
 
 #: The staging ring's slot granularity (csrc/memory/host_block.h's kHostAlignment).
 _HOST_ALIGNMENT = 4096

@@ -11,9 +11,10 @@ while the runtime is attached, how an install puts new ones there, and what the 
   (``settle``; Note [Statistics lane] in lane.py);
 * ``MappedBases`` (``mapped``, unified-memory GPUs): in pinned host memory, read by the device
   through mapped views (``asteria.memory.device_view``);
-* ``WindowBases`` (``window``, discrete GPUs): in pinned host memory; the optimizer reads
-  device copies from a ring of buffers filled just before use, the next block's copy
-  overlapping the current block's kernels (Note [Bases window] in asteria/memory/window.py).
+* ``WindowBases`` (``window``, discrete GPUs; window_bases.py): in pinned host memory; the
+  optimizer reads device copies from a ring of buffers filled just before use, the next block's
+  copy overlapping the current block's kernels (Note [Bases window] in
+  asteria/memory/window.py).
 
 Every strategy hands back, at ``close()``, the bases as native mode keeps them (on the
 parameters' device).
@@ -33,44 +34,24 @@ and one non-blocking copy to the device, the results becoming views of it with t
 layouts; the window then copies the new bases back to host memory in one ``to_host`` (one
 event). A step's installs thus cost a constant number of copies, not a few per block.
 
-Note [Host copies of a step's installs]: the window keeps the bases in host memory, so the new
-bases an install leaves on the device are copied there. A block whose refresh reaches its
-deadline is installed at its boundary, one ``install_many`` a block, and a copy to host per
-install made a step with many such installs pay a copy (and its event) per block. The copies
-wait instead: ``install_many`` lists its blocks, and one ``to_host`` moves the bases of every
-block listed at the first of the step's end, the next ``read``/``read_many`` and ``host_sync``
-(``Runtime.sync``: before the host reads the state). Until then the block's bases are device
-tensors, as ``DeviceBases`` keeps them: what a request at the same boundary reads (the next
-refresh's input) and what ``close`` keeps. An install that reads the bases it replaces (SOAP's
-rotation of ``m``) takes their device copies from the slot that holds them where one does (the
-block's shape group, just updated by the step: ``BasesWindow.part``) instead of a fill.
-
 Must not: decide what to install or when (refreshes.py, schedule.py), change the optimizer's
 math (``install_refresh`` carries state over), or place anything the tier policy did not.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from asteria.memory.host import (
-    device_view,
-    host_copy,
-    host_empty,
-    is_host_tensor,
-    release_host_cache,
-)
-from asteria.memory.window import BasesWindow, view_like
+from asteria.memory.host import device_view, host_copy
+from asteria.memory.window import view_like
 from asteria.optim.base import BlockKey, KroneckerOptimizer
-from asteria.optim.batched import pieces
 from asteria.runtime.lane import StatisticsLane
 
-__all__ = ["BasesAccess", "DeviceBases", "MappedBases", "WindowBases"]
+__all__ = ["BasesAccess", "DeviceBases", "MappedBases", "all_made", "to_device_many"]
 
 
 class BasesAccess:
@@ -213,7 +194,7 @@ class MappedBases(BasesAccess):
         before = len(self._mapped)
         for _, _, block, _ in self.optimizer.blocks():  # bases a first step made
             self._map(block)
-        self._unmapped_may_exist = len(self._mapped) != before or not _all_made(self.optimizer)
+        self._unmapped_may_exist = len(self._mapped) != before or not all_made(self.optimizer)
 
     def state_replaced(self) -> None:
         self._unmapped_may_exist = True
@@ -242,246 +223,7 @@ class MappedBases(BasesAccess):
         return t.data_ptr() in self._mapped
 
 
-# The windows open in this process: the cache of reused host blocks is process-wide, so the last
-# window to close (or to be collected unclosed) frees it, not the first: another runtime's window
-# still reuses its blocks.
-_open_windows = 0
-_open_windows_lock = threading.Lock()
-
-
-def _window_gone() -> None:
-    """A window closed: free the cache of reused host blocks (the host bases just dropped, Note
-    [Reused host blocks]) once no other window of this process reuses it."""
-    global _open_windows
-    with _open_windows_lock:
-        _open_windows -= 1
-        last = _open_windows == 0
-    if last:
-        release_host_cache()
-
-
-class WindowBases(BasesAccess):
-    """Pinned host memory behind a device window (Note [Bases window]). ``fit(key, need)``
-    is called before a block's bases of ``need`` bytes go through slots that are too small;
-    it grows the window or raises (the budgets are the runtime's)."""
-
-    stable = False  # a window slot is reused two blocks later
-
-    def __init__(
-        self,
-        optimizer: KroneckerOptimizer,
-        window: BasesWindow,
-        fit: Callable[[BlockKey, int, BasesWindow], None],
-    ) -> None:
-        global _open_windows
-        super().__init__(optimizer)
-        self.window = window
-        self._fit = fit
-        with _open_windows_lock:
-            _open_windows += 1
-        self._gone = weakref.finalize(self, _window_gone)  # runs once: close() or collection
-        self._gone.atexit = False  # the cache outlives the process's CUDA runtime (the Note)
-        self._seen: list[BlockKey] = []  # blocks in the order this step read their bases
-        self._next: dict[Any, Any] = {}  # the block (or group) read after each, last step
-        self._group_blocks: dict[tuple, list[dict]] = {}  # the blocks of each group read
-        self._unhosted_may_exist = True  # Note [Bases made by a step]
-        self._unhosted: list[dict] = []  # blocks installed since the last copy to host memory
-
-    @property
-    def room(self) -> int:
-        """A group read at once shares one slot (``read_many``)."""
-        return self.window.slot_bytes
-
-    def read(self, key: BlockKey, block: dict) -> list:
-        if self._unhosted:
-            self._host_installed()
-        return self._use(key, block, prefetch=True)
-
-    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
-        """The group's bases packed into one slot: one grouped copy and one event for the
-        group (a group too big for a slot grows the window through ``fit``)."""
-        if len(keys) == 1:
-            return [self.read(keys[0], blocks[0])]
-        if self._unhosted:
-            self._host_installed()
-        group = tuple(keys)
-        self._group_blocks[group] = list(blocks)
-        hosted = (
-            self._host_bases_many(blocks)
-            if self._unhosted_may_exist
-            else [b[self.field] for b in blocks]
-        )  # (every basis is in host memory: Note [Bases made by a step])
-        flat = [q for bases in hosted for q in bases]
-        views = self._use_srcs(group, flat, prefetch=True)
-        out, i = [], 0
-        for bases in hosted:
-            out.append(views[i : i + len(bases)])
-            i += len(bases)
-        return out
-
-    def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
-        """The new bases go to pinned host memory (Note [Host copies of a step's installs]). An
-        install that reads the current bases (SOAP's rotation of ``m``) reads their device
-        copies where a slot holds them already (the shape group the step just updated:
-        ``BasesWindow.part``), else from the window, the rest of the batch in pieces of a slot
-        each, one fill and one event a piece (Note [Window by shape group] in
-        asteria/memory/tiers.py), not one a block."""
-        moved = to_device_many([r for _, _, r in items], [b for _, b, _ in items])
-        blocks = [b for _, b, _ in items]
-        hosted = [list(h) for h in self._host_bases_many(blocks)]  # (keys: one item a block)
-        reads = self.optimizer.install_reads_bases
-        missing = []
-        for i, h in enumerate(hosted):
-            if not reads or all(q is None for q in h):
-                self.optimizer.install_refresh(blocks[i], moved[i])
-                continue
-            views = self.window.part(h)
-            if views is None:
-                missing.append(i)
-            else:
-                self._install_reading(blocks[i], h, views, moved[i])
-        room = self.window.slot_bytes
-        for piece in pieces(missing, lambda i: 0, lambda i: BasesWindow.bytes_of(hosted[i]), room):
-            keys = tuple(items[i][0] for i in piece)
-            flat = [q for i in piece for q in hosted[i]]
-            views = self._use_srcs(keys if len(keys) > 1 else keys[0], flat, prefetch=False)
-            at = 0
-            for i in piece:  # the views are valid until the next fill: install the piece now
-                n = len(hosted[i])
-                self._install_reading(blocks[i], hosted[i], views[at : at + n], moved[i])
-                at += n
-        self._unhosted.extend(blocks)  # copied to host memory once, before the next read
-
-    def _host_installed(self) -> None:
-        """The copy to host memory of the bases the installs since the last one made (Note
-        [Host copies of a step's installs]): one ``to_host`` for them all."""
-        if self._unhosted:
-            self._host_bases_many(self._unhosted)
-            self._unhosted = []
-
-    def _install_reading(
-        self, block: dict, hosted: list[Any], handed: list[Any], results: list[Any]
-    ) -> None:
-        """``install_refresh`` of ``results`` into ``block`` with its bases read from the window's
-        device copies ``handed`` (of its host tensors ``hosted``)."""
-        bases = block[self.field]
-        bases[:] = handed
-        self.optimizer.install_refresh(block, results)
-        bases = block[self.field]
-        for i, q in enumerate(handed):  # a dim the refresh left alone keeps its host tensor
-            if q is not None and bases[i] is q:
-                bases[i] = hosted[i]
-
-    def state_replaced(self) -> None:
-        self._unhosted_may_exist = True
-        self._unhosted = []  # the loaded blocks replace them (and are looked at: the flag)
-
-    def step_end(self) -> None:
-        """The last block's kernels are issued; bases made this step (first steps) go to host
-        memory (Note [Bases made by a step]); the order the step read the blocks in becomes
-        the prefetch order."""
-        self.window.finish()
-        self._host_installed()
-        if self._unhosted_may_exist:
-            blocks = [block for _, _, block, _ in self.optimizer.blocks()]
-            moved = self._host_bases_many(blocks, count=True)
-            self._unhosted_may_exist = moved > 0 or not _all_made(self.optimizer)
-        seen = self._seen
-        if seen:
-            self._next = {k: seen[(i + 1) % len(seen)] for i, k in enumerate(seen)}
-            self._seen = []
-            groups = self._group_blocks  # only the groups read this step stay prefetchable
-            self._group_blocks = {k: groups[k] for k in self._next if k in groups}
-
-    def close(self) -> None:
-        self._unhosted = []  # (on the device already, where close() puts every basis)
-        try:
-            self.window.close()
-            for _, p, block, _ in self.optimizer.blocks():
-                bases = block[self.field]
-                for i, q in enumerate(bases):
-                    if q is not None and q.device != p.device:
-                        bases[i] = q.to(p.device)
-        finally:
-            self._gone()
-
-    def buffers(self) -> list[torch.Tensor]:
-        return self.window.buffers()
-
-    def stats(self) -> dict[str, int]:
-        return self.window.stats()
-
-    def _use(self, key: BlockKey, block: dict, prefetch: bool) -> list[Any]:
-        """Device copies of ``key``'s bases from the window; with ``prefetch``, also start the
-        copy of the block (or group) read after it last step."""
-        return self._use_srcs(key, self._host_bases(block), prefetch)
-
-    def _use_srcs(self, key: Any, srcs: list[Any], prefetch: bool) -> list[Any]:
-        """``_use`` of the host tensors ``srcs`` of ``key``: a block, or a group of blocks read
-        together (a tuple of keys)."""
-        if all(q is None for q in srcs):
-            return list(srcs)  # nothing to read yet (Shampoo before its first roots, 1-D SOAP)
-        upcoming = None
-        if prefetch:
-            self._seen.append(key)
-            nxt = self._next.get(key)
-            nsrcs = None if nxt is None else self._srcs_or_none(nxt)
-            if nsrcs is not None and (
-                not self._unhosted_may_exist or all(q is None or is_host_tensor(q) for q in nsrcs)
-            ):
-                upcoming = (nxt, nsrcs)
-        if not self.window.holds(key, srcs):
-            need = BasesWindow.bytes_of(srcs)
-            if need > self.window.slot_bytes:
-                self._fit(key, need, self.window)
-        return self.window.use(key, srcs, upcoming)
-
-    def _srcs_or_none(self, key: Any) -> list[Any] | None:
-        """The bases of block ``key``, or of the group ``key`` (all its blocks' in order)."""
-        if isinstance(key[0], tuple):
-            blocks = self._group_blocks.get(key)
-            return None if blocks is None else [q for b in blocks for q in b[self.field]]
-        block = self._block_or_none(key)
-        return None if block is None else block[self.field]
-
-    def host_sync(self) -> None:
-        self._host_installed()
-        self.window.copies.host_sync()
-
-    def _host_bases(self, block: dict) -> list[Any]:
-        """Move ``block``'s bases that are not in Asteria host memory there (pinned on CUDA, in
-        their own layout). The copies are not waited for (Note [Host writes] in
-        asteria/memory/copies.py): the window's fills wait for them on the device, and the
-        host's readers through ``host_sync``. The blocks are reused (Note [Reused host blocks] in
-        csrc/memory/host_block.cpp): an install replaces a block's bases, and registering fresh
-        pinned memory each time cost milliseconds per install."""
-        return self._host_bases_many([block])[0]
-
-    def _host_bases_many(self, blocks: list[dict], count: bool = False) -> Any:
-        """``_host_bases`` of every block in ``blocks``, with one copy to host memory for them
-        all; with ``count``, the number of tensors moved instead of the bases."""
-        field = self.field
-        moved = []
-        for block in blocks:
-            bases = block[field]
-            for i, q in enumerate(bases):
-                if q is not None and not is_host_tensor(q):  # q's layout: the same arithmetic
-                    h = view_like(host_empty(q.numel(), q.dtype, pinned=q.is_cuda, reuse=True), q)
-                    moved.append((bases, i, h))
-        if moved:  # a block takes its host tensors only once their copies are issued
-            self.window.copies.to_host([h for _, _, h in moved], [b[i] for b, i, _ in moved])
-            for bases, i, h in moved:
-                bases[i] = h
-        return len(moved) if count else [block[field] for block in blocks]
-
-    def _block_or_none(self, key: BlockKey) -> dict | None:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        state = self.optimizer.state.get(params[key[0]]) if key[0] < len(params) else None
-        blocks = None if state is None else state.get("blocks")
-        return None if blocks is None or key[1] >= len(blocks) else blocks[key[1]]
-
-
-def _all_made(optimizer: KroneckerOptimizer) -> bool:
+def all_made(optimizer: KroneckerOptimizer) -> bool:
     """Whether every parameter of ``optimizer`` has its state (no block is made later)."""
     return len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups)
 

@@ -30,9 +30,9 @@ from asteria.memory.accounting import estimate_blocks
 from asteria.memory.tiers import Arch, BlockSizes, window_slot
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
-from asteria.runtime.bases import WindowBases
 from asteria.runtime.refreshes import Refreshes
 from asteria.runtime.testing import pretend_arch, slow_pool
+from asteria.runtime.window_bases import WindowBases
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SETTINGS = settings(
