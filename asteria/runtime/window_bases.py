@@ -199,6 +199,7 @@ class WindowBases(BasesAccess):
     def state_replaced(self) -> None:
         self._unhosted_may_exist = True
         self._unhosted = []  # the loaded blocks replace them (and are looked at: the flag)
+        self._together, self._run_of = False, {}  # their sizes are learnt again (a slot's room)
 
     def step_end(self) -> None:
         """The last block's kernels are issued; bases made this step (first steps) go to host
@@ -273,7 +274,13 @@ class WindowBases(BasesAccess):
                 break
             runs.setdefault(run, []).append(i)
         out: list[list] = [list(h) for h in hosted]
-        if not runs or len(runs) > self.window.slots:
+        flats = [[q for i in idx for q in hosted[i]] for idx in runs.values()]
+        room = self.window.slot_bytes  # (a run over it would resize the ring under the others)
+        if (
+            not runs
+            or len(runs) > self.window.slots
+            or max(map(BasesWindow.bytes_of, flats)) > room
+        ):
             if any(q is not None for h in hosted for q in h):
                 self._spared = True
                 views = self.window.spare([q for h in hosted for q in h])
@@ -282,11 +289,10 @@ class WindowBases(BasesAccess):
                     out[i] = views[at : at + len(h)]
                     at += len(h)
             return out
-        for j, idx in enumerate(runs.values()):
+        for j, (idx, flat) in enumerate(zip(runs.values(), flats)):
             key = tuple(keys[i] for i in idx) if len(idx) > 1 else keys[idx[0]]
             if len(idx) > 1:
                 self._group_blocks[key] = [blocks[i] for i in idx]
-            flat = [q for i in idx for q in hosted[i]]
             views = self._use_srcs(key, flat, prefetch=True, together=j > 0)
             at = 0
             for i in idx:

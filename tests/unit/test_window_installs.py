@@ -391,6 +391,36 @@ def test_reads_together_fill_nothing_on_quiet_steps_and_new_blocks_read_spare(
     _check_reads_together(rows)
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_loaded_state_is_read_a_slot_at_a_time_until_its_reads_are_learnt(name):
+    """A load replaces the blocks (their sizes may differ): the next step's room is a slot, and
+    training goes on bitwise as without the window."""
+    results = []
+    for window in (True, False):
+        model = _Late(2, late_at=100)
+        opt = OPTIMIZERS[name](
+            model.parameters(), precondition_frequency=3, max_preconditioner_dim=32
+        )
+        config = RuntimeConfig(staleness=0, workers=1, placement={"bases": "host"})
+        arch = (
+            pretend_arch(Arch(cuda=True), device_free_bytes=1 << 30)
+            if window
+            else contextlib.nullcontext()
+        )
+        with arch, Runtime(model, opt, config) as rt:
+            for t in range(10):
+                if t == 6:
+                    opt.load_state_dict(opt.state_dict())
+                    if window:
+                        assert rt.bases_room == rt._bases.window.slot_bytes
+                _late_step(model, opt, t)
+                if window and t == 5:
+                    ring = rt._bases.window.slots * rt._bases.window.slot_bytes
+                    assert rt.bases_room == ring  # (read together before the load)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_reads_together_are_taken_on_a_model_with_quiet_steps():
     """The property's two paths on one run where both happen: quiet steps read together, and
     the new blocks' step reads spare."""
