@@ -121,7 +121,9 @@ class WindowBases(BasesAccess):
 
     def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
         """The group's bases packed into one slot: one grouped copy and one event for the
-        group (a group too big for a slot grows the window through ``fit``)."""
+        group (a group too big for a slot grows the window through ``fit``); while the ring
+        holds a step's reads at once, a piece up to the ring in several slots, handed out
+        together (``_read_together``, Note [Pieces read together])."""
         if len(keys) == 1:
             return [self.read(keys[0], blocks[0])]
         if self._unhosted:
