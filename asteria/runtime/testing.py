@@ -30,7 +30,6 @@ overrides at build] in attach.py).
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -107,10 +106,10 @@ def wrapped_statistics(wrap: Any) -> Iterator[None]:
         yield
 
 
-def statistics_update(key: Any, update: Any) -> Any:
-    """The statistics update of block ``key`` as a runtime runs it now."""
-    wrap = _global["statistics"]
-    return update if wrap is None else functools.partial(wrap, key, update)
+def settings() -> dict[str, Any]:
+    """The live settings of this module (a runtime attached in a test process reads its
+    ``"statistics"`` wrapper where an update is handed in: ``wrapped_statistics``)."""
+    return _global
 
 
 def arch_of(device: Any, detect: Any) -> Any:

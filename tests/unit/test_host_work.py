@@ -246,7 +246,7 @@ with Runtime(model, opt, RuntimeConfig(staleness=1, workers=1)) as rt:
         opt.zero_grad()
         model(torch.randn(4, 6)).square().mean().backward()
         opt.step()
-    assert rt._parts.testing is None and rt._wrap_statistics is None
+    assert rt._parts.testing is None and rt._test_settings is None
     assert rt._executors._delayed is None
 assert "asteria.runtime.testing" not in sys.modules
 print("ok")
