@@ -17,8 +17,11 @@ installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``). With a 
 can be installed in time for step ``t`` (Note [Refresh lead] in schedule.py).
 
 Note [In-flight index]: ``Registry.in_flight`` holds, by key, exactly the entries whose
-``pending`` is not None: ``BlockEntry.__setattr__`` keeps it on every assignment of ``pending``,
-wherever it happens (requests, installs, drops, failures, loads, distributed syncs). What looks
+``pending`` is not None: ``BlockEntry.pending``'s setter keeps it on every assignment, wherever
+it happens (requests, installs, drops, failures, loads, distributed syncs). Reading ``pending``
+goes through C only (``operator.attrgetter``), and the entry's other attributes are plain: the
+boundary writes some of them for every block at every step, and a ``__setattr__`` that looked at
+every assignment cost a Python call each (issue 37). What looks
 for finished refreshes (a step's install batch, ``pending_count``) reads it, so its cost follows
 the refreshes in flight, never the number of blocks (issue 37: thousands of blocks on a large
 model, a few in flight at a time).
@@ -28,6 +31,7 @@ Must not: submit work or wait (``refreshes.py`` does both); this module is bookk
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,7 +111,6 @@ class BlockEntry:
     version: int | None = None
     requested_step: int = 0
     installed_step: int = 0
-    pending: PendingRefresh | None = None
     consecutive_failures: int = 0
     failures: int = 0
     installs: int = 0
@@ -121,16 +124,20 @@ class BlockEntry:
     key: tuple[int, int] | None = None
     # the registry's index of the entries with a refresh in flight (Note [In-flight index])
     in_flight: dict | None = field(default=None, repr=False, compare=False)
+    # the refresh in flight, read and set as ``pending`` (Note [In-flight index])
+    _pending: PendingRefresh | None = None
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name == "pending":
-            index = self.__dict__.get("in_flight")
-            if index is not None:
-                if value is None:
-                    index.pop(self.key, None)
-                else:
-                    index[self.key] = self
+    def _set_pending(self, value: PendingRefresh | None) -> None:
+        self._pending = value
+        index = self.in_flight
+        if index is not None:
+            if value is None:
+                index.pop(self.key, None)
+            else:
+                index[self.key] = self
+
+    #: The refresh in flight (None: none); setting it keeps the registry's index
+    pending = property(operator.attrgetter("_pending"), _set_pending)
 
 
 @dataclass(frozen=True)
