@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -91,6 +91,22 @@ GRAFTING_NORM_EPSILON = 1e-16
 # refreshes of steps 20 to 40 at frequency 10, keeps every seed within 0.41% of native at
 # staleness 1 and 5; waiting for the refresh of step 20 alone left seed 5 at +0.80%)
 YOUNG_SHARE = 0.25
+
+
+def due_step(step: int, group: dict[str, Any]) -> int:
+    """The refresh due at or after ``step``: the next multiple of the group's frequency."""
+    f = group["precondition_frequency"]
+    return -(-step // f) * f
+
+
+class _Urgency(NamedTuple):
+    """A parameter's urgency as ``_keep_urgency`` kept it."""
+
+    first: weakref.ref  # the parameter's first factor (a loaded state's are other tensors)
+    due_at: int | None  # the due step it was judged at; None while a root is missing
+    betas: tuple | None  # the group's betas it was judged at
+    urgent: bool
+    missing: tuple[int, int] | None  # (block, dim) of a missing root
 
 
 def new_mass_share(step: int, group: dict[str, Any]) -> float:
@@ -184,7 +200,7 @@ class Shampoo(KroneckerOptimizer):
         )
         super().__init__(params, defaults)
         #: id of a parameter's blocks -> its urgency, kept (``_keep_urgency``)
-        self._urgency: dict[int, tuple] = {}
+        self._urgency: dict[int, _Urgency] = {}
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -423,37 +439,34 @@ class Shampoo(KroneckerOptimizer):
         if r.first_lead == r.lead:  # native mode, or no waits: urgency cannot change the lead
             return self._refresh_due(state, group, next_step=r.lead > 0)
         kept = self._urgency.get(id(blocks))  # inline: read per parameter and step
-        if kept is None or kept[0]() is not blocks[0]["factors"][0]:
+        if kept is None or kept.first() is not blocks[0]["factors"][0]:
             kept = self._keep_urgency(group, blocks, t)
-        elif kept[1] is not None:  # every root exists: the answer of the due step and betas
-            freq = group["precondition_frequency"]
-            if kept[1] != -(-t // freq) * freq or kept[2] != group["betas"]:
+        elif kept.missing is None:  # every root exists: the answer of the due step and betas
+            if kept.due_at != due_step(t, group) or kept.betas != group["betas"]:
                 kept = self._keep_urgency(group, blocks, t)
-        elif blocks[kept[4][0]]["roots"][kept[4][1]] is not None:  # the missing root arrived
+        elif blocks[kept.missing[0]]["roots"][kept.missing[1]] is not None:  # it arrived
             kept = self._keep_urgency(group, blocks, t)
-        lead = r.first_lead if kept[3] else r.lead
+        lead = r.first_lead if kept.urgent else r.lead
         return self._refresh_due(state, group, next_step=lead > 0)
 
-    def _keep_urgency(self, group: dict[str, Any], blocks: list[dict], t: int) -> tuple:
+    def _keep_urgency(self, group: dict[str, Any], blocks: list[dict], t: int) -> _Urgency:
         """Whether a block of a parameter has no roots yet or is ``refresh_urgent`` at ``t``,
         kept (``_due_now_or_ahead`` reads it back): asked per block at every step, it was host
         work per block and step (issue 37). Without some root the parameter is urgent until
         that root arrives; with every root, the answer holds over the interval
         (``refresh_urgent``) at the group's betas. The entry is the parameter's first factor's
-        (a loaded state's blocks are other tensors) and holds no tensor alive:
-        ``(first factor, due step or None, betas, answer, (block, dim) of a missing root)``."""
+        (a loaded state's blocks are other tensors) and holds no tensor alive (``_Urgency``)."""
         first = weakref.ref(blocks[0]["factors"][0])
         if len(self._urgency) > 64 + 4 * len(self.state):  # entries of states loaded over
             self._urgency.clear()
         for bi, b in enumerate(blocks):
             for ri, root in enumerate(b["roots"]):
                 if root is None:  # the first roots (Note [First roots] in schedule.py)
-                    kept = self._urgency[id(blocks)] = (first, None, None, True, (bi, ri))
+                    kept = self._urgency[id(blocks)] = _Urgency(first, None, None, True, (bi, ri))
                     return kept
-        freq = group["precondition_frequency"]
         urgent = any(self.refresh_urgent(b, t, group) for b in blocks)
-        due_at = -(-t // freq) * freq
-        kept = self._urgency[id(blocks)] = (first, due_at, group["betas"], urgent, None)
+        kept = _Urgency(first, due_step(t, group), group["betas"], urgent, None)
+        self._urgency[id(blocks)] = kept
         return kept
 
     def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
@@ -466,8 +479,7 @@ class Shampoo(KroneckerOptimizer):
         (``new_mass_share(t, group) >= YOUNG_SHARE``: Note [Young factors] in
         asteria/runtime/schedule.py). Both depend on the shapes, the step and the group's
         ``betas`` and frequency only."""
-        f = group["precondition_frequency"]
-        t = -(-step // f) * f
+        t = due_step(step, group)
         if new_mass_share(t, group) >= YOUNG_SHARE:
             return True
         dims = [f.shape[0] for f in block["factors"]]

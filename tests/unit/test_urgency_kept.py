@@ -44,7 +44,7 @@ def _urgent(opt: Shampoo, group: dict, blocks: list[dict], t: int) -> bool:
     """The urgency ``_due_now_or_ahead`` decided the parameter's lead with (the kept entry it
     read or made)."""
     opt._due_now_or_ahead({"step": t, "blocks": blocks}, group, blocks, t)
-    return opt._urgency[id(blocks)][3]
+    return opt._urgency[id(blocks)].urgent
 
 
 SHAPE = st.lists(st.integers(1, 40), min_size=1, max_size=2).map(tuple)
