@@ -105,3 +105,14 @@ def mlp_24_32_32_4() -> torch.nn.Module:
         torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
         torch.nn.Linear(32, 4),
     )  # fmt: skip
+
+
+def mlp_12_16_3(layers: int) -> torch.nn.Module:
+    """A seeded MLP 12 -> 16 -> (16 ->) x ``layers`` -> 3 (tanh): the depth-varied model of the
+    host-work and window-install tests."""
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = [torch.nn.Linear(12, 16), torch.nn.Tanh()]
+    for _ in range(layers):
+        mods += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    mods.append(torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(*mods)

@@ -33,20 +33,12 @@ from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.refreshes import Refreshes
 from asteria.runtime.testing import pretend_arch, slow_pool
 from asteria.runtime.window_bases import WindowBases
+from tests.problems import mlp_12_16_3
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SETTINGS = settings(
     max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-def _mlp(layers: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    mods: list[torch.nn.Module] = [torch.nn.Linear(12, 16), torch.nn.Tanh()]
-    for _ in range(layers):
-        mods += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
-    mods.append(torch.nn.Linear(16, 3))
-    return torch.nn.Sequential(*mods)
 
 
 @contextlib.contextmanager
@@ -92,7 +84,7 @@ def _step(model, opt, t: int) -> None:
 def test_a_step_makes_at_most_one_install_batch_however_many_modules_signal(
     name, layers, staleness, window
 ):
-    model = _mlp(layers)
+    model = mlp_12_16_3(layers)
     opt = _opt(name, model)
     ready, many = [0], [0]
     arch = pretend_arch(Arch(cuda=True)) if window else contextlib.nullcontext()
@@ -119,7 +111,7 @@ def test_a_step_makes_at_most_one_install_batch_however_many_modules_signal(
 @SETTINGS
 @given(name=st.sampled_from(sorted(OPTIMIZERS)), staleness=st.integers(1, 3))
 def test_finished_refreshes_are_installed_by_the_first_signal_in_one_batch(name, staleness):
-    model = _mlp(2)
+    model = mlp_12_16_3(2)
     opt = _opt(name, model)
     many: list[int] = [0]
     config = RuntimeConfig(staleness=staleness, workers=1, statistics_lane=False)
@@ -144,7 +136,7 @@ def test_finished_refreshes_are_installed_by_the_first_signal_in_one_batch(name,
 @SETTINGS
 @given(name=st.sampled_from(sorted(OPTIMIZERS)), layers=st.integers(1, 3), delay=st.booleans())
 def test_the_in_flight_index_is_the_entries_with_a_refresh_in_flight(name, layers, delay):
-    model = _mlp(layers)
+    model = mlp_12_16_3(layers)
     opt = _opt(name, model)
     slow = slow_pool(0.02) if delay else contextlib.nullcontext()
     with slow, Runtime(model, opt, RuntimeConfig(staleness=2, workers=1)) as rt:
@@ -162,7 +154,7 @@ def test_the_in_flight_index_is_the_entries_with_a_refresh_in_flight(name, layer
 @SETTINGS
 @given(name=st.sampled_from(sorted(OPTIMIZERS)), layers=st.integers(1, 3))
 def test_step_ends_stop_visiting_every_block_once_none_can_be_made(name, layers):
-    model = _mlp(layers)
+    model = mlp_12_16_3(layers)
     opt = _opt(name, model)
     visits = [0]
     with pretend_arch(Arch(cuda=True)), Runtime(model, opt, RuntimeConfig(workers=1)) as rt:
@@ -181,7 +173,7 @@ def test_step_ends_stop_visiting_every_block_once_none_can_be_made(name, layers)
 @SETTINGS
 @given(name=st.sampled_from(sorted(OPTIMIZERS)), layers=st.integers(1, 3), window=st.booleans())
 def test_bases_many_hands_out_each_blocks_own_bases_in_one_fill(name, layers, window):
-    model = _mlp(layers)
+    model = mlp_12_16_3(layers)
     opt = _opt(name, model)
     arch = pretend_arch(Arch(cuda=True)) if window else contextlib.nullcontext()
     with arch, Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
@@ -217,7 +209,7 @@ def test_bases_many_hands_out_each_blocks_own_bases_in_one_fill(name, layers, wi
 def test_bases_stay_on_the_device_exactly_when_the_device_state_fits_the_budget(
     name, free, fraction
 ):
-    model = _mlp(2)
+    model = mlp_12_16_3(2)
     opt = _opt(name, model)
     config = RuntimeConfig(workers=1, device_bases_fraction=fraction)
     with pretend_arch(Arch(cuda=True), device_free_bytes=free), Runtime(model, opt, config) as rt:
@@ -288,7 +280,7 @@ def test_the_window_is_read_per_shape_group_not_per_block(name, staleness):
     blocks; a step that installs adds at most one per block it installs."""
     quiet_uses = {}
     for layers in (1, 4):
-        model = _mlp(layers)
+        model = mlp_12_16_3(layers)
         opt = _opt(name, model)
         uses, installs = [0], [0]
         config = RuntimeConfig(
@@ -327,7 +319,7 @@ def test_every_kind_of_refresh_future_has_the_one_protocol():
 
     for cls in (_C.Future, _StreamFuture, Refused, Restored, _Delayed):
         assert issubclass(cls, RefreshFuture), cls
-    model = _mlp(2)
+    model = mlp_12_16_3(2)
     opt = _opt("soap", model)
     seen = 0
     with slow_pool(0.05), Runtime(model, opt, RuntimeConfig(staleness=3, workers=1)) as rt:
@@ -346,7 +338,7 @@ def test_refresh_urgent_is_asked_once_per_block_and_interval(frequency, stalenes
     """Note [Boundary work per block] (boundary.py): the boundaries ask Shampoo's
     ``refresh_urgent`` once per block and refresh interval, and the answer they keep is the one
     it gives for that interval."""
-    model = _mlp(layers)
+    model = mlp_12_16_3(layers)
     opt = Shampoo(model.parameters(), precondition_frequency=frequency, max_preconditioner_dim=8)
     asked = []
     with Runtime(model, opt, RuntimeConfig(staleness=staleness, workers=1)) as rt:

@@ -39,6 +39,7 @@ from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.refreshes import Refreshes
 from asteria.runtime.testing import pretend_arch
 from asteria.runtime.window_bases import WindowBases
+from tests.problems import mlp_12_16_3
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SETTINGS = settings(
@@ -217,15 +218,6 @@ def test_a_spare_read_is_its_sources_and_leaves_the_ring_as_it_was(layouts):
 # ---- the runtime's installs ---------------------------------------------------------------------
 
 
-def _mlp(layers: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    mods: list[torch.nn.Module] = [torch.nn.Linear(12, 16), torch.nn.Tanh()]
-    for _ in range(layers):
-        mods += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
-    mods.append(torch.nn.Linear(16, 3))
-    return torch.nn.Sequential(*mods)
-
-
 def _step(model, opt, t: int) -> None:
     gen = torch.Generator().manual_seed(t)
     x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
@@ -237,7 +229,7 @@ def _step(model, opt, t: int) -> None:
 def _train(name: str, layers: int, freq: int, config: RuntimeConfig, window: bool, steps: int):
     """Train with the bases behind the window (or where the CPU keeps them); per step, the
     copies to host memory and the installs counted."""
-    model = _mlp(layers)
+    model = mlp_12_16_3(layers)
     opt = OPTIMIZERS[name](
         model.parameters(), precondition_frequency=freq, max_preconditioner_dim=8
     )
