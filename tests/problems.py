@@ -116,3 +116,12 @@ def mlp_12_16_3(layers: int) -> torch.nn.Module:
         mods += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
     mods.append(torch.nn.Linear(16, 3))
     return torch.nn.Sequential(*mods)
+
+
+def mlp_12_16_3_step(model: torch.nn.Module, opt: torch.optim.Optimizer, t: int) -> None:
+    """One step of ``mlp_12_16_3`` on the seeded batch ``t`` (8 points, MSE)."""
+    gen = torch.Generator().manual_seed(t)
+    x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()

@@ -33,7 +33,7 @@ from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.refreshes import Refreshes
 from asteria.runtime.testing import pretend_arch, slow_pool
 from asteria.runtime.window_bases import WindowBases
-from tests.problems import mlp_12_16_3
+from tests.problems import mlp_12_16_3, mlp_12_16_3_step
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SETTINGS = settings(
@@ -64,14 +64,6 @@ def _counting(owner: object, name: str, calls: list[int]):
 
 def _opt(name: str, model: torch.nn.Module):
     return OPTIMIZERS[name](model.parameters(), precondition_frequency=3, max_preconditioner_dim=8)
-
-
-def _step(model, opt, t: int) -> None:
-    gen = torch.Generator().manual_seed(t)
-    x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
-    opt.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
 
 
 @SETTINGS
@@ -117,7 +109,7 @@ def test_finished_refreshes_are_installed_by_the_first_signal_in_one_batch(name,
     config = RuntimeConfig(staleness=staleness, workers=1, statistics_lane=False)
     with Runtime(model, opt, config) as rt:
         for t in range(4):
-            _step(model, opt, t)
+            mlp_12_16_3_step(model, opt, t)
         for v in rt.blocks().values():  # every refresh in flight has finished
             if v.pending is not None:
                 for f in v.pending.futures:
@@ -141,7 +133,7 @@ def test_the_in_flight_index_is_the_entries_with_a_refresh_in_flight(name, layer
     slow = slow_pool(0.02) if delay else contextlib.nullcontext()
     with slow, Runtime(model, opt, RuntimeConfig(staleness=2, workers=1)) as rt:
         for t in range(7):
-            _step(model, opt, t)
+            mlp_12_16_3_step(model, opt, t)
             expected = {k for k, e in rt.registry.entries.items() if e.pending is not None}
             assert set(rt.registry.in_flight) == expected
             assert rt.registry.pending_count() == len(expected)
@@ -161,7 +153,7 @@ def test_step_ends_stop_visiting_every_block_once_none_can_be_made(name, layers)
         assert isinstance(rt._bases, WindowBases)
         with _counting(rt._bases, "_host_bases_many", visits):
             for t in range(3):
-                _step(model, opt, t)
+                mlp_12_16_3_step(model, opt, t)
             visits[0] = 0
             rt._bases.step_end()
             assert visits[0] == 0  # the step end no longer looks at the blocks
@@ -178,7 +170,7 @@ def test_bases_many_hands_out_each_blocks_own_bases_in_one_fill(name, layers, wi
     arch = pretend_arch(Arch(cuda=True)) if window else contextlib.nullcontext()
     with arch, Runtime(model, opt, RuntimeConfig(staleness=0, workers=1)) as rt:
         for t in range(4):
-            _step(model, opt, t)
+            mlp_12_16_3_step(model, opt, t)
         rt.sync()  # the installs queued on the statistics lane have run
         items = [(k, b) for k, _, b, _ in opt.blocks()]
         keys, blocks = [k for k, _ in items], [b for _, b in items]
@@ -297,7 +289,7 @@ def test_the_window_is_read_per_shape_group_not_per_block(name, staleness):
             with _counting(window, "use", uses):
                 for t in range(12):
                     before, installed = uses[0], installs[0]
-                    _step(model, opt, t)
+                    mlp_12_16_3_step(model, opt, t)
                     rows.append((uses[0] - before, installs[0] - installed))
             blocks = len(rt.registry.entries)
         quiet = {used for used, installed in rows[3:] if installed == 0}
@@ -324,7 +316,7 @@ def test_every_kind_of_refresh_future_has_the_one_protocol():
     seen = 0
     with slow_pool(0.05), Runtime(model, opt, RuntimeConfig(staleness=3, workers=1)) as rt:
         for t in range(8):
-            _step(model, opt, t)
+            mlp_12_16_3_step(model, opt, t)
             for e in rt.registry.in_flight.values():
                 for f in e.pending.futures:
                     assert f is None or isinstance(f, RefreshFuture)
@@ -352,7 +344,7 @@ def test_refresh_urgent_is_asked_once_per_block_and_interval(frequency, stalenes
 
         boundaries._urgent = spy
         for t in range(3 * frequency + 2):
-            _step(model, opt, t)
+            mlp_12_16_3_step(model, opt, t)
             for key, _, block, group in opt.blocks():
                 due_at, _, _, urgent = boundaries._urgency[key]
                 assert urgent == opt.refresh_urgent(block, due_at, group)

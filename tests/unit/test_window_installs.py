@@ -39,7 +39,7 @@ from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.refreshes import Refreshes
 from asteria.runtime.testing import pretend_arch
 from asteria.runtime.window_bases import WindowBases
-from tests.problems import mlp_12_16_3
+from tests.problems import mlp_12_16_3, mlp_12_16_3_step
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 SETTINGS = settings(
@@ -218,14 +218,6 @@ def test_a_spare_read_is_its_sources_and_leaves_the_ring_as_it_was(layouts):
 # ---- the runtime's installs ---------------------------------------------------------------------
 
 
-def _step(model, opt, t: int) -> None:
-    gen = torch.Generator().manual_seed(t)
-    x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
-    opt.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-
-
 def _train(name: str, layers: int, freq: int, config: RuntimeConfig, window: bool, steps: int):
     """Train with the bases behind the window (or where the CPU keeps them); per step, the
     copies to host memory and the installs counted."""
@@ -257,7 +249,7 @@ def _train(name: str, layers: int, freq: int, config: RuntimeConfig, window: boo
                 copies.to_host = counted_to_host
             for t in range(steps):
                 counts["to_host"] = counts["installs"] = 0
-                _step(model, opt, t)
+                mlp_12_16_3_step(model, opt, t)
                 per_step.append(dict(counts))
                 if window:  # between steps every basis is in host memory
                     for _, _, block, _ in opt.blocks():
