@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "BATCH_ELEMENTS",
+    "bases_bytes",
     "bases_of",
     "block_key",
     "batched_gram",
@@ -189,6 +190,12 @@ def _first(part: tuple) -> Any:
 # together in one. A group larger than a piece (its elements over ``BATCH_ELEMENTS`` or its
 # bases over the room) is cut into runs, each opened where its next item would overflow the
 # last, and smaller groups fill its last run.
+
+
+def bases_bytes(item: Any) -> int:
+    """Bytes of the bases of a step's block ``item`` (its ``block["bases"]``, None entries
+    apart): what a piece's ``bases_many`` call hands out for it (``group_pieces``'s ``nbytes``)."""
+    return sum(q.nbytes for q in item.block["bases"] if q is not None)
 
 
 def bases_of(refresher: Any, keys: list, blocks: list[dict]) -> list[list]:

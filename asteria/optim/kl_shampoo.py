@@ -61,6 +61,7 @@ from asteria.optim.base import (
     state_dtype,
 )
 from asteria.optim.batched import (
+    bases_bytes,
     bases_of,
     bases_room,
     block_key,
@@ -239,7 +240,7 @@ class KLShampoo(KroneckerOptimizer):
         beta, clamp = shampoo_beta(group), group["max_clamp_value"]
         first_moments(work, beta1)  # (reads no bases: one op for every piece)
         grouped = [[work[i] for i in idx] for idx in shape_groups(work, _piece_key)]
-        for piece in group_pieces(grouped, _elements, _bases_bytes, bases_room(refresher)):
+        for piece in group_pieces(grouped, _elements, bases_bytes, bases_room(refresher)):
             bases = bases_of(refresher, [k.key for k in piece], [k.block for k in piece])
             piece = [k._replace(bases=list(q)) for k, q in zip(piece, bases)]
             self._run_split(_update_blocks, piece, _update_flops, lr, eps)
@@ -414,10 +415,6 @@ def _piece_key(k: _KLBlock) -> tuple:
 
 def _elements(k: _KLBlock) -> int:
     return k.numel
-
-
-def _bases_bytes(k: _KLBlock) -> int:
-    return sum(q.nbytes for q in k.block["bases"])
 
 
 def _update_flops(k: _KLBlock) -> float:

@@ -48,6 +48,7 @@ from asteria.optim.base import (
 )
 from asteria.optim.batched import (
     SMALL_BMM,
+    bases_bytes,
     bases_of,
     bases_room,
     batched_gram,
@@ -246,7 +247,7 @@ class SOAP(KroneckerOptimizer):
         # Note [Batched steps] in batched.py: blocks of one shape together, in pieces whose
         # bases the refresher hands out at once
         grouped = [[work_fused[i] for i in idx] for idx in shape_groups(work_fused, _shape_key)]
-        for piece in group_pieces(grouped, _elements, _bases_bytes, bases_room(refresher)):
+        for piece in group_pieces(grouped, _elements, bases_bytes, bases_room(refresher)):
             qs = bases_of(refresher, [c.key for c in piece], [c.block for c in piece])
             self._run_split(_update_batched, list(zip(piece, qs)), _chunk_flops, group)
         if group["weight_decay"] > 0.0:
@@ -441,10 +442,6 @@ def _shape_key(c: _BlockStep) -> tuple:
 
 def _elements(c: _BlockStep) -> int:
     return c.grad.numel()
-
-
-def _bases_bytes(c: _BlockStep) -> int:
-    return sum(q.nbytes for q in c.block["bases"] if q is not None)
 
 
 def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, beta: float) -> None:
