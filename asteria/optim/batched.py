@@ -27,6 +27,7 @@ __all__ = [
     "group_pieces",
     "batched_mode_products",
     "pieces",
+    "read_batches",
     "shape_groups",
     "stack",
 ]
@@ -169,6 +170,31 @@ def group_pieces(
             piece[1] += b
             piece[2][0][1].append(item)
     return [[x for _, part in sorted(piece[2], key=_first) for x in part] for piece in bins]
+
+
+def read_batches(
+    groups: Sequence[Sequence[T]],
+    elements: Callable[[T], int],
+    nbytes: Callable[[T], int],
+    room: int | None,
+    limit: int = BATCH_ELEMENTS,
+) -> list[list[list[T]]]:
+    """The items of ``groups`` in batches, each a list of reads: a batch is a piece of
+    ``group_pieces`` with no limit on bytes (what native mode steps at once), cut into pieces
+    of at most ``room`` bytes of bases (its reads: one where the room holds the batch). A batch
+    runs its elementwise ops once over all its reads (Note [Two passes over the pieces] in
+    soap_step.py); a step in one read per batch is ``group_pieces``'s."""
+    batches = group_pieces(groups, elements, nbytes, None, limit)
+    if room is None:
+        return [[batch] for batch in batches]
+    index = {id(item): g for g, group in enumerate(groups) for item in group}
+    out = []
+    for batch in batches:
+        parts: dict[int, list[T]] = {}
+        for item in batch:
+            parts.setdefault(index[id(item)], []).append(item)
+        out.append(group_pieces(list(parts.values()), elements, nbytes, room, limit))
+    return out
 
 
 def _first(part: tuple) -> Any:

@@ -23,7 +23,7 @@ from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
     block_key,
-    group_pieces,
+    read_batches,
     shape_groups,
     stack,
     tensor_key,
@@ -172,16 +172,27 @@ def _precondition(
         work.extend(_Block((u.pid, bi), b, mb, gb, w) for bi, (b, mb, gb, w) in enumerate(views))
     torch._foreach_mul_([u.p for u in updates], 1 - lr * wd)
     grouped = [[work[i] for i in idx] for idx in shape_groups(work, _roots_key)]
+    graft = group["grafting"] != "none"
     room = bases_room(opt._refresher)
-    for piece in group_pieces(grouped, lambda w: w.m_hat.numel(), _roots_bytes, room):
-        roots = bases_of(opt._refresher, [w.key for w in piece], [w.block for w in piece])
-        direction = _directions(piece, roots, group["grafting"] != "none")
-        torch._foreach_add_([w.weight for w in piece], direction, alpha=-lr)
+    for reads in read_batches(grouped, lambda w: w.m_hat.numel(), _roots_bytes, room):
+        if len(reads) > 1 and updates[0].state["step"] % 2:
+            reads = reads[::-1]  # Note [Reads in turns]
+        batch: list[_Block] = []
+        products: list[torch.Tensor] = []
+        rooted: list[int] = []
+        for read in reads:
+            roots = bases_of(opt._refresher, [w.key for w in read], [w.block for w in read])
+            out, idx = _products(read, roots)
+            rooted += [len(batch) + i for i in idx]
+            batch += read
+            products += out
+        direction = _grafted(batch, products, rooted, graft)
+        torch._foreach_add_([w.weight for w in batch], direction, alpha=-lr)
 
 
-def _directions(piece: list[_Block], roots: list[list], graft: bool) -> list[torch.Tensor]:
-    """Per block: the roots applied to its ``m_hat`` (stacked per shape group), grafted to the
-    norm of its grafting direction; a block without roots takes the grafting direction."""
+def _products(piece: list[_Block], roots: list[list]) -> tuple[list[torch.Tensor], list[int]]:
+    """Per block: the roots applied to its ``m_hat`` (stacked per shape group), or its grafting
+    direction where it has no roots yet; and the indices of the blocks with roots."""
     out: list[torch.Tensor] = [w.graft for w in piece]
     rooted = [i for i, rs in enumerate(roots) if not all(r is None for r in rs)]
     key = lambda i: (block_key(piece[i].m_hat), *map(tensor_key, roots[i]))  # noqa: E731
@@ -196,10 +207,19 @@ def _directions(piece: list[_Block], roots: list[list], graft: bool) -> list[tor
         y = batched_mode_products(stack([piece[i].m_hat for i in members]), mats, False)
         for j, i in enumerate(members):
             out[i] = y[j]
+    return out, rooted
+
+
+def _grafted(
+    piece: list[_Block], out: list[torch.Tensor], rooted: list[int], graft: bool
+) -> list[torch.Tensor]:
+    """``out`` with the blocks of ``rooted`` grafted to the norm of their grafting direction
+    (each op over all of them at once)."""
     if graft and rooted:
         pre = [out[i] for i in rooted]
         norms = torch._foreach_add(torch._foreach_norm(pre), GRAFTING_NORM_EPSILON)
         ratios = torch._foreach_div(torch._foreach_norm([piece[i].graft for i in rooted]), norms)
+        out = list(out)
         for i, grafted in zip(rooted, torch._foreach_mul(pre, ratios)):
             out[i] = grafted
     return out
@@ -211,3 +231,16 @@ def _roots_key(w: _Block) -> tuple:
 
 def _roots_bytes(w: _Block) -> int:
     return sum(f.nbytes for f in w.block["factors"])
+
+
+# Note [Reads in turns]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Behind a device window that cannot hold every shape group of a step, the roots are read a
+# piece at a time, and the step applies each piece's roots while they are valid; the grafting
+# and the weights' update need no roots, so they run once over the whole batch (``_grafted``),
+# as native mode's. A window of ``k`` slots, least recently used first, that the pieces read
+# in the same order at every step would refill every slot at every step (the first piece was
+# evicted last). So the pieces are read in turns, forwards on even steps and backwards on odd
+# ones: each step starts with the pieces the last one ended with, which the ring still holds,
+# and fills ``n - k`` slots of its ``n`` pieces. The blocks are independent, so the order does
+# not change their bits (tests/unit/test_two_passes.py).

@@ -25,11 +25,11 @@ Must not: know about runtimes, pools or memory tiers.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from asteria._C import soap_accumulate, soap_update_blocks
+from asteria._C import soap_accumulate
 from asteria.optim import matrix_functions as mf
 from asteria.optim.base import (
     BlockEnd,
@@ -54,13 +54,20 @@ from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
     block_key,
-    group_pieces,
+    read_batches,
     shape_groups,
     stack,
     tensor_key,
 )
 from asteria.optim.blocking import ParamLayout, make_layout
 from asteria.optim.kron import gram, mode_products
+from asteria.optim.soap_step import (
+    _BlockStep,
+    _chunk_flops,
+    _update_batched,
+    _update_normalized,
+    update_in_passes,
+)
 
 __all__ = ["SOAP"]
 
@@ -244,10 +251,15 @@ class SOAP(KroneckerOptimizer):
         else:
             work_fused = work
         refresher = self._refresher
-        # Note [Batched steps] in batched.py: blocks of one shape together, in pieces whose
-        # bases the refresher hands out at once
+        # Note [Batched steps] in batched.py: blocks of one shape together, in batches whose
+        # bases the refresher hands out at once, or in pieces that it does (Note [Two passes
+        # over the pieces] in soap_step.py)
         grouped = [[work_fused[i] for i in idx] for idx in shape_groups(work_fused, _shape_key)]
-        for piece in group_pieces(grouped, _elements, bases_bytes, bases_room(refresher)):
+        for reads in read_batches(grouped, _elements, bases_bytes, bases_room(refresher)):
+            if len(reads) > 1:
+                update_in_passes(refresher, reads, group)
+                continue
+            piece = reads[0]
             qs = bases_of(refresher, [c.key for c in piece], [c.block for c in piece])
             self._run_split(_update_batched, list(zip(piece, qs)), _chunk_flops, group)
         if group["weight_decay"] > 0.0:
@@ -449,144 +461,3 @@ def _accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, bet
     for i, f in enumerate(factors):
         if f is not None:
             f.lerp_(gram(g, i), 1 - beta)
-
-
-class _BlockStep(NamedTuple):
-    """One block's part of a step: its state dict, gradient and weight views, step size, step."""
-
-    key: BlockKey
-    block: dict[str, Any]
-    grad: torch.Tensor
-    weight: torch.Tensor
-    step_size: float
-    step: int
-
-
-Chunk = list[tuple[_BlockStep, list]]  # blocks with their bases
-
-
-def _native_block(c: _BlockStep, bases: list) -> bool:
-    """Whether ``asteria._C.soap_update_blocks`` takes the block: 2-D, or without bases."""
-    return c.grad.dim() == 2 or all(q is None for q in bases)
-
-
-def _update_native(blocks: Chunk, group: dict[str, Any]) -> None:
-    """Steps 3-4 for 2-D and basis-free blocks, each block's ops issued from C++ (Note [SOAP
-    step in C++] in csrc/core/soap_step.cpp: the ops of ``_rotate`` for a group of one)."""
-    beta1, beta2 = group["betas"]
-    soap_update_blocks(
-        [c.grad for c, _ in blocks],
-        [q[0] if len(q) == 2 else None for _, q in blocks],
-        [q[1] if len(q) == 2 else None for _, q in blocks],
-        [c.block["exp_avg"] for c, _ in blocks],
-        [c.block["exp_avg_sq"] for c, _ in blocks],
-        [c.weight for c, _ in blocks],
-        [c.step_size for c, _ in blocks],
-        beta1,
-        beta2,
-        group["eps"],
-        group["normalize_grads"],
-    )
-
-
-def _chunk_flops(item: tuple[_BlockStep, list]) -> int:
-    """About the flops of a block's update: two products per basis (into it and back), and
-    some ten elementwise ops."""
-    g, bases = item[0].grad, item[1]
-    return 10 * g.numel() + sum(4 * g.numel() * q.shape[0] for q in bases if q is not None)
-
-
-def _update_batched(blocks: Chunk, group: dict[str, Any]) -> None:
-    """Steps 3-4 for any blocks: the products with the bases once per shape group
-    (``_rotate``), each elementwise op over all blocks at once (Notes [Batched steps] in
-    batched.py, [Fused elementwise steps])."""
-    if len(blocks) == 1 and _native_block(*blocks[0]):
-        _update_native(blocks, group)  # a piece of one block (a refresher's bases_room)
-        return
-    beta1, beta2 = group["betas"]
-    g_rot = _rotate(blocks, [c.grad for c, _ in blocks], transpose=True)
-    exp_avg = [c.block["exp_avg"] for c, _ in blocks]
-    exp_avg_sq = [c.block["exp_avg_sq"] for c, _ in blocks]
-    torch._foreach_mul_(exp_avg, beta1)
-    torch._foreach_add_(exp_avg, g_rot, alpha=1 - beta1)
-    torch._foreach_mul_(exp_avg_sq, beta2)
-    torch._foreach_add_(exp_avg_sq, torch._foreach_pow(g_rot, 2), alpha=1 - beta2)
-    del g_rot
-    denom = torch._foreach_sqrt(exp_avg_sq)
-    torch._foreach_add_(denom, group["eps"])
-    ratio = torch._foreach_div(exp_avg, denom)
-    del denom
-    updates = _rotate(blocks, ratio, transpose=False, normalize=group["normalize_grads"])
-    del ratio
-    for idx in shape_groups(blocks, lambda item: item[0].step_size):
-        step_size = blocks[idx[0]][0].step_size
-        weights = [blocks[i][0].weight for i in idx]
-        torch._foreach_add_(weights, [updates[i] for i in idx], alpha=-step_size)
-
-
-def _rotate(
-    blocks: Chunk, xs: list[torch.Tensor], transpose: bool, normalize: bool = False
-) -> list[torch.Tensor]:
-    """``mode_products(x, bases, transpose)`` of every block, stacked per shape group (a group
-    of one: the per-block products); with ``normalize``, each result divided by ``1e-30 +``
-    its RMS (the authors' ``normalize_grads``)."""
-    out = list(xs)
-    for idx in shape_groups(
-        blocks, lambda item: (block_key(item[0].grad), *map(tensor_key, item[1]))
-    ):
-        qs = blocks[idx[0]][1]
-        if len(idx) == 1:
-            i = idx[0]
-            y = mode_products(xs[i], qs, transpose)
-            out[i] = y / (1e-30 + torch.mean(y**2) ** 0.5) if normalize else y
-            continue
-        if all(q is None for q in qs) and not normalize:
-            continue
-        mats = [
-            None if q is None else stack([blocks[i][1][d] for i in idx]) for d, q in enumerate(qs)
-        ]
-        y = batched_mode_products(stack([xs[i] for i in idx]), mats, transpose)
-        if normalize:
-            dims = tuple(range(1, y.dim()))
-            y = y / (1e-30 + torch.mean(y**2, dim=dims, keepdim=True) ** 0.5)
-        for j, i in enumerate(idx):
-            out[i] = y[j]
-    return out
-
-
-def _update_normalized(refresher, blocks: list[_BlockStep], group: dict[str, Any]) -> None:
-    """Steps 3-4 for parameters split into blocks, with ``normalize_grads``: each block's
-    update as ``_update_fused`` computes it, then every block of a parameter divided by
-    ``1e-30 + RMS`` of the parameter's whole update (the authors normalize per parameter)."""
-    beta1, beta2 = group["betas"]
-    by_param: dict[int, list[tuple[_BlockStep, torch.Tensor]]] = {}
-    for c in blocks:
-        q = refresher.bases(c.key, c.block)
-        g_rot = mode_products(c.grad, q, transpose=True)
-        c.block["exp_avg"].mul_(beta1).add_(g_rot, alpha=1 - beta1)
-        c.block["exp_avg_sq"].mul_(beta2).add_(g_rot.pow(2), alpha=1 - beta2)
-        ratio = c.block["exp_avg"] / c.block["exp_avg_sq"].sqrt().add_(group["eps"])
-        by_param.setdefault(c.key[0], []).append((c, mode_products(ratio, q, transpose=False)))
-    for parts in by_param.values():
-        numel = sum(u.numel() for _, u in parts)
-        rms = (torch.stack([u.square().sum() for _, u in parts]).sum() / numel) ** 0.5
-        for c, u in parts:
-            c.weight.add_(u / (1e-30 + rms), alpha=-c.step_size)
-
-
-# Note [Fused elementwise steps]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# SOAP's step is some twenty small ops per block, and on small blocks their dispatch costs more
-# than their arithmetic. So the step runs over pieces of blocks, not one block at a time
-# (``_update_batched``): the products with the bases once per shape group (stacked, ``bmm``:
-# Note [Batched steps] in batched.py), each elementwise op over every block of the piece in one
-# ``torch._foreach_*`` call (on CUDA a few multi-tensor kernel launches per op instead of one
-# per block), and the factor statistics one ``bmm`` per shape group and factored dim
-# (``_group_statistics``). The arithmetic per block is unchanged: on the CPU parameters and
-# state are bitwise those of the per-block ops of the authors' formulation
-# (tests/unit/test_fused_steps.py). A piece is cut at ``batched.BATCH_ELEMENTS`` gradient
-# elements (the stacks and foreach lists hold a few temporaries of its size) and at the
-# refresher's ``bases_room``; a piece of one 2-D or basis-free block (a device window's one
-# block at a time) is one C++ call (``_update_native``: Note [SOAP step in C++] in
-# csrc/core/soap_step.cpp). On the ``tiny`` LM's 47 blocks an ordinary step went from 715 ATen
-# ops to 74 (bench/optim_step.py --count; docs/benchmarks.md).

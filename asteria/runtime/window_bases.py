@@ -99,6 +99,10 @@ class WindowBases(BasesAccess):
         self._gone.atexit = False  # the cache outlives the process's CUDA runtime (the Note)
         self._seen: list[BlockKey] = []  # blocks in the order this step read their bases
         self._next: dict[Any, Any] = {}  # the block (or group) read after each, last step
+        # the last two steps' reads in order, each with the next other read after each, and
+        # whether this step's reads so far are theirs (Note [Prefetch by position])
+        self._orders: list[tuple[list, list]] = []
+        self._alike = [True, True]
         self._group_blocks: dict[tuple, list[dict]] = {}  # the blocks of each group read
         self._unhosted_may_exist = True  # Note [Bases made by a step]
         self._unhosted: list[dict] = []  # blocks installed since the last copy to host memory
@@ -216,8 +220,12 @@ class WindowBases(BasesAccess):
         seen = self._seen
         self._learn_runs(seen)
         if seen:
-            self._next = {k: seen[(i + 1) % len(seen)] for i, k in enumerate(seen)}
+            before = self._orders[0][0] if self._orders else []
+            after = _next_others(seen)
+            self._orders = [(seen, after), (before, _next_others(before + seen)[: len(before)])]
+            self._next = dict(zip(seen, after))
             self._seen = []
+            self._alike = [True, True]
             groups = self._group_blocks  # only the groups read this step stay prefetchable
             self._group_blocks = {k: groups[k] for k in self._next if k in groups}
 
@@ -311,8 +319,8 @@ class WindowBases(BasesAccess):
             return list(srcs)  # nothing to read yet (Shampoo before its first roots, 1-D SOAP)
         upcoming = None
         if prefetch:
+            nxt = self._read_after(len(self._seen), key)  # Note [Prefetch by position]
             self._seen.append(key)
-            nxt = self._next.get(key)
             nsrcs = None if nxt is None else self._srcs_or_none(nxt)
             if nsrcs is not None and (
                 not self._unhosted_may_exist or all(q is None or is_host_tensor(q) for q in nsrcs)
@@ -323,6 +331,17 @@ class WindowBases(BasesAccess):
             if need > self.window.slot_bytes:
                 self._fit(key, need, self.window)
         return self.window.use(key, srcs, upcoming, together)
+
+    def _read_after(self, at: int, key: Any) -> Any:
+        """The read expected after this step's read number ``at``, of ``key``: from the last
+        step whose reads this step's have been so far, else the read after ``key``'s last read
+        last step (None: none)."""
+        found = None
+        for i, (order, after) in enumerate(self._orders):
+            self._alike[i] = self._alike[i] and at < len(order) and order[at] == key
+            if self._alike[i] and found is None:
+                found = after[at]
+        return self._next.get(key) if found is None else found
 
     def _srcs_or_none(self, key: Any) -> list[Any] | None:
         """The bases of block ``key``, or of the group ``key`` (all its blocks' in order)."""
@@ -367,3 +386,33 @@ class WindowBases(BasesAccess):
         state = self.optimizer.state.get(params[key[0]]) if key[0] < len(params) else None
         blocks = None if state is None else state.get("blocks")
         return None if blocks is None or key[1] >= len(blocks) else blocks[key[1]]
+
+
+def _next_others(order: list[Any]) -> list[Any]:
+    """Per read of ``order`` (a step's reads, cyclic: the next step reads them again), the next
+    read of another block or group; the read itself where every read is of it."""
+    n = len(order)
+    out = []
+    for i, key in enumerate(order):
+        j = i + 1
+        while j < i + n and order[j % n] == key:
+            j += 1
+        out.append(order[j % n])
+    return out
+
+
+# Note [Prefetch by position]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A read prefetches what comes after it in the order the blocks were read at an earlier step.
+# A step that reads a piece twice (SOAP over more pieces than the ring has slots: Note [Two
+# passes over the pieces] in asteria/optim/soap_step.py, reads P0 P1 P2 P2 P1 P0) follows a
+# piece by different pieces at its two reads, and by itself where a pass turns, so "the read
+# after" is looked up by the read's position, and skips reads of the same piece: at P1 of the
+# first pass, P2 (into the slot of P0, the least recently used); at P2, P1, which the ring
+# holds, so nothing; at P1 of the second pass, P0. A step that reads its pieces in turns
+# (Shampoo: Note [Reads in turns] in asteria/optim/shampoo_step.py, P0 P1 P2 then P2 P1 P0)
+# reads as the step before the last, and what comes after its last read is the next step's
+# second: so the window keeps the last two steps' orders, the older one's "after" taken over
+# both, and follows the first whose reads this step's have been so far; a step unlike both
+# falls back to the read after the block's last read last step. On OLMo-150m's widths a quiet
+# SOAP step then fills two slots and a Shampoo step one, each prefetched.
