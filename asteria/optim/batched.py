@@ -139,10 +139,49 @@ def group_pieces(
     a group that fits a piece lies in one, a larger one is cut into runs as ``pieces`` cuts
     items. Groups are placed first fit, largest first; a piece lists its groups, and each group
     its items, in the order given (Note [Pieces by shape group])."""
-    sized = []
+    return [_items(piece) for piece in _pack(_sized(groups, elements, nbytes), room, limit)]
+
+
+def read_batches(
+    groups: Sequence[Sequence[T]],
+    elements: Callable[[T], int],
+    nbytes: Callable[[T], int],
+    room: int | None,
+    limit: int = BATCH_ELEMENTS,
+) -> list[list[list[T]]]:
+    """The items of ``groups`` in batches, each a list of reads: a batch is a piece of
+    ``group_pieces`` with no limit on bytes (what native mode steps at once), cut into pieces
+    of at most ``room`` bytes of bases (its reads: one where the room holds the batch). A batch
+    runs its elementwise ops once over all its reads (Note [Two passes over the pieces] in
+    soap_step.py); a step in one read per batch is ``group_pieces``'s. Each item is sized once."""
+    sized = _sized(groups, elements, nbytes)
+    batches = _pack(sized, None, limit)
+    if room is None:
+        return [[_items(batch)] for batch in batches]
+    out = []
+    for batch in batches:
+        parts = [
+            sized[g] if len(items) == len(sized[g][0]) else _sized([items], elements, nbytes)[0]
+            for g, items in batch
+        ]  # (a group cut across batches, over ``limit`` elements: its runs sized again)
+        out.append([_items(piece) for piece in _pack(parts, room, limit)])
+    return out
+
+
+Sized = tuple[Sequence[Any], list[int], list[int], int, int]  # items, their sizes, the sums
+
+
+def _sized(groups: Sequence[Sequence[T]], elements: Callable, nbytes: Callable) -> list[Sized]:
+    out = []
     for group in filter(None, groups):  # (an empty group has nothing to place)
         ns, bs = list(map(elements, group)), list(map(nbytes, group))
-        sized.append((group, ns, bs, sum(ns), sum(bs)))
+        out.append((group, ns, bs, sum(ns), sum(bs)))
+    return out
+
+
+def _pack(sized: list[Sized], room: int | None, limit: int) -> list[list[tuple[int, list]]]:
+    """``group_pieces`` of groups sized by ``_sized``: per piece, its ``(group index, items)``
+    in the order of the groups."""
     if room is None:
         shares = [n / max(limit, 1) for _, _, _, n, _ in sized]
     else:
@@ -169,32 +208,11 @@ def group_pieces(
             piece[0] += n
             piece[1] += b
             piece[2][0][1].append(item)
-    return [[x for _, part in sorted(piece[2], key=_first) for x in part] for piece in bins]
+    return [sorted(piece[2], key=_first) for piece in bins]
 
 
-def read_batches(
-    groups: Sequence[Sequence[T]],
-    elements: Callable[[T], int],
-    nbytes: Callable[[T], int],
-    room: int | None,
-    limit: int = BATCH_ELEMENTS,
-) -> list[list[list[T]]]:
-    """The items of ``groups`` in batches, each a list of reads: a batch is a piece of
-    ``group_pieces`` with no limit on bytes (what native mode steps at once), cut into pieces
-    of at most ``room`` bytes of bases (its reads: one where the room holds the batch). A batch
-    runs its elementwise ops once over all its reads (Note [Two passes over the pieces] in
-    soap_step.py); a step in one read per batch is ``group_pieces``'s."""
-    batches = group_pieces(groups, elements, nbytes, None, limit)
-    if room is None:
-        return [[batch] for batch in batches]
-    index = {id(item): g for g, group in enumerate(groups) for item in group}
-    out = []
-    for batch in batches:
-        parts: dict[int, list[T]] = {}
-        for item in batch:
-            parts.setdefault(index[id(item)], []).append(item)
-        out.append(group_pieces(list(parts.values()), elements, nbytes, room, limit))
-    return out
+def _items(piece: list[tuple[int, list]]) -> list:
+    return [x for _, part in piece for x in part]
 
 
 def _first(part: tuple) -> Any:
