@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -119,18 +119,23 @@ class BasesWindow:
         srcs: Tensors,
         upcoming: tuple[Hashable, Tensors] | None = None,
         together: bool = False,
+        fit: Callable[[int], None] | None = None,
     ) -> list[torch.Tensor | None]:
         """Device copies of ``srcs`` (the bases of block ``key``), ready for the main stream's
         next kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot. With
         ``together``, the copies handed out since the last ``finish`` stay valid too (their
-        slots are neither refilled nor prefetched into: Note [Reads together])."""
+        slots are neither refilled nor prefetched into: Note [Reads together]). ``fit(need)``
+        is called before a fill of more bytes than a slot has (it resizes the window or
+        raises); without it, such a fill raises."""
         if not together:
             self.finish()
         slot = self._holding(key, srcs)  # a hit fitted when it was filled
         if slot is None:
-            if all(s is None for s in srcs):
+            if srcs.count(None) == len(srcs):
                 return list(srcs)
             need = self.bytes_of(srcs)
+            if need > self._slot_bytes and fit is not None:
+                fit(need)
             if need > self._slot_bytes:
                 raise ValueError(
                     f"the bases of block {key!r} need {need} bytes, the window's slots have "

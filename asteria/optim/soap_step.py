@@ -94,19 +94,21 @@ def update_in_passes(refresher: Any, reads: list[list[_BlockStep]], group: dict[
     """Steps 3-4 for the blocks of ``reads``, pieces whose bases ``refresher`` hands out one
     piece at a time (valid until its next read): the products into the bases piece by piece,
     the elementwise ops once over every block, the products back piece by piece in the reverse
-    order, and the weights' update once (Note [Two passes over the pieces]). Bitwise
-    ``_update_batched`` of each piece."""
+    order (the last piece's bases read once for both), and the weights' update once (Note [Two
+    passes over the pieces]). Bitwise ``_update_batched`` of each piece."""
     steps = [c for piece in reads for c in piece]
     g_rot: list[torch.Tensor] = []
     for piece in reads:
-        g_rot.extend(_rotate(_with_bases(refresher, piece), [c.grad for c in piece], True))
+        chunk = _with_bases(refresher, piece)
+        g_rot.extend(_rotate(chunk, [c.grad for c in piece], True))
     ratio = _moments(steps, g_rot, group)
     del g_rot
     updates: list[torch.Tensor] = [None] * len(steps)  # type: ignore[list-item]
     end = len(steps)
     for piece in reversed(reads):
         at = end - len(piece)
-        chunk = _with_bases(refresher, piece)
+        if piece is not reads[-1]:  # (the last piece's bases are still valid: no read since)
+            chunk = _with_bases(refresher, piece)
         back = _rotate(chunk, ratio[at:end], transpose=False, normalize=group["normalize_grads"])
         updates[at:end] = back
         end = at
@@ -220,8 +222,10 @@ def _update_normalized(refresher, blocks: list[_BlockStep], group: dict[str, Any
 # twice, in two passes, the products into the bases in order, then those back in the reverse
 # order (``update_in_passes``), with every elementwise op once between them over all blocks of
 # the batch, as native mode does. The reverse order is what makes the second read cheap: the
-# last pieces of the first pass are still in the ring, so a step of ``n`` pieces in a ring of
-# ``k`` slots fills ``2 (n - k)`` slots, not ``2 n`` (OLMo-150m: two fills a step; the window
+# last pieces of the first pass are still in the ring (the very last is not read again: no read
+# came since its own, so its bases are still valid; a step of P0 P1 P2 reads P0 P1 P2 P1 P0),
+# so a step of ``n`` pieces in a ring of ``k`` slots fills ``2 (n - k)`` slots, not ``2 n``
+# (OLMo-150m: two fills a step; the window
 # prefetches each while the piece before it runs: Note [Prefetch by position] in
 # asteria/runtime/window_bases.py). The temporaries are those of native's one batch (the
 # rotated gradients, then the ratios: ``read_batches`` keeps a batch to ``BATCH_ELEMENTS``),

@@ -315,7 +315,7 @@ class WindowBases(BasesAccess):
     ) -> list[Any]:
         """``_use`` of the host tensors ``srcs`` of ``key``: a block, or a group of blocks read
         together (a tuple of keys)."""
-        if all(q is None for q in srcs):
+        if srcs.count(None) == len(srcs):
             return list(srcs)  # nothing to read yet (Shampoo before its first roots, 1-D SOAP)
         upcoming = None
         if prefetch:
@@ -326,11 +326,9 @@ class WindowBases(BasesAccess):
                 not self._unhosted_may_exist or all(q is None or is_host_tensor(q) for q in nsrcs)
             ):
                 upcoming = (nxt, nsrcs)
-        if not self.window.holds(key, srcs):
-            need = BasesWindow.bytes_of(srcs)
-            if need > self.window.slot_bytes:
-                self._fit(key, need, self.window)
-        return self.window.use(key, srcs, upcoming, together)
+        return self.window.use(
+            key, srcs, upcoming, together, lambda need: self._fit(key, need, self.window)
+        )
 
     def _read_after(self, at: int, key: Any) -> Any:
         """The read expected after this step's read number ``at``, of ``key``: from the last
@@ -405,11 +403,11 @@ def _next_others(order: list[Any]) -> list[Any]:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A read prefetches what comes after it in the order the blocks were read at an earlier step.
 # A step that reads a piece twice (SOAP over more pieces than the ring has slots: Note [Two
-# passes over the pieces] in asteria/optim/soap_step.py, reads P0 P1 P2 P2 P1 P0) follows a
-# piece by different pieces at its two reads, and by itself where a pass turns, so "the read
-# after" is looked up by the read's position, and skips reads of the same piece: at P1 of the
-# first pass, P2 (into the slot of P0, the least recently used); at P2, P1, which the ring
-# holds, so nothing; at P1 of the second pass, P0. A step that reads its pieces in turns
+# passes over the pieces] in asteria/optim/soap_step.py, reads P0 P1 P2 P1 P0) follows a
+# piece by different pieces at its two reads, so "the read after" is looked up by the read's
+# position, and skips reads of the same piece (the next step's P0 after this one's): at P1 of
+# the first pass, P2 (into the slot of P0, the least recently used); at P2, P1, which the
+# ring holds, so nothing; at P1 of the second pass, P0. A step that reads its pieces in turns
 # (Shampoo: Note [Reads in turns] in asteria/optim/shampoo_step.py, P0 P1 P2 then P2 P1 P0)
 # reads as the step before the last, and what comes after its last read is the next step's
 # second: so the window keeps the last two steps' orders, the older one's "after" taken over

@@ -7,7 +7,7 @@ Invariants, each over a space of settings drawn by hypothesis:
     ``bases_many`` call or step end, with any bases room, SOAP's parameters and state are
     bitwise those of its step in one piece (native): no product reads a piece's bases after
     the next piece took its own, and the elementwise ops run once a batch; a batch read in
-    several pieces reads them in order, then in the reverse order;
+    several pieces reads them in order, then in the reverse order but the last (still valid);
   * through the runtime's window on its CPU stand-in (a pretended discrete GPU), over shapes,
     refresh frequency, staleness (fixed delays: reproducible), slots and a device budget that
     cuts the step into pieces, training is bitwise training with the bases on the device;
@@ -96,11 +96,10 @@ def _poisoned(room_share: float, log: list):
 
 
 def _passes(reads: list[tuple]) -> bool:
-    """Whether a step's reads are pieces in order then the same in reverse (or one read)."""
-    if len(reads) <= 1:
-        return True
-    n = len(reads) // 2
-    return len(reads) == 2 * n and reads[n:] == reads[:n][::-1]
+    """Whether a step's reads are pieces in order then back in the reverse order but the last
+    (P0 P1 P2 P1 P0), or one read."""
+    half = reads[: (len(reads) + 1) // 2]
+    return reads == half + half[-2::-1]
 
 
 @SETTINGS
