@@ -240,7 +240,10 @@ class KLShampoo(KroneckerOptimizer):
         beta, clamp = shampoo_beta(group), group["max_clamp_value"]
         first_moments(work, beta1)  # (reads no bases: one op for every piece)
         grouped = [[work[i] for i in idx] for idx in shape_groups(work, _piece_key)]
-        for piece in group_pieces(grouped, _elements, bases_bytes, bases_room(refresher)):
+        pieces = group_pieces(grouped, _elements, bases_bytes, bases_room(refresher))
+        if len(pieces) > 1 and work[0].update.state["step"] % 2:
+            pieces.reverse()  # Note [Reads in turns] in shampoo_step.py
+        for piece in pieces:
             bases = bases_of(refresher, [k.key for k in piece], [k.block for k in piece])
             piece = [k._replace(bases=list(q)) for k, q in zip(piece, bases)]
             self._run_split(_update_blocks, piece, _update_flops, lr, eps)

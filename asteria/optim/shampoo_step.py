@@ -243,4 +243,6 @@ def _roots_bytes(w: _Block) -> int:
 # evicted last). So the pieces are read in turns, forwards on even steps and backwards on odd
 # ones: each step starts with the pieces the last one ended with, which the ring still holds,
 # and fills ``n - k`` slots of its ``n`` pieces. The blocks are independent, so the order does
-# not change their bits (tests/unit/test_two_passes.py).
+# not change their bits (tests/unit/test_two_passes.py). KL-Shampoo's step, whose pieces each
+# complete their products and statistics (Note [KL steps in pieces] in kl_shampoo.py), reads
+# them in turns too.

@@ -1,6 +1,6 @@
 """SOAP's step in two passes over the pieces the window hands out (Note [Two passes over the
-pieces] in asteria/optim/soap_step.py) and the window's prefetch by position (Note [Prefetch by
-position] in asteria/runtime/window_bases.py).
+pieces] in asteria/optim/soap_step.py), Shampoo's and KL-Shampoo's pieces read in turns, and the
+window's prefetch by position (Note [Prefetch by position] in asteria/runtime/window_bases.py).
 
 Invariants, each over a space of settings drawn by hypothesis:
   * under a refresher whose handed-out bases are poisoned (NaN) at its next ``bases`` /
@@ -12,8 +12,9 @@ Invariants, each over a space of settings drawn by hypothesis:
     refresh frequency, staleness (fixed delays: reproducible), slots and a device budget that
     cuts the step into pieces, training is bitwise training with the bases on the device;
   * a quiet step through a window of ``k`` slots that reads ``n > k`` pieces fills ``2 (n -
-    k)`` slots and dispatches native's ATen ops plus those fills, at 1, 2 and 4 times the
-    layers.
+    k)`` slots (SOAP) or ``n - k`` (Shampoo and KL-Shampoo, their pieces read in turns: Note
+    [Reads in turns] in asteria/optim/shampoo_step.py), and dispatches native's ATen ops plus
+    those fills, at 1, 2 and 4 times the layers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 
 from asteria.memory.accounting import estimate_blocks
 from asteria.memory.tiers import Arch
-from asteria.optim import SOAP, Shampoo
+from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.optim.refresher import NativeRefresher
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
@@ -206,7 +207,7 @@ def _quiet_step(cls, layers: int, window: bool) -> tuple[int, int]:
     computed at step 3) on ``layers`` times three weights of as many shape groups, whose bases
     a ring of two slots of the largest cannot hold."""
     torch.manual_seed(0)
-    if cls is SOAP:  # bases of 2,560, 4,608 and 2,368 bytes a block
+    if cls is not Shampoo:  # bases of 2,560, 4,608 and 2,368 bytes a block
         dims, freq = [(24, 8), (24, 24), (4, 24)], 100
     else:  # one root over each flattened weight: 160^2, 192^2 and 240^2 floats
         dims, freq = [(20, 8), (24, 8), (24, 10)], 3
@@ -224,7 +225,7 @@ def _quiet_step(cls, layers: int, window: bool) -> tuple[int, int]:
             workers=1, staleness=0, placement=placement, statistics_lane=False, refresh="interval"
         )
         with Runtime(model, opt, rc) as rt:  # (no lane: its ops are another thread's)
-            for _ in range(4 if cls is SOAP else 7):
+            for _ in range(7 if cls is Shampoo else 4):
                 opt.zero_grad()
                 loss().backward()
                 opt.step()
@@ -237,9 +238,10 @@ def _quiet_step(cls, layers: int, window: bool) -> tuple[int, int]:
     return counter.ops, after - before
 
 
-@pytest.mark.parametrize("cls", [SOAP, Shampoo])
+@pytest.mark.parametrize("cls", [SOAP, Shampoo, KLShampoo])
 def test_a_quiet_step_over_more_pieces_than_slots_fills_only_their_excess(cls):
-    """SOAP's two passes fill ``2 (n - k)`` slots, Shampoo's reads in turns ``n - k``."""
+    """SOAP's two passes fill ``2 (n - k)`` slots; Shampoo's and KL-Shampoo's reads in turns
+    ``n - k``."""
     for layers in (1, 2, 4):
         native, none = _quiet_step(cls, layers, window=False)
         ops, fills = _quiet_step(cls, layers, window=True)
