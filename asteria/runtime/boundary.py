@@ -49,6 +49,11 @@ class Boundaries:
         self.in_step = False
         # per block: (refresh due, frequency, betas, refresh_urgent's answer): ``_urgent``
         self._urgency: dict[BlockKey, tuple] = {}
+        # Note [Quiet boundaries]: the blocks seen without a basis (no version) since the last
+        # reset, and whether a block with a version and nothing in flight, owed or due has only
+        # its age measured (no schedule of its own that may make it due: interval refresh)
+        self._bare: set[BlockKey] = set()
+        self.quiet_versions = not schedule.continuous and not schedule.staggered
 
     def begin(self) -> None:
         """A step begins (after :meth:`finish_interrupted`)."""
@@ -66,11 +71,23 @@ class Boundaries:
     def run(self, key: BlockKey, block: dict, group: dict, step: int, due: bool) -> None:
         """Note [Staleness contract] (schedule.py): install what is due, then request or
         coalesce; measure the age of the basis this step's update reads."""
+        e = self.registry.entries.get(key)
+        if e is not None and not due and e.pending is None and not e.owed:
+            # Note [Quiet boundaries]: nothing to install, request or decide
+            if e.version is not None:
+                if self.quiet_versions:
+                    self.schedule.record_age(e, step, group["precondition_frequency"])
+                    e.boundary_step = step
+                    return
+            elif key in self._bare:
+                e.boundary_step = step
+                return
         schedule, refreshes = self.schedule, self.refreshes
         freq = group["precondition_frequency"]
         # Note [Boundary work per block]: the sub-decisions that cannot change the outcome
         # at this boundary are skipped, not computed
-        e = self.registry.entries.get(key) or refreshes.entry(key)
+        if e is None:
+            e = refreshes.entry(key)
         replicated = refreshes.coherence is not None and refreshes.replicated(key)
         exact = schedule.fixed or replicated
         # Note [Rank-deficient factors] in schedule.py: as natively, waited for at its step
@@ -92,6 +109,8 @@ class Boundaries:
             has_bases = _has_bases(block, self.bases_field)
             if has_bases:
                 e.version = schedule.initial_version(step, freq)  # a basis made before us
+            else:
+                self._bare.add(key)  # until a refresh installs (Note [Quiet boundaries])
         else:
             has_bases = True  # (what ``waits_for`` reads it for: a first refresh)
         # Note [First roots]
@@ -177,6 +196,7 @@ class Boundaries:
         asteria/optim/state_io.py)."""
         self.in_step, self.error = False, None
         self._urgency.clear()
+        self._bare.clear()
         for e in self.registry.entries.values():
             e.version, e.owed, e.consecutive_failures = None, False, 0
             e.boundary_step = -1
@@ -205,6 +225,23 @@ def _refresh_cost(block: dict) -> float:
 # by the due step, the frequency and the betas). The decisions are the same as asking every
 # time: tests/unit/test_staleness_contract.py and test_rank_deficient_refresh.py; the count,
 # tests/unit/test_host_work.py.
+
+# Note [Quiet boundaries]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Most boundaries of a step decide nothing: the block is not due, has no refresh in flight and
+# owes no request. ``run`` returns for them after measuring the age (issue 37: a call or two per
+# block, not the whole decision's six to ten), in two cases where the full decision is known to
+# do nothing else:
+#   * a block with a version under interval refresh (``quiet_versions``): without a schedule of
+#     its own (continuous, staggered) and with ``due`` False, urgency changes nothing (it only
+#     chooses between the optimizer's ``due`` and the schedule's), no install, no request;
+#   * a block without a version that an earlier boundary found without a basis (``_bare``): it
+#     gets one only through an install, which gives it a version, or a loaded state, which
+#     ``reset`` follows by clearing ``_bare``; the full decision would find no basis again,
+#     measure no age (none without a version) and request nothing (not due, not owed).
+# What the full decision keeps besides (``_urgency``, asked where a boundary decides) is asked
+# again at the block's next boundary that decides. tests/unit/test_host_work.py counts the
+# calls; test_staleness_contract.py and test_properties.py check the decisions are unchanged.
 
 # Note [All-or-nothing steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -51,6 +51,18 @@ whose output holds several tensors signals on the first one that needs a gradien
 registered on an output lives as long as that output's graph, so ``remove()`` cannot take it
 back; after ``close()`` it calls a runtime that ignores it.
 
+Note [Disarmed signals]
+~~~~~~~~~~~~~~~~~~~~~~~
+The runtime needs one forward signal a step (Note [One install batch per step] in runtime.py):
+every later one returned at its flag, after a forward pre-hook, ``torch.compiler.is_compiling``
+and the runtime's weak reference, about six Python calls per module and step on a GPU's host
+(issue 37). So the first signal of a step disarms the hooks (``disarm``: each taken out of its
+module's ``_forward_pre_hooks``, dict operations, no Python call), and the step's end arms them
+again (``arm``): the modules after the first run their forward as without hooks (PyTorch's path
+for a module with none), and a step's signals cost O(1) Python calls. A hook put back goes to
+the end of its module's hooks (after any the user registered since); a signal never changes
+what is computed, so the order does not either. ``remove`` takes them out for good.
+
 Note [Signals under torch.compile]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A signal calls into the runtime (a weak reference, its lock, its pending refreshes), which dynamo
@@ -92,13 +104,36 @@ class ModuleSignals:
     ) -> None:
         tracked = set(tracked)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        #: the forward pre-hooks, as ``disarm``/``arm`` take them out and put them back:
+        #: (the module's ``_forward_pre_hooks``, the hook's id there, the hook)
+        self._forward_hooks: list[tuple[dict, int, Callable]] = []
+        #: whether the forward pre-hooks are in their modules (Note [Disarmed signals])
+        self.armed = True
         for module in model.modules():
             ids = tuple(id(p) for p in module.parameters(recurse=False) if id(p) in tracked)
             if not ids:
                 continue
-            self._handles.append(module.register_forward_pre_hook(self._forward(signal, ids)))
+            hook = self._forward(signal, ids)
+            handle = module.register_forward_pre_hook(hook)
+            self._handles.append(handle)
+            self._forward_hooks.append((module._forward_pre_hooks, handle.id, hook))
             if backward:
                 self._handles.append(module.register_forward_hook(self._arm_backward(signal, ids)))
+
+    def disarm(self) -> None:
+        """Take the forward pre-hooks out of their modules until ``arm``: the modules' forwards
+        run as without hooks (Note [Disarmed signals])."""
+        if self.armed:
+            self.armed = False
+            for hooks, hook_id, _ in self._forward_hooks:
+                hooks.pop(hook_id, None)
+
+    def arm(self) -> None:
+        """Put the forward pre-hooks back (after ``disarm``; nothing once removed)."""
+        if not self.armed and self._handles:
+            self.armed = True
+            for hooks, hook_id, hook in self._forward_hooks:
+                hooks[hook_id] = hook
 
     @staticmethod
     def _forward(signal: Signal, ids: tuple[int, ...]):
@@ -130,6 +165,7 @@ class ModuleSignals:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._forward_hooks.clear()
 
 
 class GradientGuards:

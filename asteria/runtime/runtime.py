@@ -28,7 +28,8 @@ step a scan per module (94 on ``tiny``, each over its blocks: 11-14 ms of a 73 m
 docs/gpu.md). The first signal after a step begins (a flag) installs, in one batch, every
 refresh in flight that has finished and the pacing allows (``Refreshes.install_ready``: the
 in-flight index, Note [In-flight index] in registry.py; its results moved in grouped copies,
-Note [Grouped install copies] in bases.py); every later signal of the step returns at the flag.
+Note [Grouped install copies] in bases.py); that signal disarms the hooks, and the step's end
+arms them again (Note [Disarmed signals] in hooks.py), so the step's later modules signal nothing.
 The first signal comes before the model's first module runs, so every refresh finished by then
 is used in this step's update, as when each module installed its own; one that finishes during
 the forward or backward, which its module's backward signal used to install before the update,
@@ -180,10 +181,12 @@ class Runtime:
             raise RuntimeError(f"{self!r} is closed")
         if self._lane is not None:
             self._lane.check()  # a failed block's error, before this step changes anything
+        interrupted = self._boundaries.in_step  # the last step raised before its end
         with self._lock:
             self._boundaries.finish_interrupted()  # Note [Interrupted steps] in boundary.py
         self._boundaries.begin()
-        self._signals_open = True  # also after a step that raised before its end
+        if interrupted:  # (its end did not open the signals)
+            self._open_signals()
         self._step_t0 = time.perf_counter()
         self._refreshes.wait_s = 0.0
         self._refreshes.timed_out = False
@@ -259,7 +262,7 @@ class Runtime:
         self._parts.pacer.step_end()
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._refreshes.wait_s * 1e3)
-        self._signals_open = True  # the next step's first signal installs what is ready
+        self._open_signals()  # the next step's first signal installs what is ready
         self._boundaries.end()  # Note [All-or-nothing steps] in boundary.py
 
     # -- hooks: install what is ready ------------------------------------------------------------
@@ -272,12 +275,23 @@ class Runtime:
         if not self._signals_open:
             return
         self._signals_open = False
+        signals = self._parts.signals
+        if signals is not None:  # the step's later signals: none (Note [Disarmed signals])
+            signals.disarm()
         if self._closed:
             return
         with self._lock:
             self._boundaries.finish_interrupted()  # between steps: the last one raised
             if self.registry.in_flight:
                 self._refreshes.install_ready(self._parts.signalled)
+
+    def _open_signals(self) -> None:
+        """The next module signal installs the step's batch (Note [One install batch per step]):
+        the flag set, the hooks armed (Note [Disarmed signals] in hooks.py)."""
+        self._signals_open = True
+        signals = self._parts.signals
+        if signals is not None and not signals.armed:
+            signals.arm()
 
     # -- checkpoints and reports -----------------------------------------------------------------
 

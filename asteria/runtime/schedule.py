@@ -218,7 +218,7 @@ the largest step 1.35 -> 1.29 times the median).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -264,7 +264,9 @@ class Schedule:
         self._slot_load: dict[int, list[float]] = {}  # frequency -> refresh cost per slot
         self.coalesced = 0  # due requests folded into the refresh in flight
         self.urgent_waits = 0  # installs waited for at their request (Note [Rank-deficient...])
-        self.age_histogram: Counter[int] = Counter()
+        # (a defaultdict: a new age costs no Python call, Counter's __missing__ did: Note
+        # [Quiet boundaries] in boundary.py)
+        self.age_histogram: defaultdict[int, int] = defaultdict(int)
         self._picked: set[Any] = set()  # blocks granted room this step (continuous)
         # per block: the last install step seen, and the intervals between installs
         self._installs: dict[str, tuple[int, int]] = {}  # name -> (installs seen, step)

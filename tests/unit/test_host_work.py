@@ -11,6 +11,10 @@
   one fill of one slot.
 * Note [Window by shape group] (asteria/memory/tiers.py): a window slot holds the largest shape
   group's bases within the room; a step reads the window per shape group, not per block.
+* Note [Disarmed signals] (hooks.py): a step calls the runtime from one module signal, whatever
+  the depth and the forwards.
+* Note [Quiet boundaries] (boundary.py): a boundary with nothing due, in flight or owed makes at
+  most three Python calls.
 
 The properties run over the optimizers, the depth of the model (blocks), the staleness and the
 bases strategy (the window forced with ``asteria.runtime.testing.pretend_arch``).
@@ -19,8 +23,11 @@ bases strategy (the window forced with ``asteria.runtime.testing.pretend_arch``)
 from __future__ import annotations
 
 import contextlib
+import gc
 import subprocess
 import sys
+from typing import Any
+from unittest import mock
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -350,3 +357,118 @@ def test_refresh_urgent_is_asked_once_per_block_and_interval(frequency, stalenes
                 assert urgent == opt.refresh_urgent(block, due_at, group)
     blocks = len(list(opt.blocks()))
     assert len(asked) == len(set(asked)) >= blocks
+
+
+@contextlib.contextmanager
+def _python_calls(owner: type, name: str, per_call: list[list[str]], keep: Any = None):
+    """Per call of ``owner.name`` (a class's method), the Python calls it makes (their names),
+    itself included (``sys.setprofile``); ``keep(args)`` chooses the calls recorded (None: all)."""
+    raw = owner.__dict__[name]
+
+    def wrapper(*args, **kwargs):
+        seen: list[str] = []
+
+        def profile(frame, event, arg):
+            if event == "call":
+                seen.append(frame.f_code.co_name)
+
+        kept = keep is None or keep(args)  # (before the call changes what it looks at)
+        collecting = gc.isenabled()
+        gc.disable()  # (a collection's finalizers are no call of the code watched)
+        sys.setprofile(profile)
+        try:
+            return raw(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+            if collecting:
+                gc.enable()
+            if kept:
+                per_call.append(seen)  # (``raw`` itself included)
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, raw)
+
+
+@SETTINGS
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    layers=st.integers(1, 4),
+    staleness=st.integers(0, 3),
+    forwards=st.integers(1, 3),
+    interrupt=st.booleans(),
+)
+def test_a_step_signals_the_runtime_once_however_many_modules_it_has(
+    name, layers, staleness, forwards, interrupt
+):
+    """Note [Disarmed signals] (hooks.py): the first module signal of a step disarms the hooks,
+    so the runtime is called once a step whatever the depth and the forwards; the step's end
+    arms them again, or, after a step that raised before its end, the next step's beginning
+    (its forward signals nothing, as the flag alone had it)."""
+    model = mlp_12_16_3(layers)
+    opt = _opt(name, model)
+    signals = [0]
+    raised = False
+    with _counting(Runtime, "_on_signal", signals):  # before attach: the hooks' weak method
+        rt = Runtime(model, opt, RuntimeConfig(staleness=staleness, workers=1))
+        with rt:
+            hooked = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+            for t in range(6):
+                before = signals[0]
+                assert all(len(m._forward_pre_hooks) == (not raised) for m in hooked)
+                gen = torch.Generator().manual_seed(t)
+                x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+                opt.zero_grad()
+                for _ in range(forwards):
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                assert signals[0] - before == (not raised)
+                assert all(not m._forward_pre_hooks for m in hooked)  # disarmed
+                raised = interrupt and t == 2
+                if raised:  # a step that raises before its end
+                    with mock.patch.object(Runtime, "step_end", _raise_key_error):
+                        with contextlib.suppress(KeyError):
+                            opt.step()
+                else:
+                    opt.step()
+        assert all(not m._forward_pre_hooks for m in hooked)  # removed at close
+
+
+def _raise_key_error(self) -> None:
+    raise KeyError("a step that raised before its end")
+
+
+@SETTINGS
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    layers=st.integers(1, 3),
+    staleness=st.integers(1, 3),
+    start=st.integers(1, 8),
+)
+def test_a_quiet_boundary_makes_a_call_or_two(name, layers, staleness, start):
+    """Note [Quiet boundaries] (boundary.py): a block boundary under interval refresh with
+    nothing due, in flight or owed costs at most three Python calls (the facade's, the
+    boundary's and the age's), with a basis or without one yet (Shampoo before its first
+    roots, ``start``), whatever the depth."""
+    model = mlp_12_16_3(layers)
+    kwargs = {"start_preconditioning_step": start} if name == "shampoo" else {}
+    opt = OPTIMIZERS[name](
+        model.parameters(), precondition_frequency=4, max_preconditioner_dim=8, **kwargs
+    )
+    config = RuntimeConfig(staleness=staleness, workers=1, refresh="interval")
+    per_call: list[list[str]] = []
+    with Runtime(model, opt, config) as rt:
+        entries = rt.registry.entries
+
+        def quiet(args) -> bool:
+            _, key, _, _, step, due = args
+            e = entries.get(key)
+            return e is not None and not due and e.pending is None and not e.owed and step > 1
+
+        for t in range(10):
+            mlp_12_16_3_step(model, opt, t)  # (its boundaries decide as they would unwatched)
+            with _python_calls(Runtime, "block_boundary", per_call, quiet):
+                mlp_12_16_3_step(model, opt, 100 + t)
+    assert per_call
+    assert max(len(c) for c in per_call) <= 3, max(per_call, key=len)
