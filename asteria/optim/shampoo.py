@@ -104,6 +104,7 @@ class _Urgency(NamedTuple):
 
     first: weakref.ref  # the parameter's first factor (a loaded state's are other tensors)
     due_at: int | None  # the due step it was judged at; None while a root is missing
+    freq: int | None  # the group's frequency it was judged at
     betas: tuple | None  # the group's betas it was judged at
     urgent: bool
     missing: tuple[int, int] | None  # (block, dim) of a missing root
@@ -442,7 +443,10 @@ class Shampoo(KroneckerOptimizer):
         if kept is None or kept.first() is not blocks[0]["factors"][0]:
             kept = self._keep_urgency(group, blocks, t)
         elif kept.missing is None:  # every root exists: the answer of the due step and betas
-            if kept.due_at != due_step(t, group) or kept.betas != group["betas"]:
+            f = group["precondition_frequency"]  # due_step(t) is due_at, inline (no call)
+            if not (kept.freq == f and kept.due_at - f < t <= kept.due_at) or (
+                kept.betas != group["betas"]
+            ):
                 kept = self._keep_urgency(group, blocks, t)
         elif blocks[kept.missing[0]]["roots"][kept.missing[1]] is not None:  # it arrived
             kept = self._keep_urgency(group, blocks, t)
@@ -462,10 +466,12 @@ class Shampoo(KroneckerOptimizer):
         for bi, b in enumerate(blocks):
             for ri, root in enumerate(b["roots"]):
                 if root is None:  # the first roots (Note [First roots] in schedule.py)
-                    kept = self._urgency[id(blocks)] = _Urgency(first, None, None, True, (bi, ri))
+                    kept = _Urgency(first, None, None, None, True, (bi, ri))
+                    self._urgency[id(blocks)] = kept
                     return kept
         urgent = any(self.refresh_urgent(b, t, group) for b in blocks)
-        kept = _Urgency(first, due_step(t, group), group["betas"], urgent, None)
+        f = group["precondition_frequency"]
+        kept = _Urgency(first, due_step(t, group), f, group["betas"], urgent, None)
         self._urgency[id(blocks)] = kept
         return kept
 

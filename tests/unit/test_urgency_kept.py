@@ -10,6 +10,8 @@ again within an interval (at unchanged betas) of a parameter whose roots exist.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -98,3 +100,44 @@ def test_the_kept_urgency_is_the_answer_asked_afresh(dims, freq, b2, events):
             if rooted and last.get(id(blocks)) == key:
                 assert asked[0] == before  # kept over the interval: nothing asked again
             last[id(blocks)] = key
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dims=st.lists(st.lists(SHAPE, min_size=1, max_size=3), min_size=1, max_size=3),
+    freq=st.integers(1, 12),
+    b2=st.sampled_from([1.0, 0.999, 0.9]),
+    t=st.integers(1, 200),
+)
+def test_a_kept_answer_is_read_without_a_python_call(dims, freq, b2, t):
+    """Per parameter and step, a kept answer (every root there, the same interval and betas)
+    costs ``_due_now_or_ahead`` no Python call of its own (the due step compared inline): it
+    calls ``_refresh_due``, as without a runtime, and nothing else (issue 37)."""
+    opt = Shampoo(
+        [torch.nn.Parameter(torch.zeros(2))], precondition_frequency=freq, betas=(0.9, b2)
+    )
+    opt._refresher = _Refresher()
+    group = opt.param_groups[0]
+    called: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    def calls(fn, *args, **kwargs) -> list[str]:
+        called.clear()
+        sys.setprofile(profile)
+        try:
+            fn(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+        return list(called)
+
+    for blocks in [_blocks(d, rooted=True) for d in dims]:
+        first = -(-t // freq) * freq - freq + 1  # the interval's first step
+        urgent = _urgent(opt, group, blocks, first)  # kept
+        state = {"step": t, "blocks": blocks}
+        got = calls(opt._due_now_or_ahead, state, group, blocks, t)
+        lead = _Refresher.first_lead if urgent else _Refresher.lead
+        native = calls(opt._refresh_due, state, group, next_step=lead > 0)
+        assert got == ["_due_now_or_ahead", *native], got
