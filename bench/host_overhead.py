@@ -5,18 +5,30 @@ Python and the ATen ops it dispatches are paid at every step (docs/gpu.md). Time
 machine say little about that; counts do, and they do not depend on the machine. For each
 variant this benchmark trains a decoder of the ``--model`` preset's widths with byte tokens for
 ``--steps`` steps (batch ``--batch`` x ``--seq-len``) and counts, per step, separately for the
-optimizer's step and for the runtime's module signals (``hooks``):
+optimizer's step and for the module signals (``hooks``: each module forward pre-hook the runtime
+registered, with all it calls), in two passes over the same steps (Note [Two passes]):
 
-* ``ops``: the ATen ops dispatched (a ``TorchDispatchMode`` counter); views and metadata ops
-  (``func.is_view``, ``detach``, ``alias``, ...) are counted apart as ``views``;
-* ``syncs``: the ops that would make the host wait for the device: ``aten::_local_scalar_dense``
-  (``.item()``, ``.tolist()``, a tensor in an ``if``) and copies between two devices that are
-  not ``non_blocking`` (none exist on a CPU-only run; ``bench/gpu_check.sh`` runs this on a GPU);
-* ``py_calls``: the Python function calls (``sys.setprofile``'s ``call`` events; the C functions
-  called from Python apart, ``c_calls``), and ``signals``: the module signals the runtime
-  received;
-* ``installs``: the ``install_refresh`` calls in the step (its ops, ``install_ops``, are the
-  optimizer's own math, which native mode runs at its refresh steps too).
+* ops pass: ``ops``, the ATen ops dispatched (a ``TorchDispatchMode`` counter); views and
+  metadata ops (``func.is_view``, ``detach``, ``alias``, ...) are counted apart as ``views``;
+  ``syncs``, the ops that would make the host wait for the device:
+  ``aten::_local_scalar_dense`` (``.item()``, ``.tolist()``, a tensor in an ``if``) and copies
+  between two devices that are not ``non_blocking`` (none exist on a CPU-only run;
+  ``bench/gpu_check.sh`` runs this on a GPU); ``install_ops``, ``request_ops``;
+* calls pass: ``py_calls``, the Python function calls (``sys.setprofile``'s ``call`` events;
+  the C functions called from Python apart, ``c_calls``), the bench's own wrappers not
+  counted (``INSTRUMENTATION``);
+* both: ``signals``, the module signals (hook calls), ``installs``, the ``install_refresh``
+  calls in the step (its ops, ``install_ops``, are the optimizer's own math, which native mode
+  runs at its refresh steps too), ``requests``, the refresh requests.
+
+Note [Two passes]: a ``TorchDispatchMode`` runs Python for every op and view it sees (about 12
+calls each), native's and Asteria's alike, so Python calls counted under it are diluted towards
+1x; the calls pass runs the same variant, seed and steps again with the profiler alone (and the
+ops pass runs without the profiler). The runs are the same step by step: between steps, outside
+the counts, every refresh in flight is waited for (``_settle``), so each step installs and
+requests the same in both passes whatever the worker's speed, and ``merge_passes`` fails the
+variant where a step's installs, requests or signals differ. The JSON's ``passes`` says which
+pass each figure comes from.
 
 Variants: ``adamw`` (``torch.optim.AdamW``, ``foreach=True``), ``<opt>_native``, and for each of
 ``soap``, ``kl_shampoo`` and ``shampoo`` the runtime with the GPU strategies forced through
@@ -62,6 +74,7 @@ import functools
 import os
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,6 +86,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asteria.memory.tiers import Arch  # noqa: E402
 from asteria.runtime import Runtime, RuntimeConfig, testing  # noqa: E402
+from asteria.runtime.hooks import ModuleSignals  # noqa: E402
 from asteria.runtime.refreshes import Refreshes  # noqa: E402
 from asteria.train.data import VOCAB_SIZE  # noqa: E402
 from asteria.train.models import build_model, get_preset  # noqa: E402
@@ -92,39 +106,50 @@ DEFAULT_LAYERS = {"olmo-150m": 3}
 
 
 class Counts:
-    """Per-tag counters of one step (a tag is active while its code runs; nested tags count)."""
+    """Per-tag counters of one step (a tag is active while its code runs; nested tags count).
 
-    def __init__(self, host_is_device: bool = True) -> None:
+    ``ops``: count ATen ops (the ``TorchDispatchMode``, the ops pass); ``calls``: count Python
+    calls (``sys.setprofile``, the calls pass). Note [Two passes]: the two are never on
+    together."""
+
+    def __init__(self, host_is_device: bool = True, ops: bool = True, calls: bool = True) -> None:
         #: whether a CPU tensor's ``.item()`` counts as a sync (a CPU run: it stands for the
         #: device tensor it would be on a GPU; on a GPU only device tensors' count)
         self.host_is_device = host_is_device
+        self.ops, self.calls = ops, calls
         self.active: list[str] = []
         self.by_tag: dict[str, dict[str, int]] = {}
+        self._mode: OpCounter | None = None
 
     def add(self, what: str, n: int = 1) -> None:
         for tag in self.active:
             row = self.by_tag.setdefault(tag, {})
             row[what] = row.get(what, 0) + n
 
-    @contextlib.contextmanager
-    def tag(self, name: str) -> Iterator[None]:
+    def begin(self, name: str) -> None:
         """``name`` active; the outermost tag turns the counters on (untagged code, the model's
-        forward and backward, runs without them)."""
+        forward and backward, runs without them). Plain calls, not a context manager: the
+        profiler skips them (``INSTRUMENTATION``), a ``with`` would add its own calls."""
         if self.active:
             self.active.append(name)
-            try:
-                yield
-            finally:
-                self.active.remove(name)
             return
+        if self.ops:
+            self._mode = OpCounter(self)
+            self._mode.__enter__()
         self.active.append(name)
-        with OpCounter(self):
+        if self.calls:
             sys.setprofile(_profiler(self))
-            try:
-                yield
-            finally:
-                sys.setprofile(None)
-                self.active.remove(name)
+
+    def end(self, name: str) -> None:
+        """The end of ``begin(name)``; the outermost turns the counters off."""
+        self.active.remove(name)
+        if self.active:
+            return
+        if self.calls:
+            sys.setprofile(None)
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
 
     def get(self, tag: str, what: str) -> int:
         return self.by_tag.get(tag, {}).get(what, 0)
@@ -168,8 +193,10 @@ def _blocking_cross_device(name: str, args: tuple, kwargs: dict) -> bool:
 
 
 def _profiler(counts: Counts) -> Callable:
+    skip = INSTRUMENTATION
+
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if counts.active:
+        if counts.active and frame.f_code not in skip:
             if event == "call":
                 counts.add("py_calls")
             elif event == "c_call":
@@ -178,23 +205,53 @@ def _profiler(counts: Counts) -> Callable:
     return profile
 
 
+def _counted(counts: Counts, tag: str, extra: str | None, fn: Callable) -> Callable:
+    """``fn`` run under ``tag``, counting ``extra`` once per call."""
+
+    @functools.wraps(fn)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts.begin(tag)
+        try:
+            if extra is not None:
+                counts.add(extra)
+            return fn(*args, **kwargs)
+        finally:
+            counts.end(tag)
+
+    return counted
+
+
 @contextlib.contextmanager
 def _patched(cls: type, name: str, counts: Counts, tag: str, extra: str | None) -> Iterator[None]:
     """``cls.name`` runs under ``tag`` (and counts ``extra`` once per call) while active."""
     original = cls.__dict__[name]
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with counts.tag(tag):
-            if extra is not None:
-                counts.add(extra)
-            return original(*args, **kwargs)
-
-    setattr(cls, name, wrapper)
+    setattr(cls, name, _counted(counts, tag, extra, original))
     try:
         yield
     finally:
         setattr(cls, name, original)
+
+
+@contextlib.contextmanager
+def _signals_counted(counts: Counts) -> Iterator[None]:
+    """Each module signal hook ``ModuleSignals`` makes runs under ``hooks`` (the hook and all
+    it calls: the runtime's host work of that signal) and counts one ``signals``."""
+    original = ModuleSignals.__dict__["_forward"]
+
+    def make(signal: Any, ids: tuple[int, ...]) -> Callable:
+        return _counted(counts, "hooks", "signals", original.__func__(signal, ids))
+
+    ModuleSignals._forward = staticmethod(make)
+    try:
+        yield
+    finally:
+        ModuleSignals._forward = original
+
+
+#: The bench's own code, which the profiler does not count (nor the C functions it calls)
+INSTRUMENTATION = frozenset(
+    f.__code__ for f in (Counts.add, Counts.begin, Counts.end, _counted(Counts(), "", None, len))
+)
 
 
 def _forced(mode: str, device: torch.device, free_bytes: int) -> contextlib.ExitStack:
@@ -210,7 +267,47 @@ def _forced(mode: str, device: torch.device, free_bytes: int) -> contextlib.Exit
 
 
 def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Per-step counts of one variant (its first step, which makes the state, is skipped)."""
+    """Per-step counts of one variant (its first step, which makes the state, is skipped): the
+    ops pass and the calls pass, step by step (Note [Two passes])."""
+    ops = run_pass(name, mode, preset, args, "ops")
+    calls = run_pass(name, mode, preset, args, "calls")
+    return {**ops, "steps": merge_passes(ops["steps"], calls["steps"], f"{name}_{mode}")}
+
+
+#: What each pass counts (Note [Two passes]); both count ``AGREE``
+PASS_KEYS = {
+    "ops": ("ops", "step_ops", "hook_ops", "views", "syncs", "install_ops", "request_ops"),
+    "calls": ("py_calls", "hook_py_calls", "c_calls"),
+}
+#: Per step, what makes it quiet or not: the same in both passes, or the bench fails
+AGREE = ("installs", "requests", "signals")
+
+
+def merge_passes(ops: list[dict], calls: list[dict], name: str) -> list[dict[str, int]]:
+    """Each step's ops-pass figures and calls-pass figures in one row; a ``RuntimeError`` where
+    the two passes' steps differ in what they install, request or signal (Note [Two passes])."""
+    if len(ops) != len(calls):
+        raise RuntimeError(f"{name}: {len(ops)} steps in the ops pass, {len(calls)} in the calls")
+    rows = []
+    for i, (o, c) in enumerate(zip(ops, calls)):
+        if any(o[k] != c[k] for k in AGREE):
+            seen = {k: (o[k], c[k]) for k in AGREE}
+            raise RuntimeError(
+                f"{name}: step {i + 2} is not the same kind of step in the two passes "
+                f"((ops pass, calls pass): {seen}); their counts cannot be put together"
+            )
+        rows.append(
+            {**{k: o[k] for k in PASS_KEYS["ops"]}, **{k: c[k] for k in PASS_KEYS["calls"]},
+             **{k: o[k] for k in AGREE}}
+        )  # fmt: skip
+    return rows
+
+
+def run_pass(
+    name: str, mode: str, preset: Any, args: argparse.Namespace, count: str
+) -> dict[str, Any]:
+    """One pass of a variant: ``count`` is ``"ops"`` (the dispatch mode) or ``"calls"`` (the
+    profiler); the rows have that pass's figures (``PASS_KEYS``) and ``AGREE``."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model = build_model(preset, vocab_size=VOCAB_SIZE, max_seq_len=args.seq_len, seed=args.seed)
@@ -219,7 +316,7 @@ def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     else:
         opt = build_optimizer(name.replace("_", "-"), model.parameters())
-    counts = Counts(host_is_device=device.type == "cpu")
+    counts = Counts(host_is_device=device.type == "cpu", ops=count == "ops", calls=count == "calls")
     gen = torch.Generator().manual_seed(args.seed)
     tokens = [
         torch.randint(0, VOCAB_SIZE, (args.batch, args.seq_len), generator=gen).to(device)
@@ -228,8 +325,8 @@ def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> 
     runtime = None
     steps: list[dict[str, int]] = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(Runtime, "_on_signal", counts, "hooks", "signals"))
-        stack.enter_context(_patched(Refreshes, "request", counts, "request", None))
+        stack.enter_context(_signals_counted(counts))
+        stack.enter_context(_patched(Refreshes, "request", counts, "request", "requests"))
         if name != "adamw":
             cls = type(opt)
             stack.enter_context(_patched(cls, "install_refresh", counts, "install", "installs"))
@@ -250,6 +347,8 @@ def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> 
                 raise FloatingPointError(f"{name}_{mode}: loss {loss} at step {i + 1}")
             if i > 0:
                 steps.append(_row(counts))
+            if runtime is not None:
+                _settle(runtime)
     return {
         "optimizer": name,
         "mode": mode,
@@ -259,19 +358,37 @@ def run_variant(name: str, mode: str, preset: Any, args: argparse.Namespace) -> 
     }
 
 
+def _settle(runtime: Runtime, timeout_s: float = 120.0) -> None:
+    """Between two steps, uncounted: every refresh in flight finished (its snapshots submitted,
+    its jobs done), so that the next step's first signal finds the same ones ready in both
+    passes (Note [Two passes])."""
+    refreshes, deadline = runtime._refreshes, time.monotonic() + timeout_s
+    for e in list(runtime.registry.in_flight.values()):
+        if e.pending is not None and e.pending.copies:
+            refreshes.collect(e, wait=True)
+    while not all(e.pending.done() for e in list(runtime.registry.in_flight.values())):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"refreshes still in flight after {timeout_s} s")
+        time.sleep(0.001)
+
+
 def _counted_step(model: torch.nn.Module, opt: Any, batch: torch.Tensor, counts: Counts) -> float:
-    """Forward, backward and step; only tagged code is counted (``Counts.tag``)."""
+    """Forward, backward and step; only tagged code is counted (``Counts.begin``): the step,
+    and the module signals of the forward."""
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
-    with counts.tag("step"):
+    counts.begin("step")
+    try:
         opt.step()
+    finally:
+        counts.end("step")
     opt.zero_grad(set_to_none=True)
     return float(loss.detach())
 
 
 def _row(counts: Counts) -> dict[str, int]:
     g = counts.get
-    row = {
+    return {
         "ops": g("step", "ops") + g("hooks", "ops"),
         "step_ops": g("step", "ops"),
         "hook_ops": g("hooks", "ops"),
@@ -283,17 +400,17 @@ def _row(counts: Counts) -> dict[str, int]:
         "install_ops": g("install", "ops"),
         "request_ops": g("request", "ops"),
         "installs": g("install", "installs"),
+        "requests": g("request", "requests"),
         "signals": g("hooks", "signals"),
     }
-    return row
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over the steps that install nothing (``quiet``) and over those that install."""
     steps = result["steps"]
-    quiet = [s for s in steps if s["installs"] == 0 and s["request_ops"] == 0]
-    busy = [s for s in steps if s["installs"] > 0 and s["request_ops"] == 0]
-    asking = [s for s in steps if s["request_ops"] > 0]
+    quiet = [s for s in steps if s["installs"] == 0 and s["requests"] == 0]
+    busy = [s for s in steps if s["installs"] > 0 and s["requests"] == 0]
+    asking = [s for s in steps if s["requests"] > 0]
 
     def med(rows: list[dict[str, int]], key: str) -> float | None:
         return statistics.median(r[key] for r in rows) if rows else None
@@ -452,6 +569,11 @@ def main(argv: list[str] | None = None) -> None:
             "args": vars(args),
             "layers": layers,
             "install_batch_ops": INSTALL_BATCH_OPS,
+            "passes": {
+                "ops": "TorchDispatchMode, no profiler: " + ", ".join(PASS_KEYS["ops"]),
+                "calls": "sys.setprofile, no dispatch mode: " + ", ".join(PASS_KEYS["calls"]),
+                "both, equal per step": ", ".join(AGREE),
+            },
             "results": summaries,
             "goals": goals(summaries, layers),
             "errors": errors,
