@@ -102,7 +102,8 @@ class Boundaries:
             if e.version is not None and (
                 schedule.continuous or (schedule.staggered and not exact)
             ):
-                due = schedule.due(e, step, freq, due, exact, _refresh_cost(block))
+                cost = lambda: _refresh_cost(block)  # noqa: E731 (asked once per block)
+                due = schedule.due(e, step, freq, due, exact, cost)
         elif due and e.pending is not None:
             self._install(key, e, step, block, replicated)  # older than this step's request
         if e.version is None:

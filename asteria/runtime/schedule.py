@@ -296,13 +296,19 @@ class Schedule:
         return pending.done() and (due or pacer.allows(key, step))
 
     def due(
-        self, e: Any, step: int, frequency: int, due: bool, exact: bool = False, cost: float = 0.0
+        self,
+        e: Any,
+        step: int,
+        frequency: int,
+        due: bool,
+        exact: bool = False,
+        cost: Callable[[], float] = lambda: 0.0,
     ) -> bool:
         """Whether ``e``'s block is due at ``step``: the optimizer's ``due`` under interval
         refresh; under continuous refresh, once its last request is ``frequency`` steps old
         (Note [Continuous refresh]); under staggered refresh, at its own slot of the interval
-        (Note [Staggered refresh]; ``cost``: its refresh's, ``exact``: installs at fixed steps,
-        which keep the optimizer's schedule)."""
+        (Note [Staggered refresh]; ``cost()``: its refresh's, asked once, where the block gets
+        its slot; ``exact``: installs at fixed steps, which keep the optimizer's schedule)."""
         if e.version is None or not (self.continuous or (self.staggered and not exact)):
             return due
         last = e.pending.requested if e.pending is not None else e.version
@@ -313,7 +319,7 @@ class Schedule:
             return gap >= frequency
         slot = self._phases.get(e.name)
         if slot is None:
-            slot = self._phases[e.name] = self._assign(frequency, cost, last)
+            slot = self._phases[e.name] = self._assign(frequency, cost(), last)
         if gap >= frequency:
             return True  # due, as under interval refresh (coalesced if still in flight)
         # early, onto its slot: only where nothing is in flight or it is ready to install

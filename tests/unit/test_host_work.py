@@ -372,7 +372,7 @@ def _python_calls(owner: type, name: str, per_call: list[list[str]], keep: Any =
             if event == "call":
                 seen.append(frame.f_code.co_name)
 
-        kept = keep is None or keep(args)  # (before the call changes what it looks at)
+        kept = True if keep is None else keep(args)  # (before the call changes what it reads)
         collecting = gc.isenabled()
         gc.disable()  # (a collection's finalizers are no call of the code watched)
         sys.setprofile(profile)
@@ -382,7 +382,7 @@ def _python_calls(owner: type, name: str, per_call: list[list[str]], keep: Any =
             sys.setprofile(None)
             if collecting:
                 gc.enable()
-            if kept:
+            if kept is True or (kept and kept()):  # (``keep`` may return a check for after)
                 per_call.append(seen)  # (``raw`` itself included)
 
     setattr(owner, name, wrapper)
@@ -445,30 +445,37 @@ def _raise_key_error(self) -> None:
     layers=st.integers(1, 3),
     staleness=st.integers(1, 3),
     start=st.integers(1, 8),
+    refresh=st.sampled_from(["interval", "staggered"]),
 )
-def test_a_quiet_boundary_makes_a_call_or_two(name, layers, staleness, start):
-    """Note [Quiet boundaries] (boundary.py): a block boundary under interval refresh with
-    nothing due, in flight or owed costs at most three Python calls (the facade's, the
-    boundary's and the age's), with a basis or without one yet (Shampoo before its first
-    roots, ``start``), whatever the depth."""
+def test_a_quiet_boundary_makes_a_call_or_two(name, layers, staleness, start, refresh):
+    """Note [Quiet boundaries] (boundary.py): a block boundary with nothing due, in flight or
+    owed that requests and installs nothing costs at most three Python calls under interval
+    refresh (the facade's, the boundary's and the age's) and four under staggered refresh (and
+    the schedule's ``due``; the refresh's cost asked only where the block gets its slot), with
+    a basis or without one yet (Shampoo before its first roots, ``start``), whatever the
+    depth."""
     model = mlp_12_16_3(layers)
     kwargs = {"start_preconditioning_step": start} if name == "shampoo" else {}
     opt = OPTIMIZERS[name](
         model.parameters(), precondition_frequency=4, max_preconditioner_dim=8, **kwargs
     )
-    config = RuntimeConfig(staleness=staleness, workers=1, refresh="interval")
+    config = RuntimeConfig(staleness=staleness, workers=1, refresh=refresh)
     per_call: list[list[str]] = []
     with Runtime(model, opt, config) as rt:
         entries = rt.registry.entries
 
-        def quiet(args) -> bool:
+        def quiet(args):
             _, key, _, _, step, due = args
             e = entries.get(key)
-            return e is not None and not due and e.pending is None and not e.owed and step > 1
+            if e is None or due or e.pending is not None or e.owed or step == 1:
+                return False
+            before = (e.installs, e.requested_step)
+            return lambda: e.pending is None and (e.installs, e.requested_step) == before
 
         for t in range(10):
             mlp_12_16_3_step(model, opt, t)  # (its boundaries decide as they would unwatched)
             with _python_calls(Runtime, "block_boundary", per_call, quiet):
                 mlp_12_16_3_step(model, opt, 100 + t)
     assert per_call
-    assert max(len(c) for c in per_call) <= 3, max(per_call, key=len)
+    limit = 3 if refresh == "interval" else 4
+    assert max(len(c) for c in per_call) <= limit, max(per_call, key=len)
