@@ -68,6 +68,7 @@ WINDOW_BLOCKS = 2
 _PACKED = 16
 
 Tensors = Sequence[torch.Tensor | None]
+_USED = operator.attrgetter("used")
 
 
 class BasesWindow:
@@ -239,8 +240,14 @@ class BasesWindow:
     # -- the ring ---------------------------------------------------------------------------------
 
     def _holding(self, key: Hashable, srcs: Tensors) -> _Slot | None:
-        for slot in self._slots:
-            if slot.key == key and _same(slot.srcs, srcs):
+        for slot in self._slots:  # (the same sources, by identity, inline: at every read)
+            held = slot.srcs
+            if (
+                slot.key == key
+                and held is not None
+                and len(held) == len(srcs)
+                and all(map(operator.is_, held, srcs))
+            ):
                 return slot
         return None
 
@@ -251,12 +258,12 @@ class BasesWindow:
         for slot in free:
             if slot.key == key:
                 return slot
-        return min(free, key=lambda s: s.used, default=None)
+        return min(free, key=_USED, default=None)
 
     def _prefetch(self, key: Hashable, srcs: Tensors, exclude: Sequence[_Slot]) -> None:
         if self._holding(key, srcs) is not None:
             return
-        if all(s is None for s in srcs) or self.bytes_of(srcs) > self._slot_bytes:
+        if srcs.count(None) == len(srcs) or self.bytes_of(srcs) > self._slot_bytes:
             return
         slot = self._victim(key, exclude)
         if slot is not None:
@@ -273,9 +280,9 @@ class BasesWindow:
             if len(slot.packed) >= _PACKED:
                 del slot.packed[next(iter(slot.packed))]
             slot.packed[layout] = views
-        pairs = [(v, s) for v, s in zip(views, srcs) if s is not None]
+        dsts = [v for v, s in zip(views, srcs) if s is not None]
         waits = [] if slot.read is None else [slot.read]
-        event = self.copies.copy([v for v, _ in pairs], [s for _, s in pairs], waits)
+        event = self.copies.copy(dsts, [s for s in srcs if s is not None], waits)
         if slot.srcs is not None and slot.copied is not None:
             self._retired.append((slot.copied, slot.srcs))
         self._retired = [(e, s) for e, s in self._retired if not e.query()]
@@ -316,10 +323,6 @@ class _Slot:
         self.read: Any = None  # the event after the last kernel that read it
         self.used = 0
         self.prefetched = False
-
-
-def _same(held: tuple | None, srcs: Tensors) -> bool:
-    return held is not None and len(held) == len(srcs) and all(map(operator.is_, held, srcs))
 
 
 def _part_of(slot: _Slot, srcs: Tensors) -> list[torch.Tensor | None] | None:
