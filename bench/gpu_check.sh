@@ -123,7 +123,7 @@ if ((REHEARSAL)); then TAG=cpu_rehearsal GPU_NAME="cpu (rehearsal)"; fi
 declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [profile]=40 [host_overhead]=30 [step_time]=100
     [time_to_target]=60
     [memory]=45 [capacity]=45 [summary]=15)
-declare -A BOX_S=([build]=240 [info]=30 [tests]=150 [profile]=120 [host_overhead]=90 [step_time]=200
+declare -A BOX_S=([build]=240 [info]=30 [tests]=150 [profile]=120 [host_overhead]=150 [step_time]=200
     [time_to_target]=240
     [memory]=90 [capacity]=90 [summary]=30)
 if ((REHEARSAL)); then BOX_S[tests]=300; fi # the 2-core CPU runs the unit tests for minutes
