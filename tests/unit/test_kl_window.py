@@ -185,8 +185,9 @@ CONFIGS = [
 ]
 
 
-@RUNTIME_SETTINGS
-@given(
+#: The space of the window tests through the runtime: the net, blocking, refresh frequency,
+#: staleness, slots of the ring and the share of a shape group a slot holds (``_train_window``).
+WINDOW_SPACE = dict(
     net=st.fixed_dictionaries(
         dict(
             inputs=st.sampled_from([8, 20, 24]),
@@ -200,6 +201,10 @@ CONFIGS = [
     slots=st.sampled_from([1, 2]),
     cut=st.sampled_from([0.0, 0.4, 1.0]),
 )
+
+
+@RUNTIME_SETTINGS
+@given(**WINDOW_SPACE)
 def test_pieces_through_the_window_are_bitwise_the_per_block_path(
     net, max_dim, freq, config, slots, cut
 ):

@@ -32,7 +32,7 @@ from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
 from asteria.runtime.window_bases import _next_others
 from tests.unit.test_batched_steps import _Ops, _run, _same, max_dim, shapes
-from tests.unit.test_kl_window import FREE, _state_tensors
+from tests.unit.test_kl_window import FREE, WINDOW_SPACE, _state_tensors
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RUNTIME_SETTINGS = settings(
@@ -166,30 +166,8 @@ def _train(cls, net: dict, options: dict, config: dict, window: tuple[int, float
     return tensors
 
 
-CONFIGS = [
-    dict(staleness=0),
-    dict(staleness=2, fixed_delay=1),
-    dict(staleness=3, fixed_delay=3),
-]
-
-
 @RUNTIME_SETTINGS
-@given(
-    net=st.fixed_dictionaries(
-        dict(
-            inputs=st.sampled_from([8, 20, 24]),
-            width=st.sampled_from([20, 24, 33]),
-            depth=st.integers(2, 4),
-        )
-    ),
-    max_dim=st.sampled_from([16, 24, 64]),
-    freq=st.sampled_from([1, 2, 3]),
-    config=st.sampled_from(CONFIGS),
-    slots=st.sampled_from([1, 2]),
-    cut=st.sampled_from([0.0, 0.4, 1.0]),
-    normalize=st.booleans(),
-    cls=st.sampled_from([SOAP, Shampoo]),
-)
+@given(**WINDOW_SPACE, normalize=st.booleans(), cls=st.sampled_from([SOAP, Shampoo]))
 def test_pieces_through_the_window_are_bitwise_device_bases(
     net, max_dim, freq, config, slots, cut, normalize, cls
 ):
