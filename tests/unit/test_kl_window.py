@@ -45,7 +45,7 @@ RUNTIME_SETTINGS = settings(
 class _PoisonedWindow(NativeRefresher):
     """Native refreshes, bases handed out as copies that are filled with NaN at the next
     ``bases``/``bases_many`` call and at the step's end (a window slot refilled), at most
-    ``room`` bytes a call."""
+    ``room`` bytes a call; the blocks and keys of each call logged."""
 
     bases_stable = False
 
@@ -54,6 +54,7 @@ class _PoisonedWindow(NativeRefresher):
         self.bases_room = room
         self._handed: list[torch.Tensor] = []
         self.calls: list[int] = []  # blocks per call
+        self.reads: list[tuple] = []  # keys per call
 
     def _poison(self) -> None:
         for q in self._handed:
@@ -64,10 +65,12 @@ class _PoisonedWindow(NativeRefresher):
         self._poison()
         own = super().bases_many(keys, blocks)
         if len(blocks) > 1:
-            assert sum(q.nbytes for qs in own for q in qs) <= self.bases_room
-        out = [[q.clone() for q in qs] for qs in own]  # clone keeps each basis's layout
-        self._handed = [q for qs in out for q in qs]
+            assert sum(q.nbytes for qs in own for q in qs if q is not None) <= self.bases_room
+        # clone keeps each basis's layout; None (no basis: SOAP's 1-D blocks) stays None
+        out = [[None if q is None else q.clone() for q in qs] for qs in own]
+        self._handed = [q for qs in out for q in qs if q is not None]
         self.calls.append(len(blocks))
+        self.reads.append(tuple(keys))
         return out
 
     def bases(self, key, block) -> list:

@@ -27,12 +27,11 @@ from hypothesis import strategies as st
 from asteria.memory.accounting import estimate_blocks
 from asteria.memory.tiers import Arch
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.optim.refresher import NativeRefresher
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
 from asteria.runtime.window_bases import _next_others
 from tests.unit.test_batched_steps import _Ops, _run, _same, max_dim, shapes
-from tests.unit.test_kl_window import FREE, WINDOW_SPACE, _state_tensors
+from tests.unit.test_kl_window import FREE, WINDOW_SPACE, _PoisonedWindow, _state_tensors
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RUNTIME_SETTINGS = settings(
@@ -40,50 +39,14 @@ RUNTIME_SETTINGS = settings(
 )
 
 
-class _Logged(NativeRefresher):
-    """Native refreshes, bases handed out as copies that are filled with NaN at the next
-    ``bases``/``bases_many`` call and at the step's end (a window slot refilled), at most
-    ``room`` bytes a call (but for one block over it); the keys of each read logged."""
-
-    bases_stable = False
-
-    def __init__(self, opt, room: int) -> None:
-        super().__init__(opt)
-        self.bases_room = room
-        self._handed: list[torch.Tensor] = []
-        self.reads: list[tuple] = []
-
-    def _poison(self) -> None:
-        for q in self._handed:
-            q.fill_(float("nan"))
-        self._handed = []
-
-    def bases_many(self, keys, blocks) -> list[list]:
-        self._poison()
-        own = super().bases_many(keys, blocks)
-        if len(blocks) > 1:
-            assert sum(q.nbytes for qs in own for q in qs if q is not None) <= self.bases_room
-        out = [[None if q is None else q.clone() for q in qs] for qs in own]
-        self._handed = [q for qs in out for q in qs if q is not None]
-        self.reads.append(tuple(keys))
-        return out
-
-    def bases(self, key, block) -> list:
-        return self.bases_many([key], [block])[0]
-
-    def step_end(self) -> None:
-        self._poison()
-        super().step_end()
-
-
 def _poisoned(room_share: float, log: list):
-    """SOAP under ``_Logged`` with a room of ``room_share`` of its bases; each step's reads are
-    appended to ``log``."""
+    """SOAP under ``_PoisonedWindow`` with a room of ``room_share`` of its bases; each step's
+    reads are appended to ``log``."""
 
     class Poisoned(SOAP):
         def step(self, closure=None):
-            if not isinstance(self._refresher, _Logged):
-                self._refresher = _Logged(self, 0)
+            if not isinstance(self._refresher, _PoisonedWindow):
+                self._refresher = _PoisonedWindow(self, 0)
             total = sum(
                 q.nbytes for _, _, b, _ in self.blocks() for q in b["bases"] if q is not None
             )
