@@ -25,6 +25,7 @@ __all__ = [
     "block_key",
     "batched_gram",
     "group_pieces",
+    "in_turns",
     "batched_mode_products",
     "pieces",
     "read_batches",
@@ -166,6 +167,12 @@ def read_batches(
         ]  # (a group cut across batches, over ``limit`` elements: its runs sized again)
         out.append([_items(piece) for piece in _pack(parts, room, limit)])
     return out
+
+
+def in_turns(reads: list[T], step: int) -> list[T]:
+    """``reads`` forwards at an even ``step``, backwards at an odd one (Note [Reads in turns]
+    in shampoo_step.py: a window ring then starts each step with what it still holds)."""
+    return reads[::-1] if step % 2 and len(reads) > 1 else reads
 
 
 Sized = tuple[Sequence[Any], list[int], list[int], int, int]  # items, their sizes, the sums

@@ -66,6 +66,7 @@ from asteria.optim.batched import (
     bases_room,
     block_key,
     group_pieces,
+    in_turns,
     shape_groups,
     tensor_key,
 )
@@ -241,9 +242,8 @@ class KLShampoo(KroneckerOptimizer):
         first_moments(work, beta1)  # (reads no bases: one op for every piece)
         grouped = [[work[i] for i in idx] for idx in shape_groups(work, _piece_key)]
         pieces = group_pieces(grouped, _elements, bases_bytes, bases_room(refresher))
-        if len(pieces) > 1 and work[0].update.state["step"] % 2:
-            pieces.reverse()  # Note [Reads in turns] in shampoo_step.py
-        for piece in pieces:
+        step = work[0].update.state["step"] if work else 0
+        for piece in in_turns(pieces, step):  # Note [Reads in turns] in shampoo_step.py
             bases = bases_of(refresher, [k.key for k in piece], [k.block for k in piece])
             piece = [k._replace(bases=list(q)) for k, q in zip(piece, bases)]
             self._run_split(_update_blocks, piece, _update_flops, lr, eps)

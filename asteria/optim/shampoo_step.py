@@ -23,6 +23,7 @@ from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
     block_key,
+    in_turns,
     read_batches,
     shape_groups,
     stack,
@@ -175,8 +176,7 @@ def _precondition(
     graft = group["grafting"] != "none"
     room = bases_room(opt._refresher)
     for reads in read_batches(grouped, lambda w: w.m_hat.numel(), _roots_bytes, room):
-        if len(reads) > 1 and updates[0].state["step"] % 2:
-            reads = reads[::-1]  # Note [Reads in turns]
+        reads = in_turns(reads, updates[0].state["step"])  # Note [Reads in turns]
         batch: list[_Block] = []
         products: list[torch.Tensor] = []
         rooted: list[int] = []
@@ -213,13 +213,12 @@ def _products(piece: list[_Block], roots: list[list]) -> tuple[list[torch.Tensor
 def _grafted(
     piece: list[_Block], out: list[torch.Tensor], rooted: list[int], graft: bool
 ) -> list[torch.Tensor]:
-    """``out`` with the blocks of ``rooted`` grafted to the norm of their grafting direction
+    """``out``, its blocks of ``rooted`` grafted in place to the norm of their grafting direction
     (each op over all of them at once)."""
     if graft and rooted:
         pre = [out[i] for i in rooted]
         norms = torch._foreach_add(torch._foreach_norm(pre), GRAFTING_NORM_EPSILON)
         ratios = torch._foreach_div(torch._foreach_norm([piece[i].graft for i in rooted]), norms)
-        out = list(out)
         for i, grafted in zip(rooted, torch._foreach_mul(pre, ratios)):
             out[i] = grafted
     return out
