@@ -71,6 +71,10 @@ RefreshResult = (
 class Future:
     def done(self) -> bool: ...
     def cancelled(self) -> bool: ...
+    def run_ahead(self) -> bool:
+        """While no worker has started this job, run the pool's first queued job (this one or
+        one queued before it) on the calling thread, GIL released; whether one ran."""
+
     def status(self) -> str:
         """'queued', 'running', 'succeeded', 'failed' or 'cancelled'."""
 

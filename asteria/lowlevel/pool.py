@@ -102,6 +102,13 @@ class RefreshFuture(Generic[R]):
     def cancelled(self) -> bool:
         return self._future.cancelled()
 
+    def run_ahead(self) -> bool:
+        """While no worker has started this job, run the pool's first queued job (this one or
+        one queued before it) on the calling thread, with the pool's LAPACK thread count;
+        whether one ran. A thread about to wait for the result calls it until it returns
+        False: its wait is never longer for it, and shorter when the workers are busy."""
+        return self._future.run_ahead()
+
     def status(self) -> str:
         return self._future.status()
 

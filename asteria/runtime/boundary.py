@@ -54,6 +54,9 @@ class Boundaries:
         # its age measured (no schedule of its own that may make it due: interval refresh)
         self._bare: set[BlockKey] = set()
         self.quiet_versions = not schedule.continuous and not schedule.staggered
+        #: Note [Deferred installs]: the installs this step's update reads, left for ``flush``
+        #: (key, entry, step, block, frequency), in boundary order
+        self.deferred: list[tuple] = []
 
     def begin(self) -> None:
         """A step begins (after :meth:`finish_interrupted`)."""
@@ -137,10 +140,31 @@ class Boundaries:
             e.owed = False
             refreshes.request(key, e, block, group, step)
             if e.pending is not None and (schedule.budget == 0 or wait):
+                if schedule.precedes_update and not replicated:  # Note [Deferred installs]
+                    self.deferred.append((key, e, step, block, freq))
+                    e.boundary_step = step
+                    return
                 self._install(key, e, step, block, replicated)
         if schedule.precedes_update:
             schedule.record_age(e, step, freq)  # installed above, read by this step
         e.boundary_step = step
+
+    def flush(self) -> None:
+        """Note [Deferred installs]: install the refreshes this step's boundaries requested and
+        its update reads, in boundary order, after running the jobs queued up to the last of
+        them on this thread (``Refreshes.help``). One left by an interruption stays for the
+        next flush (``finish_interrupted``)."""
+        deferred = self.deferred
+        if not deferred:
+            return
+        self.refreshes.help(deferred[-1][1])
+        schedule = self.schedule
+        while deferred:
+            key, e, step, block, freq = deferred[0]
+            if e.pending is not None:
+                self._install(key, e, step, block, False)
+            schedule.record_age(e, step, freq)  # installed above, read by this step
+            del deferred[0]
 
     def _urgent(self, key: BlockKey, block: dict, step: int, group: dict, due_at: int) -> bool:
         """``optimizer.refresh_urgent(block, step, group)``, kept for the block's refresh
@@ -181,6 +205,7 @@ class Boundaries:
         an error of the model's code in a closure-less step, ...), finish what its skipped block
         boundaries owed: each runs now, at the block's step, as a due one (a refresh at its
         deadline installed, a new one requested or coalesced)."""
+        self.flush()  # installs of a step interrupted before its update read them
         if not self.in_step:
             return
         refreshes = self.refreshes
@@ -196,6 +221,7 @@ class Boundaries:
         taken from the loaded state at its next boundary (Note [Transactional loads] in
         asteria/optim/state_io.py)."""
         self.in_step, self.error = False, None
+        self.deferred.clear()
         self._urgency.clear()
         self._bare.clear()
         for e in self.registry.entries.values():
@@ -226,6 +252,27 @@ def _refresh_cost(block: dict) -> float:
 # by the due step, the frequency and the betas). The decisions are the same as asking every
 # time: tests/unit/test_staleness_contract.py and test_rank_deficient_refresh.py; the count,
 # tests/unit/test_host_work.py.
+
+# Note [Deferred installs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Where a boundary's install is read by the same step's update (Shampoo,
+# ``refresh_precedes_update``), the refreshes it waits for at once (the first roots and the
+# urgent ones, Note [Rank-deficient factors] in schedule.py; every refresh at ``B = 0``) are the
+# step's spike: installed at each boundary in turn, each was requested, then waited for, so the
+# pool computed one at a time while the training thread idled, and the spike was native's (the
+# same roots, one after another) plus a hand-over per block. Shampoo ends every block of a
+# group before it updates any (shampoo_step.py), so ``run`` only requests them and keeps the
+# install for ``flush``, which the runtime calls before the step's first read of bases
+# (``bases``, ``bases_many``), at the step's end (blocks the update does not read) and before
+# anything else after an interrupted step (``finish_interrupted``). ``flush`` first runs the
+# jobs queued up to the last of them on the training thread (Note [Helping waiters] in
+# csrc/core/worker_pool.cpp) while the workers take the others, then installs each in boundary
+# order, at the step it was requested: the same results, versions and ages as installing at the
+# boundary (the update reads them after both), with every worker and the training thread
+# computing them together. A replicated block installs at its boundary as before (its install
+# is a collective, in an order every rank shares). Measured by bench/step_time.py (Shampoo at
+# ``tiny``: the spikes of steps 10 to 40); tests/unit/test_deferred_installs.py checks the
+# results and ages against installing at the boundary.
 
 # Note [Quiet boundaries]
 # ~~~~~~~~~~~~~~~~~~~~~~~

@@ -116,6 +116,9 @@ class _StreamFuture:
     def cancelled(self) -> bool:
         return self._cancelled
 
+    def run_ahead(self) -> bool:
+        return False  # the stream's thread runs its jobs in its own order
+
     def status(self) -> str:
         if self._cancelled:
             return "cancelled"

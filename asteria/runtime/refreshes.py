@@ -86,7 +86,7 @@ class Refreshes:
         self.coherence = coherence
         self.errors = errors
         self.timeout_error = timeout_error
-        self.submitted = self.failed = self.cancelled = 0
+        self.submitted = self.failed = self.cancelled = self.helped = 0
         self.wait_s = 0.0
         #: a barrier of this step timed out: later ones in the step do not wait (the facade
         #: resets it at ``step_begin``; Note [All-or-nothing steps] in boundary.py)
@@ -225,12 +225,28 @@ class Refreshes:
 
     # -- the barrier and the results ---------------------------------------------------------
 
+    def help(self, e: BlockEntry) -> None:
+        """Submit what of ``e``'s refresh is still a snapshot, then run the jobs queued up to its
+        last one on this thread, one at a time, until a worker starts it (Note [Helping
+        waiters] in csrc/core/worker_pool.cpp): a wait for it is then no longer, and shorter
+        where the workers have a queue. Not after a barrier timed out this step (its later
+        barriers do not wait)."""
+        pending = e.pending
+        if pending is None:
+            return
+        if pending.copies:
+            self.collect(e, wait=True)
+        if self.timed_out:
+            return
+        last = next((f for f in reversed(pending.futures) if f is not None), None)
+        while last is not None and last.run_ahead():
+            self.helped += 1
+
     def wait(self, e: BlockEntry, step: int) -> None:
         """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh."""
         t0 = time.perf_counter()
         limit = 0.0 if self.timed_out else self.config.barrier_timeout_s
-        if e.pending.copies:
-            self.collect(e, wait=True)
+        self.help(e)
         timeout_error = self.timeout_error
         for f in e.pending.futures:
             if f is None or f.done():
@@ -516,6 +532,9 @@ class Restored:
         if self._error is not None:
             raise MatrixFunctionError(self._error)
         return self._value
+
+    def run_ahead(self) -> bool:
+        return False  # resolved already
 
 
 def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> Any:

@@ -63,7 +63,8 @@ class RefreshFuture(Protocol):
     submission (snapshots.py), a result restored from a checkpoint (refreshes.py), a test's
     slowed future (testing.py). The runtime polls them only through ``PendingRefresh.done``,
     reads them only through ``PendingRefresh.results``, and waits for them only at the barrier
-    (``Refreshes.wait``, in slices so that Ctrl-C is seen) and in a recompute; nothing else
+    (``Refreshes.wait``, in slices so that Ctrl-C is seen, after running the jobs queued up to
+    them: ``run_ahead``) and in a recompute; nothing else
     asks a future's type (tests/unit/test_host_work.py checks every kind against this)."""
 
     def done(self) -> bool:
@@ -77,6 +78,12 @@ class RefreshFuture(Protocol):
     def result(self, timeout_s: float | None = None) -> Any:
         """The result, waiting up to ``timeout_s`` (None: as long as it takes); raises the
         job's error, or the executor's timeout error."""
+        ...
+
+    def run_ahead(self) -> bool:
+        """While no worker has started the job, run its executor's first queued job (this one
+        or one queued before it) on the calling thread; whether one ran. False where the
+        executor cannot be helped (Note [Helping waiters] in csrc/core/worker_pool.cpp)."""
         ...
 
 

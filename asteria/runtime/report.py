@@ -48,6 +48,8 @@ def stats(
             "failed": refreshes.failed,
             "coalesced_requests": schedule.coalesced,
             "urgent_waits": schedule.urgent_waits,
+            # jobs the training thread ran while it waited (Note [Deferred installs])
+            "helped": refreshes.helped,
             "in_flight": registry.pending_count(),
         },
         "pool": pool,

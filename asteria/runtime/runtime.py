@@ -211,6 +211,9 @@ class Runtime:
             self._lane.wait(key)
 
     def bases(self, key: BlockKey, block: dict) -> list:
+        if self._boundaries.deferred:  # Note [Deferred installs] in boundary.py
+            with self._lock:
+                self._boundaries.flush()
         if self._bases.stable:
             return self._bases.read(key, block)
         with self._lock:  # the window's ring is shared with installs from hooks
@@ -220,6 +223,9 @@ class Runtime:
         """The bases of each block of ``blocks`` (keys ``keys``), valid together until the next
         ``bases``/``bases_many`` call or the step's end: one call of the bases strategy (the
         window fills one slot for them all, with one copy and one event)."""
+        if self._boundaries.deferred:  # Note [Deferred installs] in boundary.py
+            with self._lock:
+                self._boundaries.flush()
         if self._bases.stable:
             return self._bases.read_many(keys, blocks)
         with self._lock:
@@ -257,6 +263,7 @@ class Runtime:
 
     def step_end(self) -> None:
         with self._lock:
+            self._boundaries.flush()  # what no update read (Note [Deferred installs])
             self._refreshes.step_end()
             self._bases.step_end()
         self._parts.pacer.step_end()

@@ -101,6 +101,9 @@ class Refused:
     def result(self, timeout_s: float | None = None) -> Any:
         raise self._error
 
+    def run_ahead(self) -> bool:
+        return False  # resolved already
+
 
 class Snapshots:
     """The interface every strategy has (see module docstring); also ``DirectSnapshots``."""

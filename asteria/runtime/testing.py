@@ -153,6 +153,9 @@ class _Delayed:
     def cancelled(self) -> bool:
         return self._future.cancelled()
 
+    def run_ahead(self) -> bool:
+        return self._future.run_ahead()
+
     def result(self, timeout_s: float | None = None) -> Any:
         left = self._ready_at - time.perf_counter()
         if left > 0.0:

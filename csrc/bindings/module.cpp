@@ -105,6 +105,8 @@ void register_pool(py::module_& m) {
   py::class_<asteria::RefreshFuture>(m, "Future")
       .def("done", &asteria::RefreshFuture::done)
       .def("cancelled", &asteria::RefreshFuture::cancelled)
+      .def("run_ahead", &asteria::RefreshFuture::run_ahead, ReleaseGil(),
+           "While this job is queued, run the pool's first queued job here; whether one ran.")
       .def("status", &asteria::RefreshFuture::status)
       .def("result", &asteria::RefreshFuture::result, py::arg("timeout_s") = py::none(),
            ReleaseGil())

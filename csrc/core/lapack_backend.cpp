@@ -173,6 +173,20 @@ void set_thread_lapack_threads(int n) {
   if (s.mkl_set_num_threads_local) s.mkl_set_num_threads_local(n);
 }
 
+ScopedThreadLapackThreads::ScopedThreadLapackThreads(int n)
+    : openmp_(at::get_num_threads()), mkl_(0) {
+  TORCH_CHECK_VALUE(n >= 1, "lapack_threads must be >= 1, got ", n);
+  const TorchSymbols& s = torch_symbols();
+  if (s.omp_set_num_threads) s.omp_set_num_threads(n);
+  if (s.mkl_set_num_threads_local) mkl_ = s.mkl_set_num_threads_local(n);
+}
+
+ScopedThreadLapackThreads::~ScopedThreadLapackThreads() {
+  const TorchSymbols& s = torch_symbols();
+  if (s.omp_set_num_threads) s.omp_set_num_threads(openmp_);
+  if (s.mkl_set_num_threads_local) s.mkl_set_num_threads_local(mkl_);
+}
+
 int thread_lapack_threads() { return at::get_num_threads(); }
 
 bool has_thread_local_mkl() { return torch_symbols().mkl_set_num_threads_local != nullptr; }

@@ -34,6 +34,20 @@ at::Tensor matmul(const at::Tensor& a, const at::Tensor& b);
 // Sets the calling thread's LAPACK/BLAS and OpenMP thread count (n >= 1).
 void set_thread_lapack_threads(int n);
 
+// set_thread_lapack_threads(n) for the object's lifetime, then the calling thread's counts as
+// they were (a training thread that runs a pool's job while it waits, Note [Helping waiters]).
+class ScopedThreadLapackThreads {
+ public:
+  explicit ScopedThreadLapackThreads(int n);
+  ~ScopedThreadLapackThreads();
+  ScopedThreadLapackThreads(const ScopedThreadLapackThreads&) = delete;
+  ScopedThreadLapackThreads& operator=(const ScopedThreadLapackThreads&) = delete;
+
+ private:
+  int openmp_;  // the thread's OpenMP count before
+  int mkl_;     // its MKL thread-local count before (0: none, MKL's global count)
+};
+
 // The calling thread's OpenMP thread count as ATen sees it (at::get_num_threads()).
 int thread_lapack_threads();
 

@@ -100,8 +100,20 @@ std::string describe(const core::JobHandle& handle) {
 // ---- RefreshFuture ------------------------------------------------------------------------
 
 RefreshFuture::RefreshFuture(std::shared_ptr<core::JobHandle> handle,
-                             std::shared_ptr<const RefreshValue> out)
-    : handle_(std::move(handle)), out_(std::move(out)) {}
+                             std::shared_ptr<const RefreshValue> out,
+                             std::weak_ptr<core::WorkerPool> pool, int lapack_threads)
+    : handle_(std::move(handle)),
+      out_(std::move(out)),
+      pool_(std::move(pool)),
+      lapack_threads_(lapack_threads) {}
+
+bool RefreshFuture::run_ahead() const {
+  if (handle_->status() != core::JobStatus::kQueued) return false;
+  const std::shared_ptr<core::WorkerPool> pool = pool_.lock();
+  if (!pool) return false;
+  lapack::ScopedThreadLapackThreads threads(lapack_threads_);  // as on a worker
+  return pool->run_ahead_of(*handle_);
+}
 
 std::optional<double> RefreshFuture::started_at() const {
   return monotonic_seconds(handle_->started_at());
@@ -167,7 +179,7 @@ RefreshPool::RefreshPool(const RefreshPoolOptions& options)
   TORCH_CHECK_VALUE(options.trim_bytes >= 0, "trim_bytes must be >= 0, got ", options.trim_bytes);
   if (options.trim_bytes > 0) pool_options.on_idle = [this](int) { on_idle(); };
   try {
-    pool_ = std::make_unique<core::WorkerPool>(std::move(pool_options));
+    pool_ = std::make_shared<core::WorkerPool>(std::move(pool_options));
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
@@ -191,7 +203,8 @@ RefreshFuture RefreshPool::submit(core::JobSpec spec, Compute compute) {
     churn_bytes_.fetch_add(value_bytes(*out));
   };
   try {
-    return RefreshFuture(pool_->submit(std::move(spec), std::move(job)), out);
+    return RefreshFuture(pool_->submit(std::move(spec), std::move(job)), out, pool_,
+                         lapack_threads_);
   } catch (const std::invalid_argument& e) {  // a version older than the queued one
     TORCH_CHECK_VALUE(false, e.what());
   }

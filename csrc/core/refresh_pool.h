@@ -15,7 +15,8 @@
 //   process-wide thread count is untouched). Nothing here takes the GIL: the bindings release it
 //   around every call that can block (submit when the queue is full, result, shutdown).
 // * Scheduling: as core::WorkerPool (deadline order, a newer submission for a block cancels its
-//   queued predecessor, bounded queue).
+//   queued predecessor, bounded queue). A thread about to wait for a future may run the jobs
+//   queued up to it itself (RefreshFuture::run_ahead).
 // * Results: a successful job writes its result, then resolves its future. The future and every
 //   result() call share the same result tensors: treat them as read-only (clone before writing
 //   in place). Errors resolve the
@@ -56,7 +57,8 @@ class FutureTimeout : public std::runtime_error {
 
 class RefreshFuture {
  public:
-  RefreshFuture(std::shared_ptr<core::JobHandle> handle, std::shared_ptr<const RefreshValue> out);
+  RefreshFuture(std::shared_ptr<core::JobHandle> handle, std::shared_ptr<const RefreshValue> out,
+                std::weak_ptr<core::WorkerPool> pool = {}, int lapack_threads = 1);
 
   bool done() const { return handle_->done(); }
   bool cancelled() const { return handle_->status() == core::JobStatus::kCancelled; }
@@ -71,9 +73,16 @@ class RefreshFuture {
   // Waits (forever when timeout_s is nullopt) and returns the result or throws (see contract).
   RefreshValue result(std::optional<double> timeout_s = std::nullopt) const;
 
+  // While this job is still queued, runs the pool's first queued job (this one or one queued
+  // before it) on the calling thread, with the pool's LAPACK thread count; returns whether one
+  // ran (Note [Helping waiters] in worker_pool.cpp). Call it again until it returns false.
+  bool run_ahead() const;
+
  private:
   std::shared_ptr<core::JobHandle> handle_;
   std::shared_ptr<const RefreshValue> out_;  // written by the job before the handle resolves
+  std::weak_ptr<core::WorkerPool> pool_;     // gone: the pool was destroyed, nothing to help
+  int lapack_threads_;
 };
 
 struct RefreshPoolOptions {
@@ -120,7 +129,7 @@ class RefreshPool {
   const int64_t trim_bytes_;
   std::atomic<int64_t> churn_bytes_{0};  // bytes moved by jobs since the last trim
   std::atomic<int64_t> trims_{0};
-  std::unique_ptr<core::WorkerPool> pool_;
+  std::shared_ptr<core::WorkerPool> pool_;  // futures hold it weakly (run_ahead)
 };
 
 }  // namespace asteria

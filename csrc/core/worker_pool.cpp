@@ -295,6 +295,40 @@ void WorkerPool::worker_main(int index) {
   }
 }
 
+// Note [Helping waiters]: a thread that must wait for a job that no worker has started yet
+// (the training step at a barrier, or the urgent refreshes of a step, refresh_pool.h) would sit
+// idle while the workers work through the jobs queued before it. run_ahead_of lets it take the
+// first of them instead, one at a time, for as long as its own job is still queued: it only ever
+// runs a job the workers would have run before its own, so its wait ends no later than without
+// help (the job it ran finishes while a worker takes the next one), and with one worker two jobs
+// run at once instead of one. A job once started, by a worker or a helper, runs to its end there.
+bool WorkerPool::run_ahead_of(const JobHandle& handle) {
+  Queued job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || queue_.empty()) return false;
+    auto by_block = queued_by_block_.find(handle.block());
+    if (by_block == queued_by_block_.end()) return false;
+    auto mine = queue_.find(by_block->second);
+    if (mine == queue_.end() || mine->second.handle.get() != &handle) return false;
+    auto it = queue_.begin();  // (deadline, sequence) order: at or before `mine`
+    job = std::move(it->second);
+    queued_by_block_.erase(job.handle->block());
+    queue_.erase(it);
+    --stats_.queued;
+    ++stats_.running;
+    ++helping_;
+  }
+  space_cv_.notify_one();
+  run_job(std::move(job));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --helping_;
+  }
+  helped_cv_.notify_all();
+  return true;
+}
+
 void WorkerPool::run_job(Queued job) {
   std::exception_ptr error;
   if (job.handle->start()) {
@@ -379,6 +413,8 @@ void WorkerPool::shutdown(bool wait) {
     }
     if (t.joinable()) t.join();
   }
+  std::unique_lock<std::mutex> lock(mu_);  // and the jobs that helping threads still run
+  helped_cv_.wait(lock, [this] { return helping_ == 0; });
 }
 
 bool WorkerPool::is_shutdown() const {

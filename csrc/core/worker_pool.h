@@ -20,8 +20,13 @@
 // * Bounded queue: at most `queue_capacity` jobs wait; submit blocks until there is room (a
 //   superseding submit never needs room). submit after shutdown throws std::runtime_error.
 // * Shutdown: queued jobs are cancelled, running jobs finish, then (wait=true) every thread is
-//   joined. The destructor does shutdown(true). shutdown_all_pools() shuts every live pool down
-//   (for interpreter exit: no worker may still run when static destructors start).
+//   joined and every job a helping thread runs has finished. The destructor does
+//   shutdown(true). shutdown_all_pools() shuts every live pool down (for interpreter exit: no
+//   worker may still run when static destructors start).
+// * Helping: run_ahead_of(handle) runs, on the calling thread, the first queued job (the
+//   handle's own or one queued before it) while the handle's job is still queued: a thread that
+//   is about to wait for a job shortens its wait (Note [Helping waiters]). The job runs as on a
+//   worker (status, stats, errors), without the worker's init hook: the caller sets up its thread.
 // * Workers: `workers` threads; worker i is pinned to affinity[i % affinity.size()] when an
 //   affinity list is given (Linux; ignored elsewhere), lowers its CPU priority by `nice` (Note
 //   [Worker priority]), then runs the init hook (e.g. one LAPACK thread per worker). The
@@ -154,6 +159,9 @@ class WorkerPool {
   WorkerPool& operator=(const WorkerPool&) = delete;
 
   std::shared_ptr<JobHandle> submit(JobSpec spec, JobFn fn);
+  // Runs the first queued job on the calling thread if `handle`'s job is still queued; returns
+  // whether a job ran (false: it started, finished or was cancelled, or the pool is stopping).
+  bool run_ahead_of(const JobHandle& handle);
   void shutdown(bool wait = true);
   PoolStats stats() const;
   int workers() const { return static_cast<int>(threads_.size()); }
@@ -174,13 +182,15 @@ class WorkerPool {
 
   const PoolOptions options_;
   mutable std::mutex mu_;
-  std::condition_variable work_cv_;   // workers: a job was queued, or shutdown
-  std::condition_variable space_cv_;  // submitters: room in the queue, or shutdown
-  std::condition_variable setup_cv_;  // constructor: a worker finished its setup
+  std::condition_variable work_cv_;    // workers: a job was queued, or shutdown
+  std::condition_variable space_cv_;   // submitters: room in the queue, or shutdown
+  std::condition_variable setup_cv_;   // constructor: a worker finished its setup
+  std::condition_variable helped_cv_;  // shutdown(wait): a helping thread finished its job
   std::map<QueueKey, Queued> queue_;
   std::unordered_map<std::string, QueueKey> queued_by_block_;
   uint64_t next_sequence_ = 0;
   bool stopping_ = false;
+  int helping_ = 0;  // jobs running on helping threads (run_ahead_of)
   int setup_done_ = 0;
   std::exception_ptr setup_error_;
   PoolStats stats_;

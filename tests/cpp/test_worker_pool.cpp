@@ -118,6 +118,63 @@ TEST(supersede_cancels_queued_job) {
   CHECK_EQ(pool.stats().cancelled, int64_t{1});
 }
 
+TEST(run_ahead_of_runs_the_queue_up_to_a_job_on_the_caller) {
+  Gate gate;  // declared first: outlives the pool's workers
+  WorkerPool pool(options(1));
+  auto busy = block_worker(pool, gate);
+  std::mutex mu;
+  std::vector<std::pair<std::string, std::thread::id>> ran;
+  auto job = [&mu, &ran](std::string name) {
+    return [&mu, &ran, name] {
+      std::lock_guard<std::mutex> lock(mu);
+      ran.emplace_back(name, std::this_thread::get_id());
+    };
+  };
+  auto a = pool.submit({"a", 1, 2}, job("a"));
+  auto mine = pool.submit({"mine", 1, 3}, job("mine"));
+  auto later = pool.submit({"later", 1, 4}, job("later"));
+  CHECK(!pool.run_ahead_of(*busy));  // running: nothing to help with
+  int helped = 0;
+  while (pool.run_ahead_of(*mine)) ++helped;
+  CHECK_EQ(helped, 2);  // "a", then "mine" itself; never "later", queued behind it
+  CHECK(a->status() == JobStatus::kSucceeded && mine->status() == JobStatus::kSucceeded);
+  CHECK(later->status() == JobStatus::kQueued);
+  CHECK(!pool.run_ahead_of(*mine));  // done
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    CHECK(ran.size() == 2u && ran[0].first == "a" && ran[1].first == "mine");
+    CHECK(ran[0].second == std::this_thread::get_id());  // on the caller, not the worker
+  }
+  CHECK_EQ(pool.stats().completed, int64_t{2});
+  CHECK_EQ(pool.stats().running, int64_t{1});  // the gate's job
+  gate.open();
+  later->wait();
+  CHECK(later->status() == JobStatus::kSucceeded);
+}
+
+TEST(shutdown_waits_for_a_helping_thread) {
+  Gate gate;  // declared first: outlives the pool's workers
+  Gate helped;
+  WorkerPool pool(options(1));
+  block_worker(pool, gate);
+  auto mine = pool.submit({"mine", 1, 1}, [&helped] { helped.wait(); });
+  std::thread helper([&] { pool.run_ahead_of(*mine); });
+  helped.wait_entered();
+  std::atomic<bool> shut{false};
+  std::thread stopper([&] {
+    pool.shutdown(true);
+    shut = true;
+  });
+  gate.open();  // the worker's job ends; the helper's has not
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!shut.load());
+  helped.open();
+  stopper.join();
+  helper.join();
+  CHECK(shut.load());
+  CHECK(mine->status() == JobStatus::kSucceeded);
+}
+
 TEST(running_job_is_not_superseded) {
   Gate gate;  // declared first: outlives the pool's workers
   WorkerPool pool(options(1));
