@@ -9,6 +9,7 @@ step it was requested.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -18,9 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asteria import _C
+from asteria.memory.tiers import Arch
 from asteria.optim import Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.refreshes import Refreshes
+from asteria.runtime.testing import pretend_arch
 
 SETTINGS = settings(
     max_examples=25,
@@ -59,31 +62,41 @@ def _train(params, opt, steps: int, seed: int, each=None) -> list[torch.Tensor]:
     workers=st.integers(1, 2),
     lead=st.booleans(),
     steps=st.integers(1, 14),
+    tier=st.sampled_from([None, "device", "host"]),
 )
 def test_waited_refreshes_train_bitwise_native(
-    frequency, staleness, momentum, workers, lead, steps
+    frequency, staleness, momentum, workers, lead, steps, tier
 ):
     """At ``S = 0`` every refresh, and at ``S >= 1`` the first and urgent ones (here: every
     refresh of the first ``4f`` steps, the 1-D block's until it is full rank), is installed at
     its own step: the parameters are native's bit for bit, every basis read was of age 0, and
-    nothing is left deferred after a step."""
+    nothing is left deferred after a step; with the bases where the CPU keeps them (``None``),
+    and on the CPU stand-in of a discrete GPU, on the device or behind the window (``host``)."""
     kw = dict(precondition_frequency=frequency, momentum=momentum, merge_dims=True)
     horizon = steps if staleness == 0 else min(steps, 4 * frequency)
     native_params = _params(frequency)
     native = _train(native_params, Shampoo(native_params, **kw), horizon, seed=frequency)
     params = _params(frequency)
     opt = Shampoo(params, **kw)
+    placement = {} if tier is None else dict(placement={"bases": tier})
     config = RuntimeConfig(staleness=staleness, workers=workers, statistics_lane=False,
-                           refresh_lead=lead, refresh="interval")  # fmt: skip
-    with Runtime(None, opt, config) as rt:
+                           refresh_lead=lead, refresh="interval", **placement)  # fmt: skip
+    arch = (
+        contextlib.nullcontext()
+        if tier is None
+        else pretend_arch(Arch(cuda=True), device_free_bytes=1 << 40)
+    )
+    with arch, Runtime(None, opt, config) as rt:
         left: list[int] = []
         got = _train(
             params, opt, horizon, frequency, lambda t: left.append(len(rt._boundaries.deferred))
         )
         stats = rt.stats()
+        access = rt.memory_report()["placement"]["bases_access"]
     assert all(torch.equal(a, b) for a, b in zip(got, native))
     assert left == [0] * horizon
     assert stats["max_staleness"] == 0
+    assert access == {None: "direct", "device": None, "host": "window"}[tier]
 
 
 def test_a_steps_waited_refreshes_are_all_requested_before_the_first_install(monkeypatch):
