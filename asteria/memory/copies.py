@@ -33,6 +33,8 @@ from typing import Any, Protocol
 
 import torch
 
+from asteria.memory.host import is_host_tensor
+
 __all__ = ["Copies", "CudaCopies", "HostCopies", "HostEvent", "copies_for"]
 
 Tensors = Sequence[torch.Tensor | None]
@@ -164,8 +166,19 @@ class HostCopies:
     the kernels before it returns; what the runtime uses). ``False``: they stay pending until a
     test completes them by hand (``HostEvent.complete``) and calls ``run()``. ``log`` lists
     ``("record", event)``, ``("copy", event, waits)`` and ``("to_host", event)`` in the order
-    they happened. ``to_host`` copies at once (the CPU ran the kernels that wrote the sources);
-    its event, recorded on the main stream, is what later copies and ``host_sync`` wait for.
+    they happened.
+
+    Note [Stand-in host writes]: the stand-in orders host memory as CUDA does, so that a host
+    reader that forgets to wait fails on the CPU too. ``to_host`` writes its destinations only
+    when its event completes: with ``auto_complete``, when the host waits for it
+    (``host_sync``, ``synchronize`` or the event's ``synchronize``), as a device-to-host copy
+    behind a busy main stream may land no earlier than that, while later copies on the
+    "device" read what it writes (they are ordered after it); by hand otherwise. Until then the
+    host sees in the destinations what they held. And a pair
+    of a ``copy`` whose source and destination are both Asteria host memory (a staging slot
+    filled from a window's host basis) is what CUDA runs on the host at once, waiting for
+    nothing (``copy_`` between two CPU tensors, whatever stream is current): the stand-in runs
+    it at once too, before the queued device-side pairs and their waits.
     """
 
     stream = None  # no stream: fences of its copies are the CPU stand-in's
@@ -175,6 +188,7 @@ class HostCopies:
         self._order = itertools.count()
         self._queue: list[tuple[list, Tensors, Tensors, HostEvent]] = []
         self._host_writes: HostEvent | None = None
+        self._unlanded: list[_HostWrites] = []  # copies to host not yet seen by the host
         self.log: list[tuple] = []
 
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -186,23 +200,37 @@ class HostCopies:
         return event
 
     def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[HostEvent]) -> HostEvent:
+        on_host = [_host_pair(d, s) for d, s in zip(dsts, srcs)]
+        if any(on_host):  # run by the host at once, as CUDA does (Note [Stand-in host writes])
+            _copy_all(
+                [d for d, h in zip(dsts, on_host) if h], [s for s, h in zip(srcs, on_host) if h]
+            )
+            dsts = [None if h else d for d, h in zip(dsts, on_host)]
         waits = list(waits)
         if self._host_writes is not None and not self._host_writes.query():
-            waits.append(self._host_writes)
+            if self.auto_complete:  # the device reads what the copies to host write; the host
+                srcs = [_landed(s, self._unlanded) for s in srcs]  # sees it once it waits
+            else:
+                waits.append(self._host_writes)
         done = HostEvent(next(self._order))
         self._queue.append((waits, dsts, srcs, done))
         self.run()
         return done
 
     def to_host(self, dsts: Tensors, srcs: Tensors) -> HostEvent:
-        _copy_all(dsts, srcs)
-        self._host_writes = event = HostEvent(next(self._order), done=self.auto_complete)
+        # (the sources are read when the event completes: the caller may drop them, as the
+        # caching allocator keeps a device source for a copy in its stream's order)
+        pairs = [(d, s) for d, s in zip(dsts, srcs) if d is not None and s is not None]
+        self._host_writes = event = _HostWrites(next(self._order), pairs, self.auto_complete)
+        self._unlanded = [e for e in self._unlanded if not e.query()] + [event]
         self.log.append(("to_host", event))
         return event
 
     def host_sync(self) -> None:
         if self._host_writes is not None:
-            self._host_writes.synchronize()
+            for event in self._unlanded:  # in their order (the main stream's)
+                event.synchronize()
+            self._unlanded = []
             self._host_writes = None
 
     def run(self) -> None:
@@ -232,6 +260,61 @@ class HostCopies:
                 f"stand-in: {len(self._queue)} copies wait for events that are not complete"
             )
         self.host_sync()
+
+
+class _HostWrites(HostEvent):
+    """The event of the stand-in's ``to_host`` copies: they write their destinations when it
+    completes (Note [Stand-in host writes]). With ``lands_when_waited``, a host wait
+    (``synchronize``) completes it: the device catches up with its main stream."""
+
+    def __init__(self, order: int, pairs: list, lands_when_waited: bool) -> None:
+        super().__init__(order)
+        self._pairs = [(d, s.clone()) for d, s in pairs]  # (what the sources hold now)
+        self._lands_when_waited = lands_when_waited
+
+    def complete(self) -> None:
+        if not self._done:
+            _copy_all([d for d, _ in self._pairs], [s for _, s in self._pairs])
+            self._pairs = []
+        super().complete()
+
+    def synchronize(self) -> None:
+        if self._lands_when_waited:
+            self.complete()
+        super().synchronize()
+
+    def value_of(self, dst: torch.Tensor | None) -> torch.Tensor | None:
+        """What this copy writes to ``dst`` (the same tensor memory), if it writes it and has
+        not landed."""
+        if dst is None or self._done:
+            return None
+        for d, s in self._pairs:
+            if (d.data_ptr(), d.shape, d.stride(), d.dtype) == (
+                dst.data_ptr(),
+                dst.shape,
+                dst.stride(),
+                dst.dtype,
+            ):
+                return s
+        return None
+
+
+def _landed(src: torch.Tensor | None, unlanded: list[_HostWrites]) -> torch.Tensor | None:
+    """What the device reads at ``src`` after the copies to host ``unlanded`` (in order): the
+    last of them that writes ``src``, else ``src`` itself."""
+    for event in reversed(unlanded):
+        value = event.value_of(src)
+        if value is not None:
+            return value
+    return src
+
+
+def _host_pair(dst: torch.Tensor | None, src: torch.Tensor | None) -> bool:
+    """Whether a copy from ``src`` into ``dst`` is between two CPU tensors of Asteria host
+    memory (the stand-in's host memory; its device memory is plain CPU tensors)."""
+    if dst is None or src is None or dst.is_cuda or src.is_cuda:
+        return False
+    return is_host_tensor(dst) and is_host_tensor(src)
 
 
 def copies_for(device: torch.device) -> Copies:

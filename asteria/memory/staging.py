@@ -16,6 +16,17 @@ Note [Snapshot fences]:
   copy never reads a value written after the snapshot.
 On the CPU stand-in (``HostCopies``) the copies run at once and every fence is complete.
 
+Note [Host sources of a snapshot]: a source in host memory (a block's basis behind the bases
+window, asteria/runtime/window_bases.py) makes its pair a copy between two CPU tensors, which
+CUDA runs on the host at once: the copy stream's waits (the reader fence, the ``to_host`` event)
+order device work only. Such a source may be the destination of a ``to_host`` copy still queued
+on the main stream (the same step's first read hosted the block's new bases, then its boundary
+requested a refresh: Note [Host writes] in asteria/memory/copies.py), so ``snapshot`` waits on
+the host for those copies first (``host_sync``, free once they landed). Without the wait a QR
+refresh started from stale or uninitialised pinned memory, and nothing counted it (issue 50;
+``HostCopies`` orders host memory the same way, Note [Stand-in host writes], so the CPU tests
+see it).
+
 A source must outlive the copy that reads it. For device memory the copy stream's
 ``record_stream`` keeps the caching allocator from reusing it; host memory it does not track
 (a device view of an Asteria host block, a CPU tensor) is kept here, with the copy's event, until
@@ -151,6 +162,8 @@ def snapshot(
                 f"snapshot: tensor {i} has {t.nbytes} bytes, more than a slot of the ring "
                 f"({ring.slot_bytes} bytes)"
             )
+    if any(not t.is_cuda and is_host_tensor(t) for t in srcs):
+        copies.host_sync()  # Note [Host sources of a snapshot]
     leases: list[StagingSlot] = []
     try:
         for _ in srcs:

@@ -349,6 +349,16 @@ class WindowBases(BasesAccess):
         block = self._block_or_none(key)
         return None if block is None else block[self.field]
 
+    def settle(self, key: BlockKey) -> None:
+        """A refresh's job reads the block's bases as its input: where they are host tensors,
+        the copies to host that write them must have landed (Note [Host sources of a snapshot]
+        in asteria/memory/staging.py; free once they have)."""
+        block = self._block_or_none(key)
+        if block is not None and any(
+            q is not None and not q.is_cuda and is_host_tensor(q) for q in block[self.field]
+        ):
+            self.window.copies.host_sync()
+
     def host_sync(self) -> None:
         self._host_installed()
         self.window.copies.host_sync()

@@ -13,9 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asteria.memory import host_memory_stats, is_host_tensor, release_host_cache
+from asteria.memory import (
+    StagingRing,
+    host_empty,
+    host_memory_stats,
+    is_host_tensor,
+    release_host_cache,
+)
 from asteria.memory.accounting import estimate_blocks
 from asteria.memory.copies import HostCopies
+from asteria.memory.staging import snapshot
 from asteria.memory.tiers import Arch
 from asteria.memory.window import BasesWindow
 from asteria.optim import SOAP, KLShampoo, Shampoo
@@ -123,6 +130,58 @@ def test_copies_wait_for_the_host_writes_before_them_and_the_host_waits_in_host_
     assert copies.pending() == 0 and torch.equal(slot, torch.ones(3))
 
 
+def test_the_stand_in_copies_to_host_land_only_when_waited_for():
+    """Note [Stand-in host writes]: as a device-to-host copy behind a busy main stream, the
+    stand-in's ``to_host`` has not written its destination for the host until the host waits
+    for it (later copies on the "device" read what it writes); a copy between two host tensors
+    runs at once and waits for nothing, as CUDA runs it."""
+    copies = HostCopies()
+    src, dst = torch.full((3,), 5.0), host_empty((3,), torch.float32, pinned=False)
+    dst.fill_(-1.0)
+    written = copies.to_host([dst], [src])
+    src.fill_(6.0)  # a later kernel's write: not what the copy reads
+    assert not written.query() and torch.equal(dst, torch.full((3,), -1.0))
+    other = host_empty((3,), torch.float32, pinned=False)
+    copies.copy([other], [dst], [])  # host to host: at once, from what dst holds now
+    assert torch.equal(other, torch.full((3,), -1.0))
+    slot = torch.zeros(3)
+    copies.copy([slot], [dst], [])  # a window fill: on the "device", after the writes
+    assert torch.equal(slot, torch.full((3,), 5.0))
+    assert not written.query() and torch.equal(dst, torch.full((3,), -1.0))  # (host: not yet)
+    dst2 = host_empty((3,), torch.float32, pinned=False)
+    copies.to_host([dst2], [src])
+    copies.host_sync()  # the host waits: both copies land, in order
+    assert written.query() and torch.equal(dst, torch.full((3,), 5.0))
+    assert torch.equal(dst2, torch.full((3,), 6.0))
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["auto", "by_hand"])
+def test_a_snapshot_of_a_host_basis_waits_for_the_copy_to_host_that_writes_it(manual):
+    """Note [Host sources of a snapshot] (issue 50): a block's basis hosted by a ``to_host``
+    still in flight, then snapshotted into a staging slot (a refresh requested in the step whose
+    first read hosted its install): the slot holds the new basis, not what the reused host
+    block held before."""
+    copies = HostCopies(auto_complete=not manual)
+    ring = StagingRing(slots=2, slot_bytes=4096)
+    factor, new = torch.randn(4, 4), torch.full((4, 4), 3.0)
+    basis = host_empty((4, 4), torch.float32, pinned=False, reuse=True)
+    basis.fill_(-7.0)  # an older basis of another block, or uninitialised pages
+    written = copies.to_host([basis], [new])
+    if manual:  # the host would wait for a copy the stand-in cannot run by itself
+        with pytest.raises(RuntimeError, match="never completes"):
+            snapshot([factor, basis], ring, copies, timeout=0.0)
+        assert ring.stats()["leased"] == 0
+        written.complete()
+    snap = snapshot([factor, basis], ring, copies, timeout=0.0)
+    if manual:
+        _reader_event(copies, 0).complete()
+        copies.run()
+    got = snap.wait()
+    assert torch.equal(got[0], factor)
+    assert torch.equal(got[1], new), "the snapshot read the basis before its copy to host landed"
+    snap.release()
+
+
 # ---- the runtime's window on the stand-in --------------------------------------------------------
 
 
@@ -170,6 +229,33 @@ def test_training_through_the_window_is_bitwise_equal_to_training_without_it(nam
     window = report["placement"]["window"]
     assert window["slots"] == 2 and window["prefetch_hits"] > STEPS  # the window did the work
     assert hosted and all(hosted)  # the bases in use are Asteria host blocks
+    for a, b in zip(params, reference):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("refresh", ["staggered", "continuous"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_staged_snapshots_of_host_bases_train_bitwise_like_bases_on_the_device(name, refresh):
+    """Issue 50, through the runtime: with the device path's staged snapshots, a refresh
+    requested in the step whose first read hosted the block's new bases stages them only once
+    their copy to host memory landed (Note [Host sources of a snapshot]). The stand-in's copies
+    to host land for the host only when it waits (Note [Stand-in host writes]): without the
+    wait, the QR refreshes started from stale host blocks and diverged (or failed as
+    non-finite)."""
+    from asteria.runtime.testing import staged_snapshots
+
+    def run(bases: str):
+        config = RuntimeConfig(
+            staleness=3, fixed_delay=3, workers=1, refresh=refresh, statistics_lane=False,
+            placement={"bases": bases},
+        )  # fmt: skip
+        with pretend_arch(Arch(cuda=True)), staged_snapshots():
+            return _train(name, config)
+
+    reference, on_device, _ = run("device")
+    params, report, hosted = run("host")
+    assert on_device["placement"]["bases_access"] is None
+    assert report["placement"]["bases_access"] == "window" and hosted and all(hosted)
     for a, b in zip(params, reference):
         assert torch.equal(a, b)
 
