@@ -103,12 +103,54 @@ def _cuda_home() -> str | None:
     return home
 
 
+def _nvcc_version(home: str) -> tuple[int, int] | None:
+    """(major, minor) of ``home``'s nvcc (``release 13.0`` in ``nvcc --version``), or None."""
+    try:
+        out = subprocess.run(
+            [os.path.join(home, "bin", "nvcc"), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", out.stdout + out.stderr)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _toolkit_fix(torch_cuda: str) -> str:
+    major = torch_cuda.split(".")[0]
+    return (
+        f"install a CUDA {major}.x toolkit (nvcc and headers; e.g. the distribution's "
+        f"cuda-toolkit-{major}-* package or `conda install -c nvidia cuda-nvcc "
+        f"cuda-cudart-dev`), point CUDA_HOME at it and rebuild with ASTERIA_FORCE_CUDA=1: "
+        "`ASTERIA_FORCE_CUDA=1 pip install --no-build-isolation --no-deps -e .` (docs/gpu.md). "
+        "ASTERIA_NO_CUDA=1 builds the CPU-only extension on purpose"
+    )
+
+
+#: Why a torch with CUDA gets a CPU-only extension (None: CUDA is built, or torch has none);
+#: recorded in asteria/_build_info.py, which ``python -m asteria.info`` and the runtime's attach
+#: on CUDA parameters report (Note [CPU-only builds on CUDA machines]).
+CUDA_MISSING: str | None = None
+
+
+# Note [CPU-only builds on CUDA machines]: without nvcc the extension builds without CUDA, and
+# everything the runtime does on a GPU (pinned registrations, fences on CUDA streams, device
+# views) then fails, once at the first refresh request of every run. So a CUDA torch without a
+# toolkit still builds (a CPU-only use of a CUDA wheel is common) but says so loudly, records
+# why, and ``asteria.info`` and ``Runtime`` attach on CUDA parameters name what is missing and
+# how to fix it. An nvcc whose CUDA major differs from torch's stops the build here with both
+# versions named (torch's builder would refuse it later with less to go on).
 def _use_cuda() -> bool:
+    global CUDA_MISSING
+    has_cuda_torch = bool(torch.version.cuda)
     if _env_flag("ASTERIA_NO_CUDA"):
         if _env_flag("ASTERIA_FORCE_CUDA"):
             sys.exit("setup.py: ASTERIA_FORCE_CUDA=1 and ASTERIA_NO_CUDA=1 contradict each other")
+        if has_cuda_torch:
+            CUDA_MISSING = "built with ASTERIA_NO_CUDA=1"
         return False
-    has_cuda_torch = bool(torch.version.cuda)
     home = _cuda_home() if has_cuda_torch else None
     if _env_flag("ASTERIA_FORCE_CUDA"):
         if not has_cuda_torch:
@@ -116,10 +158,33 @@ def _use_cuda() -> bool:
         if home is None:
             sys.exit(
                 "setup.py: ASTERIA_FORCE_CUDA=1 but no CUDA toolkit (nvcc + headers) found; "
-                "set CUDA_HOME"
+                + _toolkit_fix(torch.version.cuda)
             )
-        return True
-    return home is not None
+    if home is None:
+        if has_cuda_torch:
+            CUDA_MISSING = (
+                f"torch {torch.__version__} has CUDA {torch.version.cuda}, but no CUDA toolkit "
+                "was found at build (nvcc and cuda_runtime.h: CUDA_HOME/CUDA_PATH unset or "
+                "incomplete, no nvcc on PATH)"
+            )
+            print(
+                f"setup.py: WARNING: building asteria._C WITHOUT CUDA: {CUDA_MISSING}. The "
+                "runtime will refuse CUDA parameters. To fix: " + _toolkit_fix(torch.version.cuda),
+                file=sys.stderr,
+            )
+        return False
+    nvcc = _nvcc_version(home)
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if nvcc is not None and nvcc[0] != torch_major:
+        sys.exit(
+            f"setup.py: nvcc at {home} is CUDA {nvcc[0]}.{nvcc[1]}, but torch "
+            f"{torch.__version__} was built with CUDA {torch.version.cuda}: their major versions "
+            f"must match. Point CUDA_HOME at a CUDA {torch_major}.x toolkit, or install the "
+            f"torch build for CUDA {nvcc[0]} (e.g. --index-url "
+            f"https://download.pytorch.org/whl/cu{nvcc[0]}{nvcc[1]}), or build without CUDA "
+            "(ASTERIA_NO_CUDA=1)"
+        )
+    return True
 
 
 def _nvidia_include_dirs() -> list[str]:
@@ -170,6 +235,8 @@ def _build_info_text(ext, with_cuda: bool, link: list[str] | None = None) -> str
         "CUDA": with_cuda,
         "CUDA_VERSION": torch.version.cuda if with_cuda else None,
         "CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None,
+        # why a torch with CUDA got a CPU-only build (Note [CPU-only builds on CUDA machines])
+        "CUDA_MISSING": None if with_cuda else CUDA_MISSING,
         "CXX_FLAGS": ext.extra_compile_args["cxx"],
         "NVCC_FLAGS": ext.extra_compile_args.get("nvcc") if with_cuda else None,
         "SOURCES": ext.sources,

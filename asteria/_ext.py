@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["REBUILD_HINT", "ExtensionVersionError", "load_extension"]
+__all__ = ["REBUILD_HINT", "ExtensionVersionError", "cuda_missing", "load_extension"]
 
 REBUILD_HINT = (
     "rebuild it against the installed torch: `pip install --no-build-isolation --no-deps -e .` "
@@ -62,3 +62,29 @@ def load_extension() -> ModuleType:
             + REBUILD_HINT
         )
     return ext
+
+
+def cuda_missing(ext: ModuleType) -> str | None:
+    """Why ``ext`` (``asteria._C``) has no CUDA and how to fix it; None for a CUDA build (Note
+    [CPU-only builds on CUDA machines] in setup.py): what ``python -m asteria.info`` and the
+    runtime's attach on CUDA parameters say."""
+    if ext.cuda_enabled():
+        return None
+    try:
+        reason = getattr(importlib.import_module("asteria._build_info"), "CUDA_MISSING", None)
+    except ImportError:
+        reason = None
+    if torch.version.cuda:
+        major = torch.version.cuda.split(".")[0]
+        reason = (
+            reason or f"asteria._C was built without CUDA (torch has CUDA {torch.version.cuda})"
+        )
+        fix = (
+            f"install a CUDA {major}.x toolkit (nvcc and headers), point CUDA_HOME at it and "
+            "rebuild: `ASTERIA_FORCE_CUDA=1 pip install --no-build-isolation --no-deps -e .` "
+            "(docs/gpu.md)"
+        )
+    else:
+        reason = f"asteria._C was built without CUDA: torch {torch.__version__} has no CUDA"
+        fix = "install a torch with CUDA, then rebuild asteria._C against it with a CUDA toolkit"
+    return f"{reason}. To use Asteria on a GPU, {fix}"

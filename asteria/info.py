@@ -25,6 +25,7 @@ import torch
 
 import asteria
 from asteria import _C, _supported
+from asteria._ext import cuda_missing
 from asteria.lowlevel import capabilities
 
 
@@ -55,6 +56,8 @@ def collect(spill_dir: str | None = None) -> dict[str, Any]:
         "cuda_version": ext["cuda_version"] or None,
         "cuda_arch_list": recorded.get("CUDA_ARCH_LIST"),
         "cuda_available": torch.cuda.is_available(),
+        # what a CPU-only build with a CUDA torch lacks, and how to fix it
+        "cuda_missing": cuda_missing(_C) if torch.version.cuda else None,
         "lapack_backend": ext["lapack_backend"] or _torch_lapack(),
         "eigh_path": ext["eigh_path"],
         "per_worker_lapack_threads": bool(ext["thread_local_mkl"] or ext["thread_local_openmp"]),
@@ -83,8 +86,12 @@ def verdict(info: dict[str, Any]) -> str:
     """
     if info["torch_in_range"] != "inside" or not info["python_in_range"]:
         return f"OK, outside the tested range ({info['supported_range']}): docs/versions.md"
-    if info["cuda_available"] and not info["cuda_extension"]:
-        return "OK (CPU-only build on a CUDA machine: rebuild with CUDA for the GPU paths)"
+    if info.get("cuda_missing") and not info["cuda_extension"]:
+        where = "a CUDA machine" if info["cuda_available"] else "a torch with CUDA"
+        return (
+            f"CPU ONLY (a CPU-only build on {where}: a Runtime refuses CUDA parameters): "
+            + info["cuda_missing"]
+        )
     if info["cuda_extension"]:
         return "OK: CUDA build"
     return "OK: CPU build (CUDA off)"
@@ -92,6 +99,8 @@ def verdict(info: dict[str, Any]) -> str:
 
 def format_report(info: dict[str, Any]) -> str:
     cuda = "off"
+    if info.get("cuda_missing"):
+        cuda = f"off: {info['cuda_missing']}"
     if info["cuda_extension"]:
         cuda = f"on (CUDA {info['cuda_version']}, arch list {info['cuda_arch_list'] or 'default'})"
     rows = [

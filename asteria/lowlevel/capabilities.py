@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from asteria import _C
+from asteria._ext import cuda_missing
 from asteria.ops import OPS
 
 __all__ = ["Capabilities", "CudaUnavailableError", "capabilities", "require_cuda"]
@@ -36,8 +37,8 @@ def require_cuda(what: str) -> None:
     visible."""
     if not _C.cuda_enabled():
         raise CudaUnavailableError(
-            f"{what} needs CUDA, and this asteria build has no CUDA (a CPU-only build); rebuild "
-            "against a CUDA torch with nvcc available (`python -m asteria.info` shows the build)"
+            f"{what} needs CUDA, and this asteria build has no CUDA (a CPU-only build): "
+            f"{cuda_missing(_C)} (`python -m asteria.info` shows the build)"
         )
     if not torch.cuda.is_available():
         raise CudaUnavailableError(

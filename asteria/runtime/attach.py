@@ -31,7 +31,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -439,6 +439,7 @@ def build(
     then attaches them. A refused attach (an exception of either) leaves no thread, hook or file
     (issue 22). What the parts keep holds no reference to the runtime, which stays collectable
     without ``close()`` (tests/unit/test_shutdown.py): hooks and finalizers hold it weakly."""
+    check_cuda_build(q.device for q in params_of(optimizer))
     c = config
     names = param_names(model, optimizer)
     block_name = namer(names)
@@ -476,6 +477,19 @@ def build(
         p.undo(optimizer, runtime)
         raise
     return p
+
+
+def check_cuda_build(devices: Iterable[torch.device]) -> None:
+    """Refuse CUDA parameters at attach on a CPU-only build of the extension, with what is
+    missing and how to fix it (Note [CPU-only builds on CUDA machines] in setup.py), instead of
+    a failure at the first refresh request (the staging fences, the window's pinned memory)."""
+    if any(d.type == "cuda" for d in devices):
+        from asteria._ext import cuda_missing, load_extension
+        from asteria.lowlevel.capabilities import CudaUnavailableError
+
+        missing = cuda_missing(load_extension())
+        if missing is not None:
+            raise CudaUnavailableError(f"Asteria: the parameters are on CUDA, but {missing}")
 
 
 def _make_threads(

@@ -1,5 +1,5 @@
 """The bases window on real CUDA streams (Note [Bases window] in asteria/memory/window.py): copies
-on a lowest-priority stream from pinned host memory, a slot refilled only after the event
+on the copy stream from pinned host memory, a slot refilled only after the event
 recorded after its last reader, the main stream reading a slot only after its copy; and the
 runtime on a discrete GPU training through the window bitwise like with the bases on the device.
 Skipped where torch sees no CUDA device; tests/unit/test_window.py checks the same ordering on the
@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asteria.memory import host_empty, is_host_tensor
+from asteria.memory import StagingRing, host_empty, is_host_tensor
 from asteria.memory.accounting import detect_arch
 from asteria.memory.copies import CudaCopies
+from asteria.memory.staging import snapshot
 from asteria.memory.window import BasesWindow
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
@@ -85,6 +86,26 @@ def test_copies_to_host_do_not_wait_and_the_window_reads_them_after_they_land():
     assert total.item() == D * D * 15.0, "the window copied the host bases before they landed"
 
 
+def test_a_snapshot_of_a_host_basis_waits_for_the_copy_to_host_that_writes_it():
+    """Issue 50 (Note [Host sources of a snapshot] in asteria/memory/staging.py): a basis hosted
+    by a ``to_host`` still queued behind a busy main stream, then staged for a refresh: the
+    staging slot holds the new basis, not what the reused pinned block held before."""
+    copies = CudaCopies("cuda")
+    ring = StagingRing(slots=2, slot_bytes=D * D * 4)
+    factor = torch.randn(D, D, device="cuda")
+    new = torch.full((D, D), 7.0, device="cuda")
+    basis = host_empty((D, D), torch.float32, pinned=True, reuse=True)
+    basis.fill_(-1.0)  # an older basis of another block, or uninitialised pages
+    torch.cuda._sleep(SLEEP_CYCLES)  # the main stream is busy: the copy to host lands late
+    written = copies.to_host([basis], [new])
+    assert not written.query(), "to_host waited for the main stream"
+    snap = snapshot([factor, basis], ring, copies, timeout=0.0)
+    got = snap.wait()
+    assert torch.equal(got[1], new.cpu()), "the snapshot read the basis before it landed"
+    assert torch.equal(got[0], factor.cpu())
+    snap.release()
+
+
 def test_a_host_tensor_replaced_while_its_copy_is_in_flight_stays_alive():
     window, copies = _window(slots=1)
     a = _pinned(5.0)
@@ -118,6 +139,7 @@ def _train(cls, config: RuntimeConfig, steps: int = 20):
             torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
             opt.step()
         report = rt.memory_report()
+        report["stats"] = rt.stats()
         hosted = [
             is_host_tensor(q) and q.is_pinned()
             for _, _, block, _ in opt.blocks()
@@ -128,17 +150,64 @@ def _train(cls, config: RuntimeConfig, steps: int = 20):
     return [p.detach().clone() for p in model.parameters()], report, hosted
 
 
+def _window_forced(**kw) -> RuntimeConfig:
+    """The bases in pinned host memory behind the window, whatever the device's free memory:
+    under ``placement="auto"`` an H100/H200 keeps this MLP's bases on the device (Note [Bases by
+    budget] in asteria/memory/tiers.py), and the window would go untested (issue 50)."""
+    return RuntimeConfig(**kw, placement={"bases": "host"})
+
+
 @pytest.mark.parametrize("fixed_delay", [None, 3])
 @pytest.mark.parametrize("cls", [SOAP, Shampoo, KLShampoo], ids=lambda c: c.__name__)
 def test_training_through_the_window_equals_bases_on_the_device(cls, fixed_delay):
     if detect_arch("cuda").unified_memory:
         pytest.skip("a unified-memory GPU reads host bases through mapped views, not a window")
     kw = dict(staleness=0 if fixed_delay is None else 3, fixed_delay=fixed_delay, workers=2)
-    reference, _, _ = _train(cls, RuntimeConfig(**kw, placement={"bases": "device"}))
-    params, report, hosted = _train(cls, RuntimeConfig(**kw))
+    reference, on_device, _ = _train(cls, RuntimeConfig(**kw, placement={"bases": "device"}))
+    params, report, hosted = _train(cls, _window_forced(**kw))
+    assert on_device["placement"]["bases_access"] is None
     assert report["placement"]["bases_access"] == "window"
-    assert report["placement"]["window"]["prefetch_hits"] > 20
+    window = report["placement"]["window"]
+    assert window["prefetch_hits"] + window["hits"] > 20  # the window did the work
     assert hosted and all(hosted)
     assert report["device"]["bases"] == report["planned"]["device"]["bases"] > 0
+    assert report["stats"]["snapshots"]["strategy"] == "staged"
+    for a, b in zip(params, reference):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("refresh", ["staggered", "continuous"])
+@pytest.mark.parametrize("cls", [SOAP, Shampoo, KLShampoo], ids=lambda c: c.__name__)
+def test_the_window_under_requests_in_the_step_that_hosted_the_bases(cls, refresh):
+    """Issue 50 through the runtime: a request in the step whose first read hosted a block's
+    new bases (``refresh="continuous"`` does it at the block's first boundary after an
+    install), with no per-step host sync (``skip_nonfinite_grads=False``: the copies to host
+    queue behind the whole step). Fixed delay: bitwise like the bases on the device; and the
+    window's new paths ran (reads together or part hits, spares)."""
+    if detect_arch("cuda").unified_memory:
+        pytest.skip("a unified-memory GPU reads host bases through mapped views, not a window")
+    kw = dict(staleness=3, fixed_delay=3, workers=2, refresh=refresh)
+
+    def train(config):
+        model = _mlp()
+        opt = cls(model.parameters(), precondition_frequency=5, max_preconditioner_dim=32)
+        opt.skip_nonfinite_grads = False
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        xs = torch.randn(24, 32, 64, device="cuda", generator=gen)
+        with Runtime(model, opt, config) as rt:
+            for t in range(24):
+                opt.zero_grad()
+                model(xs[t]).square().mean().backward()
+                torch.cuda._sleep(SLEEP_CYCLES // 20)  # the D2H copies queue behind this
+                opt.step()
+            report = rt.memory_report()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()], report
+
+    reference, _ = train(RuntimeConfig(**kw, placement={"bases": "device"}))
+    params, report = train(_window_forced(**kw))
+    window = report["placement"]["window"]
+    assert report["placement"]["bases_access"] == "window"
+    assert window["spares"] + window["part_hits"] + window["hits"] > 0, window
     for a, b in zip(params, reference):
         assert torch.equal(a, b)
