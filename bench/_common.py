@@ -181,3 +181,19 @@ def emit_json(payload: dict[str, Any]) -> None:
 
     sys.stdout.flush()
     print(json.dumps(clean(payload), allow_nan=False), flush=True)
+
+
+def partial_json(payload: dict[str, Any]) -> None:
+    """Write ``payload`` (with ``recorded`` and ``"partial": true``) to the file named by
+    ``$BENCH_PARTIAL_JSON``, replacing it atomically; nothing where it is unset. A bench calls it
+    after each finished unit (a variant, a run), so that a run cut by its time box still leaves
+    what it measured (bench/gpu_check.sh keeps that file when the last line is not the JSON)."""
+    path = os.environ.get("BENCH_PARTIAL_JSON")
+    if not path:
+        return
+    payload = {**payload, "partial": True, "recorded": recorded()}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, default=str)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -1,51 +1,61 @@
 #!/usr/bin/env bash
-# The CUDA path on a real GPU, in one run: build, report, tests, benchmarks, summary.
+# The CUDA path on a real GPU, in stages of at most 8 minutes each (a lent GPU gives about 13
+# minutes in all, at most 10 a command, and at most 8 files back a command).
 #
-#   bench/gpu_check.sh                  on a CUDA machine (about 9 minutes on an H200 host)
-#   bench/gpu_check.sh --dry-run        print every phase's command, run nothing
+#   bench/gpu_check.sh --stage 1        build, asteria.info, tests/gpu (the window forced, the
+#                                       snapshot race, the window through the runtime)
+#   bench/gpu_check.sh --stage 2        step time: tiny and OLMo-150m, AdamW and SOAP, KL-Shampoo
+#                                       and Shampoo x {native, bases on the device, window}
+#   bench/gpu_check.sh --stage 3        per-step launches, syncs and pinned registrations
+#                                       (profiler, tiny); device memory with the window (OLMo-150m)
+#   bench/gpu_check.sh --stage 4        the peers on the GPU (bench/optim_step.py --device cuda),
+#                                       then issue 49's short time to target (tiny)
+#   bench/gpu_check.sh                  every stage, in order (a machine with the time for it)
+#   bench/gpu_check.sh --dry-run        print every phase's command and time box, run nothing
 #   bench/gpu_check.sh --cpu-rehearsal  the same phases on CPU with tiny sizes (no build; results
 #                                       stay in the log directory, never in bench/results)
-#   bench/gpu_check.sh --only step_time,summary   run only the named phases (e.g. a rerun)
-#   bench/gpu_check.sh --skip-build     every phase but the build
+#   bench/gpu_check.sh --only step_tiny,summary   run only the named phases
+#   bench/gpu_check.sh --skip-build     every selected phase but the build
 #
-# Phases: build (pip install --no-build-isolation --no-deps -e . with TORCH_CUDA_ARCH_LIST,
-# ASTERIA_FORCE_CUDA=1), info (python -m asteria.info, and the GPU's name), tests (tests/gpu and
-# the CUDA-relevant unit tests), profile (bench/profile_step.py on the tiny preset: where the
-# host time of native and Asteria steps goes, torch.profiler and cProfile), host_overhead
-# (bench/host_overhead.py: ATen ops, syncs and Python calls per step, counted), step_time (AdamW,
-# native and Asteria SOAP and KL-Shampoo, with NVML energy per step), time_to_target
-# (bench/time_to_target.py --device cuda on the tiny preset, at the committed CPU tuning's
-# rates), memory (bench/memory.py --measure-cuda: max_memory_allocated), capacity
-# (bench/capacity.py when present, else bench/gpu_refresh_time.py: device eigh/QR vs the CPU
-# pool per factor size), summary (bench/gpu_summary.py: the figures against the goals).
-#
-# Each phase runs under `timeout`: its own limit, cut so that the phases after it keep their
-# minimum within GPU_CHECK_BUDGET_S (default 540 s). A failing phase does not stop later ones;
-# the exit code is 1 if any phase failed (0 otherwise; a missed goal is not a failure).
-# Results: bench/results/<bench>_<gpu>.json (<gpu> from torch.cuda.get_device_name, lower-cased
-# and sanitized: "NVIDIA H200" -> h200). Logs and results are written under build/gpu_check/;
-# when $OUT is set, after every phase it receives, flat (the device tool brings back at most 8
-# files): the results' JSON, phases.txt, gpu_summary.txt and gpu_check_logs.tar.gz (all logs).
-# Knobs (environment): PYTHON, GPU_CHECK_BUDGET_S,
-# GPU_CHECK_MODEL (olmo-150m), GPU_CHECK_LAYERS (12), GPU_CHECK_BATCH (32), GPU_CHECK_SEQ (512),
-# GPU_CHECK_STEPS (60), GPU_CHECK_WORKERS (cores - 1), GPU_CHECK_TTT_PRESETS (tiny),
-# GPU_CHECK_TTT_ARGS (more words for time_to_target, e.g. --modes native,asteria),
-# TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS.
+# Each stage begins with the build (incremental where build/ survived: seconds) and ends with
+# the summary. Each phase runs under `timeout` with its box (BOX_S), cut so that the stage's
+# later phases keep their minimum within the stage's limit (STAGE_LIMIT_S, 470 s; the boxes of
+# each stage add up to at most that: tests/unit/test_gpu_check.py checks it, and that each box
+# covers the phase's measured need, NEED_S). A failing phase does not stop later ones; the exit
+# code is 1 if any phase failed (0 otherwise; a missed goal is not a failure).
+# Every benchmark writes its JSON as it goes ($BENCH_PARTIAL_JSON, after each variant): a phase
+# cut by its box keeps what it measured (marked "partial"). Results: bench/results/<bench>_<gpu>
+# .json (<gpu> from torch.cuda.get_device_name: "NVIDIA H200" -> h200). Logs and results are
+# written under build/gpu_check/; when $OUT is set, after every phase it receives exactly two
+# files: gpu_check_stage<N>.tar.gz (every log, every result JSON, phases.txt, commit.txt) and
+# gpu_check_stage<N>.txt (the commit, the phases' status, the goals table). Every JSON records
+# the commit (ASTERIA_COMMIT, else git; pass ASTERIA_COMMIT=$(git rev-parse HEAD) where the
+# tree travels without fresh git metadata).
+# Knobs (environment): PYTHON, STAGE_LIMIT_S, GPU_CHECK_WORKERS (cores - 1), GPU_CHECK_PEERS
+# (a folder of peer wheels and Meta's distributed_shampoo, default build/peers, made by
+# tools/pack_peers.sh), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS, ASTERIA_COMMIT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 
 DRY_RUN=0
 REHEARSAL=0
 ONLY=""
 SKIP_BUILD=0
+STAGE=""
 while (($#)); do
     case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --cpu-rehearsal) REHEARSAL=1 ;;
     --skip-build) SKIP_BUILD=1 ;;
+    --stage)
+        [[ $# -ge 2 ]] || { echo "gpu_check.sh: --stage needs a number (1-4)" >&2; exit 2; }
+        STAGE=$2
+        shift
+        ;;
+    --stage=*) STAGE=${1#--stage=} ;;
     --only)
         [[ $# -ge 2 ]] || { echo "gpu_check.sh: --only needs a list of phases" >&2; exit 2; }
         ONLY=$2
@@ -58,41 +68,70 @@ while (($#)); do
     shift
 done
 
-PHASES=(build info tests profile host_overhead step_time time_to_target memory capacity summary)
+# The stages, in the order a verdict needs them; a phase name is unique across stages, but
+# build and summary open and close every stage.
+declare -A STAGE_PHASES=(
+    [1]="build info tests summary"
+    [2]="build step_tiny step_olmo summary"
+    [3]="build profile memory summary"
+    [4]="build peers ttt summary"
+)
+STAGES=(1 2 3 4)
+if [[ -n $STAGE && -z ${STAGE_PHASES[$STAGE]:-} ]]; then
+    echo "gpu_check.sh: unknown stage '$STAGE' (stages: ${STAGES[*]})" >&2
+    exit 2
+fi
+ALL_PHASES=(build info tests step_tiny step_olmo profile memory peers ttt summary)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a wanted <<<"$ONLY"
     for w in "${wanted[@]}"; do
-        if [[ " ${PHASES[*]} " != *" $w "* ]]; then
-            echo "gpu_check.sh: unknown phase '$w' (phases: ${PHASES[*]})" >&2
+        if [[ " ${ALL_PHASES[*]} " != *" $w "* ]]; then
+            echo "gpu_check.sh: unknown phase '$w' (phases: ${ALL_PHASES[*]})" >&2
             exit 2
         fi
     done
 fi
 
+# -- time boxes --------------------------------------------------------------------------------
+# NEED_S: what each phase needs on an H100/H200 host (16 cores), from docs/gpu.md's runs and the
+# CPU rehearsal with the GPU strategies forced (docs/gpu.md, "Stages"); BOX_S >= NEED_S, and a
+# stage's boxes add up to at most STAGE_LIMIT_S. MIN_S: what a phase keeps when earlier ones ran
+# long.
+STAGE_LIMIT_S=${STAGE_LIMIT_S:-470}
+declare -A NEED_S=([build]=45 [info]=10 [tests]=200 [step_tiny]=80 [step_olmo]=230 [profile]=150
+    [memory]=120 [peers]=170 [ttt]=130 [summary]=5)
+declare -A BOX_S=([build]=100 [info]=30 [tests]=320 [step_tiny]=100 [step_olmo]=250
+    [profile]=200 [memory]=150 [peers]=190 [ttt]=160 [summary]=20)
+declare -A MIN_S=([build]=60 [info]=15 [tests]=120 [step_tiny]=60 [step_olmo]=150 [profile]=90
+    [memory]=60 [peers]=90 [ttt]=60 [summary]=15)
+
 # -- settings ---------------------------------------------------------------------------------
 CORES=$(nproc 2>/dev/null || echo 2)
 WORKERS=${GPU_CHECK_WORKERS:-$((CORES > 1 ? CORES - 1 : 1))}
 if ((REHEARSAL)); then
-    DEVICE=cpu MODEL=nano LAYERS=1 BATCH=4 SEQ=32 STEPS=16 SKIP=4 MEM_STEPS=2
-    SIZES=64,128,256 WORKERS=1 BUDGET_S=${GPU_CHECK_BUDGET_S:-900}
+    DEVICE=cpu STEPS=16 SKIP=4 MEM_STEPS=2 WORKERS=1
+    TINY=(--model nano --layers 1 --batch-size 4 --seq-len 32)
+    OLMO=(--model nano --layers 2 --batch-size 4 --seq-len 64)
+    MEM=(--model nano --layers 1 --batch-size 4 --seq-len 32)
+    STAGE_LIMIT_S=${GPU_CHECK_REHEARSAL_LIMIT_S:-1800} # the 2-core CPU is far slower
 else
-    DEVICE=cuda
-    MODEL=${GPU_CHECK_MODEL:-olmo-150m}
-    LAYERS=${GPU_CHECK_LAYERS:-12}
-    BATCH=${GPU_CHECK_BATCH:-32}
-    SEQ=${GPU_CHECK_SEQ:-512}
-    STEPS=${GPU_CHECK_STEPS:-60}
-    SKIP=10 MEM_STEPS=16 SIZES=256,512,1024,2048,4096
-    BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
+    DEVICE=cuda STEPS=30 SKIP=10 MEM_STEPS=16
+    TINY=(--model tiny --batch-size 8 --seq-len 128)
+    OLMO=(--model olmo-150m --layers 12 --batch-size 32 --seq-len 512)
+    MEM=(--model olmo-150m --layers 12 --batch-size 8 --seq-len 512)
 fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$CORES}
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1 # a crash prints every thread's Python stack into the phase's log
-VARIANTS=adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria
-# test_extension last: it took 85 s on the H200 host (its pool tests), the others seconds
-UNIT_TESTS=(tests/unit/test_host_memory.py tests/unit/test_window.py tests/unit/test_tiers.py
-    tests/unit/test_extension.py)
+# native, the bases on the device and the bases behind the window, in the same run
+VARIANTS=adamw
+for opt in soap kl_shampoo shampoo; do VARIANTS+=",${opt}_native,${opt}_device,${opt}_window"; done
+PROFILE_VARIANTS=soap_native,soap_asteria+bases_device,soap_asteria+window
+PROFILE_VARIANTS+=,kl_shampoo_native,kl_shampoo_asteria+window,shampoo_native,shampoo_asteria+window
+PEERS=${GPU_CHECK_PEERS:-build/peers}
+# issue 49's short time to target (bench/time_to_target.py --variants/--seeds)
+TTT_VARIANTS=adamw,muon,soap-f1:native,soap:continuous
 
 # The python: $PYTHON, else the first of these whose torch has CUDA (in a rehearsal: whose
 # asteria imports).
@@ -119,17 +158,25 @@ OUT=${OUT:-}
 TAG="<gpu>"
 GPU_NAME="<from torch.cuda.get_device_name>"
 if ((REHEARSAL)); then TAG=cpu_rehearsal GPU_NAME="cpu (rehearsal)"; fi
-
-declare -A MIN_S=([build]=60 [info]=15 [tests]=45 [profile]=40 [host_overhead]=30 [step_time]=100
-    [time_to_target]=60
-    [memory]=45 [capacity]=45 [summary]=15)
-declare -A BOX_S=([build]=240 [info]=30 [tests]=150 [profile]=120 [host_overhead]=150 [step_time]=200
-    [time_to_target]=240
-    [memory]=90 [capacity]=90 [summary]=30)
-if ((REHEARSAL)); then BOX_S[tests]=300; fi # the 2-core CPU runs the unit tests for minutes
+if [[ -z ${ASTERIA_COMMIT:-} ]]; then
+    ASTERIA_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+    if [[ $ASTERIA_COMMIT != unknown ]] && [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]]; then
+        ASTERIA_COMMIT+="+dirty"
+    fi
+fi
+export ASTERIA_COMMIT # every bench's JSON records it (bench/_common.recorded)
+if [[ -n $STAGE ]]; then
+    PHASES=(${STAGE_PHASES[$STAGE]})
+    STAGE_NAME=stage$STAGE
+else
+    PHASES=("${ALL_PHASES[@]}")
+    STAGE_NAME=all
+fi
 declare -A STATUS=()
 FAILED=0
 START=$(date +%s)
+STAGE_START=$START
+STAGE_OF_PHASE=""
 
 selected() {
     local p=$1
@@ -139,14 +186,15 @@ selected() {
     return 0
 }
 
-# The limit of phase $1: its box, cut so that every selected phase after it keeps its minimum.
+# The limit of phase $1: its box, cut so that every selected phase after it in its stage keeps
+# its minimum within the stage's limit.
 phase_limit() {
     local name=$1 later=0 seen=0 p
-    for p in "${PHASES[@]}"; do
+    for p in ${STAGE_OF_PHASE:-${PHASES[*]}}; do
         if ((seen)) && selected "$p"; then later=$((later + MIN_S[$p])); fi
         [[ $p == "$name" ]] && seen=1
     done
-    local left=$((BUDGET_S - ($(date +%s) - START) - later))
+    local left=$((STAGE_LIMIT_S - ($(date +%s) - STAGE_START) - later))
     local box=${BOX_S[$name]}
     echo $((left < box ? left : box))
 }
@@ -165,7 +213,8 @@ quote() {
 }
 
 # run_phase NAME [RESULT] -- CMD...: run CMD under timeout, log to $LOG_DIR/NAME.log; when RESULT
-# is given, the log's last line (the benchmark's JSON) is saved as RESULT_<gpu>.json.
+# is given, the log's last line (the benchmark's JSON) is saved as RESULT_<gpu>.json, else the
+# JSON the bench wrote as it went ($BENCH_PARTIAL_JSON), marked partial.
 run_phase() {
     local name=$1 result=""
     shift
@@ -177,21 +226,24 @@ run_phase() {
     fi
     local limit
     limit=$(phase_limit "$name")
-    echo "== phase $name (timeout ${limit}s): $(quote "$@")"
+    echo "== phase $name (timeout ${limit}s, box ${BOX_S[$name]}s, need ${NEED_S[$name]}s): $(quote "$@")"
     [[ -n $result ]] && echo "   result: bench/results/${result}_${TAG}.json"
     if ((DRY_RUN)); then
         STATUS[$name]="dry run"
         return 0
     fi
     if ((limit < 10)); then
-        echo "   not run: ${limit}s left of the ${BUDGET_S}s budget"
+        echo "   not run: ${limit}s left of the stage's ${STAGE_LIMIT_S}s"
         STATUS[$name]="FAILED (no time left)"
         FAILED=1
+        export_out
         return 0
     fi
-    local log=$LOG_DIR/$name.log t0 rc=0
+    local log=$LOG_DIR/$name.log t0 rc=0 partial=$LOG_DIR/$name.partial.json
+    rm -f "$partial"
     t0=$(date +%s)
-    timeout --signal=TERM --kill-after=15 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
+    BENCH_PARTIAL_JSON=$partial timeout --signal=TERM --kill-after=15 "$limit" "$@" 2>&1 |
+        tee "$log" || rc=$?
     local took=$(($(date +%s) - t0))
     if ((rc == 124 || rc == 137)); then
         STATUS[$name]="FAILED (timed out after ${took}s)"
@@ -203,10 +255,12 @@ run_phase() {
         STATUS[$name]="ok (${took}s)"
     fi
     # The JSON is kept also from a run that failed after printing it (a variant or run that
-    # raised is listed under "errors" there); a phase that exits 0 without it failed.
+    # raised is listed under "errors" there), or from what the bench wrote as it went.
     if [[ -n $result ]]; then
         if save_result "$log" "$result"; then
             if ((rc != 0)); then STATUS[$name]+=" (its JSON saved)"; fi
+        elif [[ -s $partial ]] && save_partial "$partial" "$result"; then
+            STATUS[$name]+=" (partial JSON saved)"
         elif ((rc == 0)); then
             STATUS[$name]="FAILED (no JSON on the last line, ${took}s)"
             FAILED=1
@@ -220,26 +274,28 @@ run_phase() {
 phase_table() {
     local p
     for p in "${PHASES[@]}" cuda; do
-        if [[ -n ${STATUS[$p]:-} ]]; then printf '   %-10s %s
-' "$p" "${STATUS[$p]}"; fi
+        if [[ -n ${STATUS[$p]:-} ]]; then printf '   %-10s %s\n' "$p" "${STATUS[$p]}"; fi
     done
 }
 
-# Copy what there is so far to $OUT (flat: the results' JSON, the phases, the summary table and
-# one archive of every log), so that a run cut short still leaves its finished phases there.
+# Copy what there is so far to $OUT as two files (the device tool brings back at most 8): one
+# archive (every log, the results' JSON, phases.txt, commit.txt) and one summary (the commit,
+# the phases, the goals table), so that a run cut short still leaves its finished phases there.
 export_out() {
     [[ -n $OUT ]] || return 0
     mkdir -p "$OUT"
     phase_table >"$LOG_DIR/phases.txt"
-    cp "$LOG_DIR/phases.txt" "$OUT/phases.txt"
-    local f
-    for f in "$RESULTS_OUT"/*.json; do
-        if [[ -f $f ]]; then cp "$f" "$OUT/"; fi
-    done
-    if [[ -s $LOG_DIR/summary.log ]]; then
-        sed '$d' "$LOG_DIR/summary.log" >"$OUT/gpu_summary.txt"
-    fi
-    tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$LOG_DIR" . 2>/dev/null || true
+    echo "$ASTERIA_COMMIT" >"$LOG_DIR/commit.txt"
+    {
+        echo "asteria bench/gpu_check.sh $STAGE_NAME at $ASTERIA_COMMIT on $GPU_NAME"
+        echo "($(($(date +%s) - START))s since the start; stage limit ${STAGE_LIMIT_S}s)"
+        cat "$LOG_DIR/phases.txt"
+        if [[ -s $LOG_DIR/summary.log ]]; then
+            echo
+            sed '$d' "$LOG_DIR/summary.log"
+        fi
+    } >"$OUT/gpu_check_$STAGE_NAME.txt"
+    tar -czf "$OUT/gpu_check_$STAGE_NAME.tar.gz" -C "$LOG_DIR" . 2>/dev/null || true
 }
 
 # save_result LOG NAME: the last line of LOG, checked to be one JSON object, as NAME_<gpu>.json
@@ -254,100 +310,18 @@ save_result() {
     echo "   saved ${name}_${TAG}.json"
 }
 
-# -- run --------------------------------------------------------------------------------------
-MODE=""
-if ((DRY_RUN)); then MODE+=" (dry run)"; fi
-if ((REHEARSAL)); then MODE+=" (CPU rehearsal)"; fi
-echo "== asteria bench/gpu_check.sh$MODE"
-PY_NOTE=""
-if ((DRY_RUN)) && [[ -z ${PYTHON:-} ]]; then PY_NOTE=" (first found; a run checks for CUDA)"; fi
-echo "   python: $PY$PY_NOTE; logs: $LOG_DIR; budget: ${BUDGET_S}s; workers: $WORKERS"
-echo "   model: $MODEL, $LAYERS layers, batch $BATCH x $SEQ, $STEPS steps; device: $DEVICE"
-if ((!DRY_RUN)); then
-    rm -rf "$LOG_DIR" # this run's logs and results only
-    mkdir -p "$LOG_DIR" "$RESULTS_OUT" bench/results
-fi
-if [[ -n $OUT ]]; then echo "   copies to: \$OUT=$OUT"; fi
+# save_partial FILE NAME: what a bench cut by its box wrote as it went, as NAME_<gpu>.json.
+save_partial() {
+    local file=$1 name=$2
+    "$PY" -c 'import json, sys; assert json.load(open(sys.argv[1]))["partial"]' "$file" \
+        2>/dev/null || return 1
+    cp "$file" "$RESULTS_OUT/${name}_${TAG}.json"
+    if ((!REHEARSAL)); then cp "$file" "bench/results/${name}_${TAG}.json"; fi
+    echo "   saved ${name}_${TAG}.json (partial: the phase was cut)"
+}
 
-# The GPU machine's torch (2.11 on the H200) may lie outside the supported range that setup.py
-# enforces (Note [Supported torch] in asteria/_supported.py): this check builds against whatever
-# torch is installed, so it says so (setup.py warns) instead of stopping at the build.
-run_phase build -- env ASTERIA_FORCE_CUDA=1 \
-    TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" MAX_JOBS="$MAX_JOBS" "$PY" -m pip install --disable-pip-version-check -v --no-build-isolation \
-    --no-deps -e .
-
-run_phase info -- "$PY" -m asteria.info
-if ((!DRY_RUN && !REHEARSAL)); then
-    GPU_NAME=$("$PY" -c 'import torch
-if torch.cuda.is_available(): print(torch.cuda.get_device_name())' 2>/dev/null || true)
-    if [[ -z $GPU_NAME ]]; then
-        echo "   torch sees no CUDA device: the GPU phases will fail"
-        STATUS[cuda]="FAILED (torch sees no CUDA device)"
-        FAILED=1
-        TAG=nocuda
-    else
-        TAG=$("$PY" -c 'import sys
-from bench._common import device_tag
-print(device_tag(sys.argv[1]))' "$GPU_NAME")
-        echo "   GPU: $GPU_NAME -> results *_${TAG}.json"
-    fi
-fi
-
-# One pytest per file (tools/pytest_each.sh): a test that crashes the interpreter costs its own
-# file's report, not the others'.
-run_phase tests -- tools/pytest_each.sh "$PY" tests/gpu/test_*.py "${UNIT_TESTS[@]}"
-
-# Where the host time of a step goes (issue 24: Asteria's tiny step on the H200 was 35-40 ms
-# longer than native's): native and Asteria SOAP and Shampoo, and Asteria with one part of the
-# runtime off at a time (the bases window, the module hooks, the device stream).
-if ((REHEARSAL)); then
-    PROFILE_ARGS=(--model nano --steps 4 --skip 2 --profile-steps 2)
-else # about 75 s on the H200 host for four variants at these lengths
-    PROFILE_ARGS=(--model tiny --steps 20 --skip 10 --profile-steps 5 --variants
-        soap_native,soap_asteria,soap_asteria+bases_device,soap_asteria+pool,shampoo_asteria)
-fi
-run_phase profile profile_step -- "$PY" bench/profile_step.py --device "$DEVICE" \
-    "${PROFILE_ARGS[@]}" --workers "$WORKERS" --keep-going
-
-# The host's work per step, counted (issue 37): ATen ops, syncs and Python calls of the step and
-# of the runtime's signals, native against Asteria's window and device bases, at 1x and 2x the
-# tiny preset's layers (bench/host_overhead.py; on the CPU it forces the GPU strategies).
-if ((REHEARSAL)); then HOST_ARGS=(--model nano --scales 1 --steps 4); else
-    HOST_ARGS=(--model tiny --scales 1,2 --steps 14); fi
-run_phase host_overhead host_overhead -- "$PY" bench/host_overhead.py --device "$DEVICE" \
-    "${HOST_ARGS[@]}" --workers "$WORKERS"
-
-run_phase step_time step_time -- "$PY" bench/step_time.py --device "$DEVICE" --model "$MODEL" \
-    --layers "$LAYERS" --batch-size "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --skip "$SKIP" \
-    --workers "$WORKERS" --variants "$VARIANTS" --energy --keep-going
-
-# Time to AdamW's loss on the device (issue 24): the tiny preset, every variant, seeds 1-3, at
-# the rates the committed CPU run tuned (--rates-from: the same optimizers and model; the device
-# trains in bf16 autocast), the runtime's workers on the host's cores. The plot stays with the
-# logs (the device tool brings back at most 8 files).
-if ((REHEARSAL)); then TTT_ARGS=(--quick); else TTT_ARGS=(--presets "${GPU_CHECK_TTT_PRESETS:-tiny}"); fi
-run_phase time_to_target time_to_target -- "$PY" bench/time_to_target.py --device "$DEVICE" \
-    "${TTT_ARGS[@]}" --rates-from bench/results/time_to_target_cpu.json ${GPU_CHECK_TTT_ARGS:-} \
-    --plots "$LOG_DIR/plots" --cache "$LOG_DIR/time_to_target_runs.jsonl"
-
-run_phase memory memory -- "$PY" bench/memory.py --measure-cuda --model "$MODEL" \
-    --layers "$LAYERS" --batch-size "$((BATCH < 8 ? BATCH : 8))" --seq-len "$SEQ" \
-    --measure-steps "$MEM_STEPS" --workers "$WORKERS"
-
-if [[ -f bench/capacity.py ]]; then
-    CAPACITY=capacity
-    # shellcheck disable=SC2086  # GPU_CHECK_CAPACITY_ARGS is a list of words
-    run_phase capacity capacity -- "$PY" bench/capacity.py ${GPU_CHECK_CAPACITY_ARGS:-}
-else
-    CAPACITY=gpu_refresh_time
-    capacity_budget=$(($(phase_limit capacity) - 20)) # its own, inside the phase's timeout
-    capacity_budget=$((capacity_budget > 10 ? capacity_budget : 10))
-    run_phase capacity gpu_refresh_time -- "$PY" bench/gpu_refresh_time.py --device "$DEVICE" \
-        --sizes "$SIZES" --workers "$WORKERS" --budget-s "$capacity_budget"
-fi
-
-# A result this run did not make (a phase not selected, e.g. in a rerun with --only) is taken
-# from bench/results where an earlier run left it (not in a rehearsal).
+# A result this run did not make (another stage's) is taken from bench/results where an earlier
+# run left it (not in a rehearsal).
 result_path() {
     local f=${1}_${TAG}.json
     if ((!REHEARSAL && !DRY_RUN)) && [[ ! -f $RESULTS_OUT/$f && -f bench/results/$f ]]; then
@@ -356,14 +330,142 @@ result_path() {
         echo "$RESULTS_OUT/$f"
     fi
 }
-run_phase summary gpu_summary -- "$PY" bench/gpu_summary.py \
-    --step-time "$(result_path step_time)" --memory "$(result_path memory)" \
-    --capacity "$(result_path "$CAPACITY")" --time-to-target "$(result_path time_to_target)" \
-    --device-name "$GPU_NAME"
+
+# -- the phases -------------------------------------------------------------------------------
+phase_build() {
+    run_phase build -- env ASTERIA_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" \
+        MAX_JOBS="$MAX_JOBS" "$PY" -m pip install --disable-pip-version-check -v \
+        --no-build-isolation --no-deps -e .
+}
+
+phase_info() {
+    run_phase info -- "$PY" -m asteria.info
+}
+
+gpu_name() { # after the build: the device's name and the results' tag
+    if ((DRY_RUN || REHEARSAL)) || [[ $TAG != "<gpu>" ]]; then return 0; fi
+    GPU_NAME=$("$PY" -c 'import torch
+if torch.cuda.is_available(): print(torch.cuda.get_device_name())' 2>/dev/null || true)
+    if [[ -z $GPU_NAME ]]; then
+        echo "   torch sees no CUDA device: the GPU phases will fail"
+        STATUS[cuda]="FAILED (torch sees no CUDA device)"
+        FAILED=1
+        TAG=nocuda GPU_NAME=none
+    else
+        TAG=$("$PY" -c 'import sys
+from bench._common import device_tag
+print(device_tag(sys.argv[1]))' "$GPU_NAME")
+        echo "   GPU: $GPU_NAME -> results *_${TAG}.json"
+    fi
+}
+
+# One pytest per file (tools/pytest_each.sh): a test that crashes the interpreter costs its own
+# file's report. tests/gpu: the build, the public API, pinned memory, the device stream, and the
+# window (forced: placement={"bases": "host"}) with the snapshot race and the window through the
+# runtime for all three optimizers against the bases on the device. In a rehearsal (they skip
+# without CUDA) the window's CPU tests instead.
+phase_tests() {
+    local files=(tests/gpu/test_window_gpu.py tests/gpu/test_cuda_build.py
+        tests/gpu/test_host_memory_gpu.py tests/gpu/test_device_stream_gpu.py
+        tests/gpu/test_public_api_gpu.py)
+    if ((REHEARSAL)); then files=(tests/unit/test_window.py); fi
+    run_phase tests -- tools/pytest_each.sh "$PY" "${files[@]}"
+}
+
+# Step time, median, p95, max and the optimizer's own ms: AdamW, and SOAP, KL-Shampoo and
+# Shampoo natively, with the bases on the device, and behind the window, in the same run.
+phase_step_tiny() {
+    run_phase step_tiny step_time_tiny -- "$PY" bench/step_time.py --device "$DEVICE" \
+        "${TINY[@]}" --steps "$STEPS" --skip "$SKIP" --workers "$WORKERS" --variants "$VARIANTS" \
+        --keep-going
+}
+phase_step_olmo() {
+    run_phase step_olmo step_time -- "$PY" bench/step_time.py --device "$DEVICE" "${OLMO[@]}" \
+        --steps "$STEPS" --skip "$((SKIP - 2))" --workers "$WORKERS" --variants "$VARIANTS" \
+        --energy --keep-going
+}
+
+# Per step at tiny, from torch.profiler: kernel launches, host waits (syncs) and pinned
+# registrations, native against the bases on the device and behind the window.
+phase_profile() {
+    local args=(--model tiny --steps 15 --skip 8 --profile-steps 4)
+    if ((REHEARSAL)); then args=(--model nano --steps 4 --skip 2 --profile-steps 2); fi
+    run_phase profile profile_step -- "$PY" bench/profile_step.py --device "$DEVICE" \
+        "${args[@]}" --variants "$PROFILE_VARIANTS" --workers "$WORKERS" --keep-going
+}
+
+# Device memory (max_memory_allocated) at OLMo-150m: no optimizer, native, the window forced and
+# auto placement, SOAP and KL-Shampoo.
+phase_memory() {
+    run_phase memory memory -- "$PY" bench/memory.py --measure-cuda "${MEM[@]}" \
+        --measure-steps "$MEM_STEPS" --workers "$WORKERS"
+}
+
+# The peers on the GPU: heavyball, pytorch-optimizer (wheels) and Meta's Distributed Shampoo
+# (its package) travel with the tree under $PEERS (tools/pack_peers.sh; the device call carries
+# that folder); installed here without the network, then bench/optim_step.py --device cuda.
+phase_peers() {
+    local install=""
+    if compgen -G "$PEERS/*.whl" >/dev/null || ((DRY_RUN)); then
+        install="$PY -m pip install --disable-pip-version-check --no-index --no-deps -q $PEERS/*.whl && "
+    fi
+    run_phase peers optim_step -- env ASTERIA_META_SHAMPOO="$ROOT/$PEERS/meta_distributed_shampoo" \
+        bash -c "${install}exec $PY bench/optim_step.py --device $DEVICE --sequential --steps 30 --warmup 3"
+}
+
+# ==== issue 49's short time to target (bench/time_to_target.py: --variants, --seeds) ===========
+# Kept as its own phase for the engineer who owns that bench: tiny, two seeds, AdamW, Muon, SOAP
+# refreshed every step natively and SOAP continuous under the runtime; each finished run goes to
+# the cache as it ends (a cut phase keeps them).
+phase_ttt() {
+    local args=(--presets tiny --variants "$TTT_VARIANTS" --seeds 1,2)
+    if ((REHEARSAL)); then args=(--quick --variants "$TTT_VARIANTS" --seeds 1,2); fi
+    run_phase ttt time_to_target -- "$PY" bench/time_to_target.py --device "$DEVICE" "${args[@]}" \
+        --rates-from bench/results/time_to_target_cpu.json --tune-missing \
+        --plots "$LOG_DIR/plots" --cache "$LOG_DIR/time_to_target_runs.jsonl"
+}
+
+phase_summary() {
+    run_phase summary gpu_summary -- "$PY" bench/gpu_summary.py \
+        --step-time "$(result_path step_time)" --memory "$(result_path memory)" \
+        --capacity "$(result_path capacity)" --time-to-target "$(result_path time_to_target)" \
+        --device-name "$GPU_NAME"
+}
+
+# -- run --------------------------------------------------------------------------------------
+MODE=""
+if ((DRY_RUN)); then MODE+=" (dry run)"; fi
+if ((REHEARSAL)); then MODE+=" (CPU rehearsal)"; fi
+echo "== asteria bench/gpu_check.sh $STAGE_NAME$MODE at $ASTERIA_COMMIT"
+PY_NOTE=""
+if ((DRY_RUN)) && [[ -z ${PYTHON:-} ]]; then PY_NOTE=" (first found; a run checks for CUDA)"; fi
+echo "   python: $PY$PY_NOTE; logs: $LOG_DIR; stage limit: ${STAGE_LIMIT_S}s; workers: $WORKERS"
+if ((!DRY_RUN)); then
+    rm -rf "$LOG_DIR" # this run's logs and results only
+    mkdir -p "$LOG_DIR" "$RESULTS_OUT" bench/results
+fi
+if [[ -n $OUT ]]; then echo "   copies to: \$OUT=$OUT (gpu_check_$STAGE_NAME.tar.gz and .txt)"; fi
+
+for st in "${STAGES[@]}"; do
+    if [[ -n $STAGE && $st != "$STAGE" ]]; then continue; fi
+    STAGE_OF_PHASE=${STAGE_PHASES[$st]}
+    STAGE_START=$(date +%s)
+    echo "== stage $st: $STAGE_OF_PHASE (limit ${STAGE_LIMIT_S}s)"
+    for phase in $STAGE_OF_PHASE; do
+        if [[ -z $STAGE && $phase == build && $st != "${STAGES[0]}" ]]; then
+            continue # one build for a run of every stage ...
+        fi
+        if [[ -z $STAGE && $phase == summary && $st != "${STAGES[-1]}" ]]; then
+            continue # ... and one summary
+        fi
+        "phase_$phase"
+        if [[ $phase == build ]]; then gpu_name; fi
+    done
+done
 
 # -- phases ------------------------------------------------------------------------------------
 echo
-echo "== phases ($(($(date +%s) - START))s of the ${BUDGET_S}s budget)"
+echo "== phases ($(($(date +%s) - START))s)"
 phase_table
 if ((DRY_RUN)); then exit 0; fi
 export_out

@@ -93,7 +93,14 @@ from asteria.runtime import Runtime, RuntimeConfig  # noqa: E402
 from asteria.train.data import VOCAB_SIZE  # noqa: E402
 from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import build_optimizer  # noqa: E402
-from bench._common import emit_json, env_header, median, print_table, ratio  # noqa: E402
+from bench._common import (  # noqa: E402
+    emit_json,
+    env_header,
+    median,
+    partial_json,
+    print_table,
+    ratio,
+)
 
 MiB = 1 << 20
 
@@ -400,8 +407,12 @@ def _cuda_run(kind: str, name: str, args: argparse.Namespace) -> dict[str, objec
     if kind != "none":
         opt = measured_optimizer(name, model.parameters())
     try:
-        if kind == "asteria":
-            rt = Runtime(model, opt, RuntimeConfig(staleness=args.staleness, workers=args.workers))
+        if kind in ("asteria", "window"):  # window: the bases behind it, whatever is free
+            placement = {"bases": "host"} if kind == "window" else "auto"
+            config = RuntimeConfig(
+                staleness=args.staleness, workers=args.workers, placement=placement
+            )
+            rt = Runtime(model, opt, config)
         for _ in range(args.measure_steps):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
@@ -443,7 +454,10 @@ def measured_summary(runs: dict[str, dict[str, dict[str, object]]]) -> dict[str,
         base = per["none"].get("peak_bytes")
         native = minus(per["native"].get("peak_bytes"), base)
         asteria = minus(per["asteria"].get("peak_bytes"), base)
+        window = minus(per.get("window", {}).get("peak_bytes"), base)
         out[name] = {
+            "window_optimizer_peak_bytes": window,
+            "window_ratio": ratio(window, native),
             "baseline_peak_bytes": base,
             "native_optimizer_peak_bytes": native,
             "asteria_optimizer_peak_bytes": asteria,
@@ -478,7 +492,7 @@ def measure_cuda_main(args: argparse.Namespace) -> None:
     errors = {}
     for name in names:
         runs[name] = {}
-        for kind in ("none", "native", "asteria"):
+        for kind in ("none", "native", "window", "asteria"):
             print(f"-- {name} {kind}", flush=True)
             try:
                 runs[name][kind] = _cuda_run(kind, name, args)
@@ -486,6 +500,7 @@ def measure_cuda_main(args: argparse.Namespace) -> None:
                 errors[f"{name}/{kind}"] = f"{type(err).__name__}: {err}"
                 print(f"   failed: {errors[f'{name}/{kind}']}", flush=True)
                 runs[name][kind] = {"error": errors[f"{name}/{kind}"]}
+            partial_json({**payload, "runs": runs, "errors": errors})
     summary = measured_summary(runs)
 
     def mb(nbytes: int | None) -> float | None:

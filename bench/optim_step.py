@@ -45,13 +45,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import emit_json, env_header, median, print_table, ratio, set_threads, time_ms
+from _common import (
+    emit_json,
+    env_header,
+    median,
+    partial_json,
+    print_table,
+    ratio,
+    set_threads,
+    time_ms,
+)
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -93,7 +103,12 @@ def _heavyball_refreshes(opt: Optimizer) -> bool:
     return int(cumulative + opt.precond_schedule) > int(cumulative)
 
 
-META_PATH = Path(__file__).resolve().parents[1].parent / "shared/peers/meta_distributed_shampoo"
+#: Meta's Distributed Shampoo: ``$ASTERIA_META_SHAMPOO`` where set (a copy that travels with the
+#: tree to a GPU machine: bench/gpu_check.sh's peers), else ../shared/peers beside the checkout.
+META_PATH = Path(
+    os.environ.get("ASTERIA_META_SHAMPOO")
+    or Path(__file__).resolve().parents[1].parent / "shared/peers/meta_distributed_shampoo"
+)
 
 
 def _meta_refreshes(opt: Optimizer) -> bool:
@@ -529,6 +544,7 @@ def main() -> None:
             results[name] = run_one(table[name], shapes, **kw)
             r = results[name]
             print(f"   {name}: done ({r['refreshes']} refresh steps)", flush=True)
+            partial_json({"env": env, "results": results})
     else:
         results = run_interleaved([table[n] for n in names], shapes, **kw)
     env["schedule"] = "sequential" if args.sequential else "interleaved"

@@ -48,7 +48,14 @@ from asteria.runtime import Runtime, RuntimeConfig  # noqa: E402
 from asteria.train.data import VOCAB_SIZE, load_corpus, train_batches  # noqa: E402
 from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import build_optimizer  # noqa: E402
-from bench._common import emit_json, env_header, lm_loss, print_table, synchronize  # noqa: E402
+from bench._common import (  # noqa: E402
+    emit_json,
+    env_header,
+    lm_loss,
+    partial_json,
+    print_table,
+    synchronize,
+)
 
 VARIANTS = (
     "adamw",
@@ -62,9 +69,14 @@ VARIANTS = (
 )
 OPTIONS = {
     "bases_device": {"placement": {"bases": "device"}},
+    # the bases behind the window whatever the free memory (auto keeps them on an H100/H200's
+    # device: Note [Bases by budget] in asteria/memory/tiers.py)
+    "window": {"placement": {"bases": "host"}},
     "no_hooks": {"hooks": False},
     "pool": {"device_refresh": False},
 }
+#: CUDA runtime and driver calls that launch a kernel (``launches`` per step counts them all).
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 #: CUDA runtime calls that make the host wait for the device, or allocate pinned memory.
 WAITS = (
     "cudaStreamSynchronize",
@@ -109,7 +121,7 @@ def top_profiler_rows(prof, steps: int, n: int) -> dict:
     ``self_device_time_total``, which counts each kernel again under the operator that launched
     it (and a user annotation such as ``Optimizer.step`` spans its kernels and the gaps between
     them)."""
-    rows, waits = [], {}
+    rows, waits, launches = [], {}, 0.0
     for e in prof.key_averages():
         row = {
             "name": e.key,
@@ -120,6 +132,8 @@ def top_profiler_rows(prof, steps: int, n: int) -> dict:
         rows.append(row)
         if e.key in WAITS:
             waits[e.key] = {"calls": row["calls"], "ms": row["cpu_ms"]}
+        if e.key in LAUNCHES:
+            launches += row["calls"]
     on_device: dict[str, list[float]] = {}
     for e in prof.events():
         if getattr(e, "device_type", None) != DeviceType.CUDA:
@@ -131,6 +145,7 @@ def top_profiler_rows(prof, steps: int, n: int) -> dict:
         calls_us[1] += e.time_range.elapsed_us()
     by_device = sorted(on_device.items(), key=lambda kv: -kv[1][1])
     return {
+        "launches": launches,
         "top_ops": sorted(rows, key=lambda r: -r["self_cpu_ms"])[:n],
         "top_device": [
             {"name": k, "calls": c / steps, "device_ms": us / 1e3 / steps}
@@ -275,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
             traceback.print_exc(file=sys.stdout)
             continue
         results[v] = r
+        partial_json({"benchmark": "profile_step", "env": env, "results": results})
         print(
             f"   median {r['median_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms; the device busy "
             f"{r['device_busy_ms']:.1f} ms a step (profiled)"

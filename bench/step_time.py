@@ -1,8 +1,10 @@
 """Training step time of native vs Asteria-orchestrated second-order optimizers, against AdamW.
 
 A small OLMo-2-style model (asteria.train presets) is trained for ``--steps`` steps on the
-embedded corpus with each variant: ``adamw``, ``<opt>_native`` and ``<opt>_asteria`` for SOAP,
-KL-Shampoo and Shampoo. Every variant starts from the same weights and sees the same batches.
+embedded corpus with each variant: ``adamw``, and ``<opt>_native``, ``<opt>_asteria`` (auto
+placement), ``<opt>_window`` (the bases forced behind the device window) and ``<opt>_device``
+(the bases forced onto the device) for SOAP, KL-Shampoo and Shampoo (``MODES``). Every
+variant starts from the same weights and sees the same batches.
 The training uses ``--threads`` intra-op threads (default 1) and the Asteria pool ``--workers``
 workers (default 1): on a 2-core machine, one core each. On a GPU (``--device cuda``) the
 training runs there and the pool on the host CPUs.
@@ -28,6 +30,7 @@ Usage: ``python bench/step_time.py [--steps 110] [--variants adamw,soap_native,s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -44,16 +47,23 @@ from asteria.train.data import VOCAB_SIZE, load_corpus, train_batches  # noqa: E
 from asteria.train.energy import EnergyMeter  # noqa: E402
 from asteria.train.models import build_model, get_preset  # noqa: E402
 from asteria.train.optimizers import build_optimizer  # noqa: E402
-from bench._common import emit_json, env_header, lm_loss, print_table, synchronize  # noqa: E402
+from bench._common import (  # noqa: E402
+    emit_json,
+    env_header,
+    lm_loss,
+    partial_json,
+    print_table,
+    synchronize,
+)
 
-VARIANTS = [
-    "adamw",
-    "soap_native",
-    "soap_asteria",
-    "kl_shampoo_native",
-    "kl_shampoo_asteria",
-    "shampoo_native",
-    "shampoo_asteria",
+#: Asteria's modes: ``asteria`` (``placement="auto"``: on an H100/H200 the bases stay on the
+#: device, Note [Bases by budget]), ``window`` (the bases forced into pinned host memory behind
+#: the device window: ``placement={"bases": "host"}``) and ``device`` (the bases forced onto the
+#: device). On the CPU, ``window`` and ``device`` run the GPU strategies on their CPU stand-ins
+#: (``asteria.runtime.testing.pretend_arch`` and ``staged_snapshots``).
+MODES = ("native", "asteria", "window", "device")
+VARIANTS = ["adamw"] + [
+    f"{name}_{mode}" for name in ("soap", "kl_shampoo", "shampoo") for mode in MODES
 ]
 
 
@@ -78,11 +88,22 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     model.to(device)
     opt = build_optimizer(name, model.parameters())
     runtime = None
-    if mode == "asteria":
+    if mode != "native":
+        placement = {"window": {"bases": "host"}, "device": {"bases": "device"}}.get(mode, "auto")
         config = RuntimeConfig(
-            staleness=args.staleness, workers=args.workers, refresh_lead=args.refresh_lead == "on"
+            staleness=args.staleness,
+            workers=args.workers,
+            refresh_lead=args.refresh_lead == "on",
+            placement=placement,
         )
-        runtime = Runtime(model, opt, config)
+        with contextlib.ExitStack() as stack:
+            if device.type != "cuda" and mode in ("window", "device"):  # the GPU strategies
+                from asteria.memory.tiers import Arch
+                from asteria.runtime import testing
+
+                stack.enter_context(testing.staged_snapshots())
+                stack.enter_context(testing.pretend_arch(Arch(cuda=True)))
+            runtime = Runtime(model, opt, config)
     batches = train_batches(
         corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
     )
@@ -110,6 +131,7 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
         if meter is not None:
             joules = meter.read()
         stats = runtime.stats() if runtime is not None else None
+        report = runtime.memory_report() if runtime is not None else None
     finally:
         if runtime is not None:
             runtime.close()
@@ -131,6 +153,8 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
         out["energy_j_per_step"] = {k: j / len(timed) for k, j in (joules or {}).items()}
         out["energy_unavailable"] = dict(meter.unavailable)
     if stats is not None:
+        out["bases_access"] = report["placement"]["bases_access"]
+        out["window"] = report["placement"].get("window")
         out["barrier_wait_ms_total"] = sum(stats["barrier_wait_ms"])
         out["staleness_histogram"] = stats["staleness_histogram"]
         out["jobs"] = stats["jobs"]
@@ -204,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"   {v} failed: {errors[v]}", flush=True)
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
+        partial_json({"benchmark": "step_time", "env": env, "results": results, "errors": errors})
     rows = [
         [
             v,

@@ -22,14 +22,21 @@ PHASES = [
     "build",
     "info",
     "tests",
+    "step_tiny",
+    "step_olmo",
     "profile",
-    "host_overhead",
-    "step_time",
-    "time_to_target",
     "memory",
-    "capacity",
+    "peers",
+    "ttt",
     "summary",
 ]
+STAGES = {
+    "1": ["build", "info", "tests", "summary"],
+    "2": ["build", "step_tiny", "step_olmo", "summary"],
+    "3": ["build", "profile", "memory", "summary"],
+    "4": ["build", "peers", "ttt", "summary"],
+}
+STAGE_LIMIT_S = 480  # at most 8 minutes a stage (issue 50)
 
 
 def _dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -52,6 +59,18 @@ def _phase_lines(stdout: str) -> dict[str, str]:
     return out
 
 
+def _boxes(stdout: str) -> dict[str, tuple[int, int, int]]:
+    """phase -> (timeout, box, need) from the dry run's phase lines."""
+    out = {}
+    for name, line in _phase_lines(stdout).items():
+        words = line.replace(",", " ").replace(")", " ").replace("s ", " ").split()
+        timeout = int(words[words.index("(timeout") + 1])
+        box = int(words[words.index("box") + 1])
+        need = int(words[words.index("need") + 1])
+        out[name] = (timeout, box, need)
+    return out
+
+
 def test_dry_run_lists_every_phase_and_runs_nothing(tmp_path):
     proc = _dry_run(tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -63,24 +82,71 @@ def test_dry_run_lists_every_phase_and_runs_nothing(tmp_path):
     # the GPU machine's torch (2.11) is inside the supported range: no override (issue 40)
     assert "ASTERIA_UNSUPPORTED_TORCH" not in phases["build"]
     assert "-m asteria.info" in phases["info"]
-    assert "tests/gpu" in phases["tests"] and "tests/unit/test_window.py" in phases["tests"]
-    assert "bench/profile_step.py --device cuda --model tiny" in phases["profile"]
-    step = phases["step_time"]
-    assert "--device cuda" in step and "--energy" in step and "--model olmo-150m" in step
-    assert "adamw,soap_native,soap_asteria,kl_shampoo_native,kl_shampoo_asteria" in step
-    ttt = phases["time_to_target"]
+    assert "tests/gpu/test_window_gpu.py" in phases["tests"]
+    for step in (phases["step_tiny"], phases["step_olmo"]):
+        assert "bench/step_time.py --device cuda" in step
+        for opt in ("soap", "kl_shampoo", "shampoo"):  # every tier, in the same run
+            assert all(f"{opt}_{mode}" in step for mode in ("native", "device", "window"))
+        assert "adamw" in step
+    assert "--model tiny" in phases["step_tiny"] and "--model olmo-150m" in phases["step_olmo"]
+    assert "--energy" in phases["step_olmo"]
+    profile = phases["profile"]
+    assert "bench/profile_step.py --device cuda --model tiny" in profile
+    assert "soap_asteria+window" in profile and "soap_asteria+bases_device" in profile
+    assert "bench/memory.py --measure-cuda --model olmo-150m" in phases["memory"]
+    assert "bench/optim_step.py\\ --device\\ cuda" in phases["peers"]
+    assert "ASTERIA_META_SHAMPOO=" in phases["peers"]
+    ttt = phases["ttt"]
     assert "bench/time_to_target.py --device cuda --presets tiny" in ttt
-    assert "--rates-from bench/results/time_to_target_cpu.json" in ttt
-    assert "bench/memory.py --measure-cuda" in phases["memory"]
-    if not os.path.exists(os.path.join(ROOT, "bench", "capacity.py")):
-        assert "bench/gpu_refresh_time.py --device cuda" in phases["capacity"]
-        assert "--sizes 256,512,1024,2048,4096" in phases["capacity"]
+    assert "--variants adamw,muon" in ttt and "--seeds 1,2" in ttt
     assert "bench/gpu_summary.py" in phases["summary"]
-    for name in ("step_time", "time_to_target", "memory", "gpu_summary"):
+    for name in ("step_time", "step_time_tiny", "profile_step", "memory", "optim_step"):
         assert f"bench/results/{name}_" in proc.stdout
     for phase in PHASES:  # every phase is time-boxed
         assert "(timeout " in phases[phase]
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_each_stage_fits_its_limit_with_each_phase_s_measured_need(tmp_path, stage):
+    """Issue 50: a stage's boxes add up to at most its limit (8 minutes), and each box covers
+    the phase's need (NEED_S: docs/gpu.md, "Stages")."""
+    proc = _dry_run(tmp_path, "--stage", stage)
+    assert proc.returncode == 0, proc.stderr
+    boxes = _boxes(proc.stdout)
+    assert list(boxes) == STAGES[stage]
+    assert sum(box for _, box, _ in boxes.values()) <= STAGE_LIMIT_S - 10
+    for name, (timeout, box, need) in boxes.items():
+        assert need <= box, f"{name}: box {box}s under its need {need}s"
+        assert timeout == box  # at the start of a dry run, nothing has eaten into the boxes
+    assert f"stage{stage}" in proc.stdout.splitlines()[0]
+
+
+def test_a_run_leaves_one_archive_and_one_summary(tmp_path):
+    """The device tool brings back at most 8 files: a stage leaves two, the archive holding
+    every log and result with the commit."""
+    env = {
+        **os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+        "ASTERIA_COMMIT": "abc1234",
+    }  # fmt: skip
+    proc = subprocess.run(
+        ["bash", SCRIPT, "--cpu-rehearsal", "--stage", "1", "--only", "info,summary"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert "abc1234" in proc.stdout.splitlines()[0], proc.stdout
+    out = sorted(os.listdir(tmp_path / "out"))
+    assert out == ["gpu_check_stage1.tar.gz", "gpu_check_stage1.txt"]
+    summary = (tmp_path / "out" / "gpu_check_stage1.txt").read_text()
+    assert "at abc1234" in summary and "info" in summary
+    import tarfile
+
+    with tarfile.open(tmp_path / "out" / "gpu_check_stage1.tar.gz") as tar:
+        names = tar.getnames()
+    assert "./commit.txt" in names and "./info.log" in names
+    assert any(n.startswith("./results/gpu_summary_") for n in names)
+    for line in open(os.path.join(ROOT, "build", "gpu_check", "results",
+                                  "gpu_summary_cpu_rehearsal.json")):  # fmt: skip
+        assert json.loads(line)["recorded"]["commit"] == "abc1234"
 
 
 def test_dry_run_rehearsal_and_only(tmp_path):
@@ -88,8 +154,8 @@ def test_dry_run_rehearsal_and_only(tmp_path):
     assert proc.returncode == 0, proc.stderr
     phases = _phase_lines(proc.stdout)
     assert "build" not in phases  # a rehearsal never rebuilds the CPU extension
-    assert "--device cpu" in phases["step_time"] and "--model nano" in phases["step_time"]
-    assert "--device cpu --quick" in phases["time_to_target"]
+    assert "--device cpu" in phases["step_olmo"] and "--model nano" in phases["step_olmo"]
+    assert "--device cpu --quick" in phases["ttt"]
     assert "cpu_rehearsal.json" in proc.stdout
 
     proc = _dry_run(tmp_path, "--only", "memory,summary")
@@ -97,7 +163,9 @@ def test_dry_run_rehearsal_and_only(tmp_path):
     assert list(_phase_lines(proc.stdout)) == ["memory", "summary"]
 
 
-@pytest.mark.parametrize("args", [["--bogus"], ["--only", "nosuchphase"], ["--only"]])
+@pytest.mark.parametrize(
+    "args", [["--bogus"], ["--only", "nosuchphase"], ["--only"], ["--stage", "9"], ["--stage"]]
+)
 def test_bad_arguments_exit_2(tmp_path, args):
     assert _dry_run(tmp_path, *args).returncode == 2
 
