@@ -6,9 +6,17 @@ state_dict) and keep only their algorithm's math in their own file. They run syn
 """
 
 from asteria.optim.base import KroneckerOptimizer
+from asteria.optim.blocking import FactorBudgetWarning
 from asteria.optim.kl_shampoo import KLShampoo
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.optim.shampoo import Shampoo
 from asteria.optim.soap import SOAP
 
-__all__ = ["KroneckerOptimizer", "KLShampoo", "MatrixFunctionError", "SOAP", "Shampoo"]
+__all__ = [
+    "FactorBudgetWarning",
+    "KroneckerOptimizer",
+    "KLShampoo",
+    "MatrixFunctionError",
+    "SOAP",
+    "Shampoo",
+]

@@ -21,6 +21,7 @@ whether a step refreshes a block.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -28,7 +29,13 @@ import torch
 from torch.optim import Optimizer
 
 from asteria import _compat
-from asteria.optim.blocking import ParamLayout
+from asteria.optim.blocking import (
+    FACTOR_BUDGET_DIM,
+    FACTOR_BUDGET_RATIO,
+    FactorBudgetWarning,
+    ParamLayout,
+    without_factors,
+)
 from asteria.optim.checks import (
     check_betas,
     check_lr,
@@ -143,6 +150,10 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
     #: KL-Shampoo: from step ``t + 1``). A refresh a runtime installs between two steps is then
     #: one step staler than one installed there for the others (Note [Staleness bound]).
     refresh_precedes_update = False
+    #: Whether a block may carry factors on some dims and none on others (SOAP, the authors'
+    #: rule); else a dim over the factor budget leaves the whole parameter without factors
+    #: (Note [Factor budget] in blocking.py).
+    factors_some_dims = False
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         check_lr(defaults["lr"])  # first, as torch.optim does (Note [torch.optim conventions])
@@ -162,6 +173,7 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         self.param_names: dict[int, str] = {}
         self._nonfinite_warned = False
         self._overflow_warned = False
+        self._budget_warned = False  # Note [Factor budget] in blocking.py
         #: Per parameter (by identity), an upper bound on the largest entry of the statistics
         #: it sums rather than averages, and (under ``("limit", id)``) the static part of its
         #: gradient limit (Note [Overflowing gradients]); filled when first needed.
@@ -259,7 +271,8 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                     f"params of {name} must be tensors or (name, tensor) pairs, "
                     f"got {type(p).__name__}"
                 )
-        super().add_param_group({**param_group, "params": ps})
+        super().add_param_group({**param_group, "params": ps})  # warns of duplicates
+        _drop_duplicates(self.param_groups[-1])
         try:
             self._check_group(self.param_groups[-1])
         except Exception:
@@ -363,9 +376,14 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
             self._resumed_refreshes = None
         self._refresher.step_begin()
         # Updates of one group run together (``_update_params``: SOAP fuses its elementwise
-        # math across blocks); a parameter updated through a working copy runs alone, so that
-        # only one such copy is alive at a time.
+        # math across blocks). Note [Working copies]: the update runs on a contiguous tensor in
+        # the state dtype, the parameter itself when it is one, else a working copy written
+        # back after its update. A copy in the parameter's own dtype (a transposed or strided
+        # view, channels-last) joins the group's batch, so the parameter takes exactly the path
+        # of its contiguous twin; one in another dtype (fp32 math for bf16/fp16 parameters, one
+        # rounding per step) runs alone, so that only one such copy is alive at a time.
         batch: list[Update] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, copy) in the batch
         batch_group: dict[str, Any] | None = None
         for (pid, group, p), verdict, norm in zip(todo, verdicts, norms):
             if verdict is not None:
@@ -378,28 +396,29 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
             if local.numel() == 0:
                 continue
             if group is not batch_group:
-                self._flush_updates(batch_group, batch)
+                self._flush_updates(batch_group, batch, copies)
                 batch_group = group
             grad = self._checked_grad(p)
             state = self.state[p]
             layout = self.layout(p, group)
-            # The update runs on a contiguous tensor in the state dtype: the parameter itself
-            # when it already is one, otherwise a working copy written back afterwards (fp32
-            # math for bf16/fp16 parameters, one rounding per step).
             work = local
             if local.dtype != grad.dtype or not local.is_contiguous():
-                work = local.detach().to(dtype=grad.dtype, memory_format=torch.contiguous_format)
+                # (``Tensor.to`` returns a non-contiguous tensor itself when the dtype matches)
+                work = torch.empty(local.shape, dtype=grad.dtype, device=local.device)
+                work.copy_(local)
             if not state or _is_placeholder(state):
                 state.clear()
                 self._first_step(pid, work, grad, group, state, layout)
-            elif work is local:
+            elif work is local or work.dtype == local.dtype:
                 batch.append(Update(pid, work, grad, state, layout))
+                if work is not local:
+                    copies.append((local, work))
                 continue
             else:
                 self._update_params(group, [Update(pid, work, grad, state, layout)])
             if work is not local:
                 local.copy_(work)
-        self._flush_updates(batch_group, batch)
+        self._flush_updates(batch_group, batch, copies)
         self._refresher.step_end()
         return loss
 
@@ -416,10 +435,23 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                 f"{pid}, shape {tuple(p.shape)}) failed: {err}"
             ) from err
 
-    def _flush_updates(self, group: dict[str, Any] | None, batch: list[Update]) -> None:
-        if batch:
-            self._update_params(group, batch)
+    def _flush_updates(
+        self,
+        group: dict[str, Any] | None,
+        batch: list[Update],
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """The batch's updates, then its working copies written back to their parameters
+        (also when the update raised: what it applied reaches the parameter, as an in-place
+        update's would)."""
+        try:
+            if batch:
+                self._update_params(group, batch)
+        finally:
             batch.clear()
+            for local, work in copies:
+                local.copy_(work)
+            copies.clear()
 
     def _has_state(self) -> bool:
         """Whether some parameter has state (placeholders, and entries of ``state`` that are
@@ -437,9 +469,47 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         key = self._layout_key(local, group)
         cached = self._layouts.get(id(p))
         if cached is None or cached[0] != key:
-            cached = (key, self._layout(local, group))
+            layout = self._layout(local, group)
+            if layout.over_budget and not self.factors_some_dims:
+                layout = without_factors(layout)  # Note [Factor budget] in blocking.py
+            cached = (key, layout)
             self._layouts[id(p)] = cached
+            if cached[1].over_budget and not self._budget_warned:
+                self._warn_over_budget(p, local, cached[1], group)
         return cached[1]
+
+    def _warn_over_budget(
+        self, p: torch.Tensor, local: torch.Tensor, layout: ParamLayout, group: dict[str, Any]
+    ) -> None:
+        """Note [Factor budget] in blocking.py: once per optimizer, the first parameter a dim of
+        which is left without a factor."""
+        self._budget_warned = True
+        flat = [q for g in self.param_groups for q in g["params"]]
+        pid = next((i for i, q in enumerate(flat) if q is p), None)
+        name = "?" if pid is None else self.param_names.get(pid, f"param{pid}")
+        dims = ", ".join(
+            f"dim {i} ({layout.view_shape[i]}: a factor of up to "
+            f"{min(layout.view_shape[i], group['max_preconditioner_dim'])} wide)"
+            for i in layout.over_budget
+        )
+        where = (
+            f"along {dims}"
+            if self.factors_some_dims
+            else f"(every dim: {type(self).__name__} factors all dims of a block or none) for "
+            f"{dims}"
+        )
+        warnings.warn(
+            f"{type(self).__name__}: parameter '{name}' of shape {tuple(local.shape)} (viewed as "
+            f"{layout.view_shape}) is left unpreconditioned {where}, as the SOAP authors "
+            f"leave a dim above max_precond_dim: the factor would be wider than "
+            f"{FACTOR_BUDGET_DIM} and hold more than {FACTOR_BUDGET_RATIO} times the elements of "
+            "the block it preconditions (Note [Factor budget] in asteria/optim/blocking.py: "
+            "about 90 s a refresh and 400 MB at 10000 wide on a CPU). To precondition it, "
+            "reshape the parameter so that no dim is much longer than the others. Shown once "
+            "per optimizer.",
+            FactorBudgetWarning,
+            stacklevel=4,
+        )
 
     def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
         return (tuple(p.shape), group["max_preconditioner_dim"])
@@ -544,7 +614,8 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
 #   * params: tensors, parameter groups, or ``(name, tensor)`` pairs (``named_parameters()``),
 #     whose names go to the group's ``param_names`` and so into the ``state_dict``; what is not
 #     an ordered iterable of those is a ``TypeError`` in torch's words (a single tensor
-#     included), duplicates warn and a parameter in two groups is a ``ValueError``, as in torch;
+#     included), duplicates warn (and are kept once: Note [Duplicate
+#     parameters]) and a parameter in two groups is a ``ValueError``, as in torch;
 #     an empty list is one empty group that steps as a no-op (torch raises).
 #   * ``lr`` may be a 1-element floating-point tensor (checked before the parameters, as torch
 #     does, "Tensor lr must be 1-element"); schedulers fill it in place.
@@ -582,6 +653,26 @@ def _param_list(name: str, params: Any) -> list:
             f"but got {type(params).__name__} ({name})"
         ) from None
     return params if params else [{"params": []}]
+
+
+def _drop_duplicates(group: dict[str, Any]) -> None:
+    """A parameter listed twice in ``group`` kept once, at its first place (and its name).
+
+    Note [Duplicate parameters]: ``torch.optim`` warns of a parameter group with duplicate
+    parameters and carries on, stepping the parameter once per listing on one state. For a
+    Kronecker-factored optimizer that would add its statistics twice a step, and under a
+    runtime give one block two keys (the registry's bookkeeping of one block, twice: an
+    internal AssertionError). So, after torch's warning, the group keeps the first listing only:
+    the parameter trains as if listed once, natively and under a runtime alike
+    (tests/unit/test_layouts.py). ``state_dict`` then has one entry per distinct parameter."""
+    params = group["params"]
+    seen: set[int] = set()
+    keep = [i for i, p in enumerate(params) if not (id(p) in seen or seen.add(id(p)))]
+    if len(keep) == len(params):
+        return
+    group["params"] = [params[i] for i in keep]
+    if "param_names" in group:
+        group["param_names"] = [group["param_names"][i] for i in keep]
 
 
 def _state_init_probe(groups: list[dict[str, Any]], todo: list[tuple]) -> bool:

@@ -17,7 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockSpec", "ParamLayout", "make_layout", "merge_small_dims"]
+__all__ = [
+    "FACTOR_BUDGET_DIM",
+    "FACTOR_BUDGET_RATIO",
+    "BlockSpec",
+    "FactorBudgetWarning",
+    "ParamLayout",
+    "make_layout",
+    "merge_small_dims",
+    "over_budget",
+    "without_factors",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,9 @@ class ParamLayout:
 
     view_shape: tuple[int, ...]
     blocks: tuple[BlockSpec, ...]
+    #: Dims of the view left without a factor because it would be over the factor budget
+    #: (Note [Factor budget]); the optimizer warns once.
+    over_budget: tuple[int, ...] = ()
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a parameter or its gradient) seen with ``view_shape``."""
@@ -61,6 +74,55 @@ def merge_small_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
     return tuple(merged)
 
 
+#: Note [Factor budget]: the widest factor built whatever its block.
+FACTOR_BUDGET_DIM = 2048
+#: ... and how many times its block's elements a wider factor may hold.
+FACTOR_BUDGET_RATIO = 16
+
+
+class FactorBudgetWarning(UserWarning):
+    """A dim of a parameter was left without a factor: its factor would be over the budget
+    (Note [Factor budget] in asteria/optim/blocking.py)."""
+
+
+# Note [Factor budget]
+# ~~~~~~~~~~~~~~~~~~~~
+# A ``d x d`` factor costs ``d^2`` elements (SOAP and KL-Shampoo keep a basis of the same size)
+# and ``O(d^3)`` per refresh. Measured on the 2-core AMD EPYC of the project (one thread,
+# fp32): a QR refresh (power iteration + QR) 0.14 s at d = 1024, 0.92 s at 2048, 6.1 s at 4096;
+# an eigh (SOAP's first bases) 0.28, 1.26 and 11 s: about 90 s and 160 s at 10000, with 400 MB
+# a factor. Blocking a long dim at ``max_preconditioner_dim`` (SOAP's and KL-Shampoo's default
+# 10000) made a ``(1, 100000)`` parameter ten blocks of ``(1, 10000)``, each with a 10000-wide
+# factor for a gradient of rank one a step: 4 GB, and no first step within 100 s. So a dim's
+# factor is built only within the budget: at most ``FACTOR_BUDGET_DIM`` (2048) wide, or holding
+# at most ``FACTOR_BUDGET_RATIO`` (16) times the elements of the block it preconditions (a
+# ``(4096, 10000)`` block keeps both factors, an embedding's ``(10000, 768)`` blocks too). A dim
+# over the budget is left unpreconditioned and not split, the SOAP authors' rule for a dim
+# above ``max_precond_dim`` (nikhilvyas/SOAP: no factor, Adam along it); the optimizer warns
+# once (``FactorBudgetWarning``, naming the parameter's shape, the dim and the factor it would
+# have built), and ``ParamLayout.over_budget`` names the dims. KL-Shampoo and Shampoo factor
+# every dim of a block or none: there the parameter goes without factors (their fallback:
+# AdamW, the grafting method). A ``(1, 100000)`` SOAP parameter
+# is one block with a 1 x 1 factor: its first step takes milliseconds
+# (tests/unit/test_layouts.py). At the optimizers' defaults no factor of a square-ish block is
+# affected; Shampoo's 1-D factors (default ``max_preconditioner_dim`` 1024) are never over it.
+
+
+def without_factors(layout: ParamLayout) -> ParamLayout:
+    """``layout`` with no factor on any dim (an optimizer that factors every dim of a block or
+    none, KL-Shampoo and Shampoo, where a dim is over the budget: Note [Factor budget])."""
+    blocks = tuple(
+        BlockSpec(b.index, b.shape, tuple(False for _ in b.factored)) for b in layout.blocks
+    )
+    return ParamLayout(layout.view_shape, blocks, layout.over_budget)
+
+
+def over_budget(width: int, block_numel: int) -> bool:
+    """Whether a ``width x width`` factor of a block of ``block_numel`` elements is over the
+    budget (Note [Factor budget])."""
+    return width > FACTOR_BUDGET_DIM and width * width > FACTOR_BUDGET_RATIO * block_numel
+
+
 def _chunks(d: int, size: int) -> list[slice]:
     return [slice(s, min(s + size, d)) for s in range(0, d, size)]
 
@@ -80,7 +142,8 @@ def make_layout(
     order). ``merge_dims`` merges small consecutive dims first (SOAP). Dims larger than
     ``max_preconditioner_dim`` are split into chunks of that size when ``block_large_dims``;
     otherwise they stay whole and carry no factor (the SOAP authors' rule). A 1-D view gets a
-    factor only when ``factor_1d``. A 0-d parameter is viewed as shape ``(1,)``.
+    factor only when ``factor_1d``. A 0-d parameter is viewed as shape ``(1,)``. A dim whose
+    factor would be over the budget stays whole without one (Note [Factor budget]).
     """
     view = tuple(int(d) for d in shape)
     if squeeze:
@@ -103,6 +166,15 @@ def make_layout(
         else:
             per_dim.append([slice(0, d)])
             factored.append(False)
+    # Note [Factor budget]: judged on the largest block (the first chunk of every dim)
+    numel = math.prod(chunks[0].stop for chunks in per_dim)
+    over = tuple(
+        i
+        for i, (chunks, f) in enumerate(zip(per_dim, factored))
+        if f and over_budget(chunks[0].stop, numel)
+    )
+    for i in over:
+        per_dim[i], factored[i] = [slice(0, view[i])], False
 
     blocks = tuple(
         BlockSpec(
@@ -112,4 +184,4 @@ def make_layout(
         )
         for idx in itertools.product(*per_dim)
     )
-    return ParamLayout(view_shape=view, blocks=blocks)
+    return ParamLayout(view_shape=view, blocks=blocks, over_budget=over)

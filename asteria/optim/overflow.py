@@ -152,7 +152,9 @@ class GradientChecks:
         self._check_grad_kind(grad)
         dtype = state_dtype(p)
         if grad.dtype != dtype or not grad.is_contiguous():
-            grad = grad.to(dtype=dtype, memory_format=torch.contiguous_format)
+            # (``Tensor.to`` returns a non-contiguous gradient itself when the dtype matches;
+            # its products would then be computed in another order than its copy's)
+            grad = torch.empty(grad.shape, dtype=dtype, device=grad.device).copy_(grad)
         elif sharded and grad.data_ptr() % _ALIGNMENT:
             # FSDP2's gradient shards are views at arbitrary offsets of its reduce buffer, and
             # vectorized kernels may round differently on unaligned data: an aligned copy keeps

@@ -95,6 +95,7 @@ class SOAP(KroneckerOptimizer):
     """
 
     reads_bases_through_refresher = True
+    factors_some_dims = True  # Note [Factor budget] in blocking.py: the authors' per-dim rule
 
     def __init__(
         self,

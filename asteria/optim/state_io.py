@@ -91,6 +91,7 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     "param_names": {},
     "_nonfinite_warned": False,
     "_overflow_warned": False,
+    "_budget_warned": False,
     "_resumed_refreshes": None,
 }
 
