@@ -10,6 +10,7 @@ from asteria.runtime.distributed import CoherenceTimeoutError
 from asteria.runtime.lane import StatisticsLaneError
 from asteria.runtime.registry import RefreshFailedError, StalenessTimeoutError
 from asteria.runtime.runtime import Runtime
+from asteria.runtime.streams import training_stream
 
 __all__ = [
     "CoherenceTimeoutError",
@@ -19,4 +20,5 @@ __all__ = [
     "RuntimeConfig",
     "StalenessTimeoutError",
     "StatisticsLaneError",
+    "training_stream",
 ]
