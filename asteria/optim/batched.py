@@ -18,8 +18,15 @@ from typing import Any, TypeVar
 
 import torch
 
+import asteria._C  # noqa: F401  (registers torch.ops.asteria.block_mm and aligned_mm)
+
 __all__ = [
     "BATCH_ELEMENTS",
+    "aligned",
+    "bmm",
+    "eigh_each",
+    "mm",
+    "qr_each",
     "bases_bytes",
     "bases_of",
     "block_key",
@@ -266,6 +273,60 @@ def bases_room(refresher: Any) -> int | None:
     return None if refresher.bases_stable else 0
 
 
+#: ``torch.ops.asteria.block_mm``: ``torch.bmm``, computed on the CPU one matrix at a time by
+#: ``mm`` on aligned operands, so that a block's product has the same bits alone and at any
+#: place of any batch (Note [Aligned operands] in csrc/core/aligned.cpp); ``torch.bmm`` on
+#: other devices. One operator for the dispatcher, as ``torch.bmm`` was.
+bmm = torch.ops.asteria.block_mm.default
+
+#: ``torch.ops.asteria.aligned_mm``: ``torch.mm`` of a block's operands, each a dense row- or
+#: column-major copy at a 64-byte boundary where it is not one already (on the CPU): the per-block
+#: twin of ``bmm``.
+mm = torch.ops.asteria.aligned_mm.default
+
+
+#: ``torch.ops.asteria.eigh_each`` and ``qr_each``: ``torch.linalg.eigh`` and the Q of
+#: ``torch.geqrf`` + ``householder_product`` of a stack, one matrix at a time on the CPU (each on
+#: LAPACK's own fresh copy, as a single call would be), one batched call elsewhere.
+eigh_each = torch.ops.asteria.eigh_each.default
+qr_each = torch.ops.asteria.qr_each.default
+
+
+def _column_major(a: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return a.new_empty((a.shape[0], cols, rows)).mT
+
+
+@torch.library.register_fake("asteria::eigh_each")
+def _eigh_each_fake(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = a.shape[1]
+    return a.new_empty((a.shape[0], n)), _column_major(a, n, n)
+
+
+@torch.library.register_fake("asteria::qr_each")
+def _qr_each_fake(a: torch.Tensor) -> torch.Tensor:
+    return _column_major(a, a.shape[1], min(a.shape[1], a.shape[2]))
+
+
+@torch.library.register_fake("asteria::block_mm")
+def _block_mm_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+@torch.library.register_fake("asteria::aligned_mm")
+def _aligned_mm_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it, where ``t`` (on the CPU) is not contiguous from a 64-byte
+    boundary: what a contraction that is not a product of two matrices (``tensordot`` of blocks
+    of order 3 and more) reads, so that its BLAS calls see the operands a block alone would
+    (Note [Aligned operands])."""
+    if t.device.type != "cpu" or (t.data_ptr() % 64 == 0 and t.is_contiguous()):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.stack``: the group's tensors along a new leading dim (one op). Column-major
     matrices (the bases: Note [QR layout] in matrix_functions.py) stay column-major in the
@@ -284,9 +345,9 @@ def batched_mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch
     if x.dim() == 3:  # matrices: Q_L^T X Q_R (or Q_L X Q_R^T) as kron's fast path
         left, right = mats
         if left is not None:
-            x = torch.bmm(left.transpose(1, 2) if transpose else left, x)
+            x = bmm(left.transpose(1, 2) if transpose else left, x)
         if right is not None:
-            x = torch.bmm(x, right if transpose else right.transpose(1, 2))
+            x = bmm(x, right if transpose else right.transpose(1, 2))
         return x
     # kron's general path per block: one dim at a time, the processed dim moved last (tensordot
     # over dim 0), so that each bmm reads its operands in the layout each mm read them in
@@ -298,7 +359,7 @@ def batched_mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch
             continue
         rest = moved.shape[1:-1]
         flat = moved.reshape(batch, -1, moved.shape[-1])
-        out = torch.bmm(flat, m if transpose else m.transpose(1, 2))
+        out = bmm(flat, m if transpose else m.transpose(1, 2))
         x = out.reshape(batch, *rest, m.shape[-1])
     return x
 
@@ -306,12 +367,12 @@ def batched_mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch
 def batched_gram(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``kron.gram`` of every block of a stack ``x`` (``(B, ...)``) along block dim ``dim``."""
     if x.dim() == 3:
-        return torch.bmm(x, x.transpose(1, 2)) if dim == 0 else torch.bmm(x.transpose(1, 2), x)
-    if x.dim() == 2:  # vectors: outer products (one exact multiply per entry)
+        return bmm(x, x.transpose(1, 2)) if dim == 0 else bmm(x.transpose(1, 2), x)
+    if x.dim() == 2:  # vectors: outer products (one exact multiply per entry, at any address)
         return torch.bmm(x.unsqueeze(2), x.unsqueeze(1))
     # kron's tensordot over the other dims: both operands reshaped from permutations (copies
     # where not contiguous), so that each bmm reads them in the layout each mm read them in
     batch, d = x.shape[0], x.shape[dim + 1]
     left = x.movedim(dim + 1, 1).reshape(batch, d, -1)
     right = x.movedim(dim + 1, -1).reshape(batch, -1, d)
-    return torch.bmm(left, right)
+    return bmm(left, right)

@@ -67,6 +67,7 @@ from asteria.optim.batched import (
     block_key,
     group_pieces,
     in_turns,
+    mm,
     shape_groups,
     tensor_key,
 )
@@ -326,8 +327,8 @@ class KLShampoo(KroneckerOptimizer):
         # rotated[i]: G in every basis but dim i's; projected: G in every basis.
         rotated: list[torch.Tensor | None] = [None] * k
         if k == 2:  # Q_a^T G serves both S_b's statistics and the projection: one product less
-            rotated[1] = bases[0].T @ g  # = mode_products(g, [Q_a, None], True)
-            projected = rotated[1] @ bases[1]  # = mode_products(g, bases, True), bit for bit
+            rotated[1] = mm(bases[0].T, g)  # = mode_products(g, [Q_a, None], True)
+            projected = mm(rotated[1], bases[1])  # = mode_products(g, bases, True), bit for bit
         else:
             projected = mode_products(g, bases, True)
         # S_i += (1-beta)/d_other * H H^T with H = G whitened along every other dim.

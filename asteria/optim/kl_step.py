@@ -22,6 +22,7 @@ from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
     block_key,
+    bmm,
     shape_groups,
     stack,
     tensor_key,
@@ -118,9 +119,9 @@ def statistics_2d(
     g = stack(grads)
     q0, q1 = stack([q[0] for q in bases]), stack([q[1] for q in bases])
     s = [stack([b["eigen_sqrt_inv"][i] for b in blocks]) for i in range(2)]
-    rotated1 = torch.bmm(q0.transpose(1, 2), g)  # Q_a^T G: S_b's statistics and the projection
-    projected = torch.bmm(rotated1, q1)
-    xs = [torch.bmm(g, q1), rotated1]
+    rotated1 = bmm(q0.transpose(1, 2), g)  # Q_a^T G: S_b's statistics and the projection
+    projected = bmm(rotated1, q1)
+    xs = [bmm(g, q1), rotated1]
     whiten = [s[1].unsqueeze(1), s[0].unsqueeze(2)]  # dim i whitened along the other dim
     for i in range(2):
         h = xs[i] * whiten[i]

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from asteria.optim.batched import aligned, mm
+
 __all__ = ["mode_products", "gram", "mode_scale"]
 
 Mats = Sequence[torch.Tensor | None]
@@ -28,26 +30,27 @@ def mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch.Tensor:
     if x.dim() == 2:
         left, right = mats
         if left is not None:
-            x = (left.T if transpose else left) @ x
+            x = mm(left.T if transpose else left, x)
         if right is not None:
-            x = x @ (right if transpose else right.T)
+            x = mm(x, right if transpose else right.T)
         return x
     contract = 0 if transpose else 1
     for m in mats:
         if m is None:
             x = x.permute(*range(1, x.dim()), 0)
         else:
-            x = torch.tensordot(x, m, dims=([0], [contract]))
+            x = torch.tensordot(aligned(x), aligned(m), dims=([0], [contract]))
     return x
 
 
 def gram(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``X_(dim) X_(dim)^T``: the contraction of ``x`` with itself over every dim but ``dim``."""
     if x.dim() == 2:
-        return x @ x.T if dim == 0 else x.T @ x
+        return mm(x, x.T) if dim == 0 else mm(x.T, x)
     if x.dim() == 1:
         return torch.outer(x, x)
     others = [d for d in range(x.dim()) if d != dim]
+    x = aligned(x)
     return torch.tensordot(x, x, dims=(others, others))
 
 

@@ -13,9 +13,12 @@ pool; tests/unit/test_cpp_matrix_functions.py checks that both agree.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from asteria.optim.batched import SMALL_BMM
+from asteria._C import OneLapackThread
+from asteria.optim.batched import SMALL_BMM, bmm, eigh_each, mm, qr_each
 
 __all__ = [
     "MatrixFunctionError",
@@ -120,11 +123,21 @@ def _qr_q(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.householder_product(*torch.geqrf(a))
 
 
-def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite):
-    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result run ``fn(float64)`` once.
+def _one_thread(t: torch.Tensor):
+    """On the CPU, the calling thread's LAPACK/BLAS threads at 1 for a refresh's computation, as
+    on a pool worker (Note [One thread per refresh] in csrc/core/aligned.cpp)."""
+    return OneLapackThread() if t.device.type == "cpu" else contextlib.nullcontext()
+
+
+def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
+    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result run ``fn(float64)`` once,
+    each on one LAPACK thread where ``on`` (the input) is on the CPU.
 
     ``valid(*outputs)`` is the finiteness gate (``_finite`` unless the caller knows a cheaper
     exact one)."""
+    if on is not None and on.device.type == "cpu":
+        with OneLapackThread():
+            return _with_fp64_retry(fn, dtype, what, valid)
     first_error: str
     try:
         out = fn(dtype)
@@ -160,7 +173,11 @@ def eigh_descending(
     if not _finite(factor):
         raise MatrixFunctionError("eigh: factor has non-finite entries")
     evals, evecs = _with_fp64_retry(
-        lambda dt: _eigh(factor, dt), dtype, "eigh", valid=lambda w, v: _finite_orthonormal(v, w)
+        lambda dt: _eigh(factor, dt),
+        dtype,
+        "eigh",
+        valid=lambda w, v: _finite_orthonormal(v, w),
+        on=factor,
     )
     return evals.flip(0), evecs.flip(1)
 
@@ -191,14 +208,14 @@ def qr_refresh(
         # geqrf already column-major (its working copy is then a plain memcpy).
         f = _canonical(factor, dt)
         qt = _canonical(basis.T, dt)
-        power_t = torch.mm(qt, f.T)  # (F Q)^T: one n^3 product for estimates and iteration
+        power_t = mm(qt, f.T)  # (F Q)^T: one n^3 product for estimates and iteration
         if not sort:
             return (_qr_q(power_t.T),)
         est = (qt * power_t).sum(dim=1)  # diag(Q^T F Q)
         perm = torch.argsort(est, descending=True)
         return _qr_q(power_t.index_select(0, perm).T), perm
 
-    out = _with_fp64_retry(run, dtype, "qr_refresh", valid=_finite_orthonormal)
+    out = _with_fp64_retry(run, dtype, "qr_refresh", valid=_finite_orthonormal, on=factor)
     return (out[0], None) if len(out) == 1 else (out[0], out[1].to(torch.long))
 
 
@@ -230,13 +247,14 @@ def qr_refresh_many(
 def _qr_many(factors, bases, sort: bool, dtype: torch.dtype) -> list:
     f = torch.stack([_canonical(x, dtype) for x in factors])
     qt = torch.stack([q.T for q in bases]).to(dtype)  # row-major Q^T, as _canonical(basis.T)
-    power_t = torch.bmm(qt, f.mT)  # Note [QR layout], per matrix
+    with _one_thread(f):  # Note [One thread per refresh]
+        power_t = bmm(qt, f.mT)  # Note [QR layout], per matrix
     perm = None
     if sort:
         est = (qt * power_t).sum(dim=2)
         perm = torch.argsort(est, dim=1, descending=True)
         power_t = torch.take_along_dim(power_t, perm.unsqueeze(2), dim=1)
-    q = _qr_q(power_t.mT)
+    q = qr_each(power_t.mT)  # one matrix at a time on the CPU (Note [Aligned operands])
     ok = torch.isfinite(q.sum(dim=(1, 2))).tolist()
     return [
         (q[i], None if perm is None else perm[i]) if ok[i] else None for i in range(len(factors))
@@ -277,9 +295,9 @@ def inverse_root(
     def run(dt: torch.dtype):
         evals, evecs = torch.linalg.eigh(_shifted(factor, dt, epsilon))  # factor + epsilon I
         scale = _perturbed(evals, epsilon).pow(-1.0 / root)
-        return ((evecs * scale) @ evecs.T,)
+        return (mm(evecs * scale, evecs.T),)
 
-    return _with_fp64_retry(run, dtype, "inverse_root")[0]
+    return _with_fp64_retry(run, dtype, "inverse_root", on=factor)[0]
 
 
 def inverse_root_many(
@@ -339,11 +357,12 @@ def _roots_many(stacked: torch.Tensor, root: float, epsilons: list[float], dtype
     shifted = torch.empty((n, d, d), dtype=dtype, device=stacked.device).mT  # _shifted's layout
     shifted.copy_(stacked)
     shifted.diagonal(dim1=1, dim2=2).add_(eps)
-    evals, evecs = torch.linalg.eigh(shifted)
+    evals, evecs = eigh_each(shifted)  # one matrix at a time on the CPU (Note [Aligned operands])
     # pow per row: a vectorised pow rounds otherwise than its scalar tail, and one pow over
     # the stack would cut the rows into other runs of vector lanes
     rows = torch._foreach_pow(list(_perturbed_many(evals, eps).unbind(0)), -1.0 / root)
-    return torch.bmm(evecs * torch.stack(rows).unsqueeze(1), evecs.mT)
+    with _one_thread(evecs):  # Note [One thread per refresh]
+        return bmm(evecs * torch.stack(rows).unsqueeze(1), evecs.mT)
 
 
 def _perturbed_many(lam: torch.Tensor, epsilon: float | torch.Tensor) -> torch.Tensor:

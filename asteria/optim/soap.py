@@ -54,6 +54,8 @@ from asteria.optim.batched import (
     batched_gram,
     batched_mode_products,
     block_key,
+    bmm,
+    mm,
     read_batches,
     shape_groups,
     stack,
@@ -303,7 +305,7 @@ class SOAP(KroneckerOptimizer):
             new_q = new_q.to(dtype=v.dtype, device=v.device)
             old_q = block["bases"][i]
             if old_q.shape[0] ** 2 < m.numel():  # d_i < numel / d_i
-                forth[i] = old_q.T @ new_q
+                forth[i] = mm(old_q.T, new_q)
             else:
                 back[i], forth[i] = old_q, new_q
             block["bases"][i] = new_q
@@ -369,7 +371,7 @@ def _install_group(blocks: list[dict[str, Any]], results: list[list]) -> None:
         old_q = [b["bases"][i] for b in blocks]
         new_q = [r[i][0] for r in results]
         if old_q[0].shape[0] ** 2 < blocks[0]["exp_avg"].numel():  # d_i < numel / d_i
-            forth[i] = torch.bmm(stack([q.T for q in old_q]), stack(new_q))
+            forth[i] = bmm(stack([q.T for q in old_q]), stack(new_q))
         else:
             back[i], forth[i] = stack(old_q), stack(new_q)
         for b, q in zip(blocks, new_q):

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "core/aligned.h"
 #include "core/build_info.h"
 #include "core/lapack_backend.h"
 #include "core/matrix_functions.h"
@@ -102,6 +103,17 @@ void register_matrix_functions(py::module_& m) {
 }
 
 void register_pool(py::module_& m) {
+  // Note [One thread per refresh] in csrc/core/aligned.cpp: `with _C.OneLapackThread():` runs a
+  // refresh's products and factorizations on one LAPACK/BLAS thread, as a pool worker does.
+  py::class_<asteria::OneLapackThread>(m, "OneLapackThread")
+      .def(py::init<>(),
+           "The calling thread's LAPACK/BLAS threads set to 1 for a with-block, then restored.")
+      .def("__enter__", [](asteria::OneLapackThread& self) { self.enter(); })
+      .def("__exit__", [](asteria::OneLapackThread& self, py::args) {
+        self.exit();
+        return false;
+      });
+
   py::class_<asteria::RefreshFuture>(m, "Future")
       .def("done", &asteria::RefreshFuture::done)
       .def("cancelled", &asteria::RefreshFuture::cancelled)

@@ -1,5 +1,7 @@
 #include "core/lapack_backend.h"
 
+#include "core/aligned.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -161,7 +163,8 @@ at::Tensor qr_q(const at::Tensor& a) {
   return at::linalg_householder_product(h, tau);
 }
 
-at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) { return at::matmul(a, b); }
+// Note [Aligned operands] in aligned.cpp: the product's bits do not depend on where a and b sit.
+at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) { return asteria::aligned_mm(a, b); }
 
 void set_thread_lapack_threads(int n) {
   TORCH_CHECK_VALUE(n >= 1, "lapack_threads must be >= 1, got ", n);

@@ -1,5 +1,7 @@
 #include "core/soap_step.h"
 
+#include "core/aligned.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -70,15 +72,15 @@ void soap_update_blocks(
     const auto& left = lefts[i];
     const auto& right = rights[i];
     at::Tensor g_rot = grads[i];
-    if (left) g_rot = at::matmul(left->t(), g_rot);
-    if (right) g_rot = at::matmul(g_rot, *right);
+    if (left) g_rot = asteria::aligned_mm(left->t(), g_rot);
+    if (right) g_rot = asteria::aligned_mm(g_rot, *right);
     at::Tensor m = exp_avgs[i];
     at::Tensor v = exp_avg_sqs[i];
     m.mul_(beta1).add_(g_rot, 1 - beta1);
     v.mul_(beta2).add_(at::pow(g_rot, 2), 1 - beta2);
     at::Tensor update = at::div(m, at::sqrt(v).add_(eps));
-    if (left) update = at::matmul(*left, update);
-    if (right) update = at::matmul(update, right->t());
+    if (left) update = asteria::aligned_mm(*left, update);
+    if (right) update = asteria::aligned_mm(update, right->t());
     if (normalize) {
       update = at::div(update, at::add(at::pow(at::mean(at::pow(update, 2)), 0.5), 1e-30));
     }
@@ -96,7 +98,8 @@ void soap_accumulate(const std::vector<std::optional<at::Tensor>>& factors, cons
   for (std::size_t i = 0; i < 2; ++i) {
     if (!factors[i]) continue;
     at::Tensor f = *factors[i];
-    const at::Tensor gram = i == 0 ? at::matmul(grad, grad.t()) : at::matmul(grad.t(), grad);
+    const at::Tensor gram =
+        i == 0 ? asteria::aligned_mm(grad, grad.t()) : asteria::aligned_mm(grad.t(), grad);
     TORCH_CHECK_VALUE(f.sizes() == gram.sizes(), "soap_accumulate: factor ", i, " has shape ",
                       f.sizes(), ", the gradient's gram ", gram.sizes());
     f.lerp_(gram, 1 - beta);
