@@ -11,7 +11,7 @@
   blocks ``host_empty(..., reuse=True)`` left for reuse); every tensor owns its memory through
   its storage;
 * the staging path: ``StagingRing`` / ``StagingSlot`` (fenced, reusable pinned slots),
-  ``copy_stream`` (the low-priority copy stream, ``CopyStream``), ``snapshot`` / ``Snapshot``
+  ``copy_stream`` (the copy stream, ``CopyStream``), ``snapshot`` / ``Snapshot``
   (device-to-host copies into ring slots with their fences);
 * the NVMe spill store: ``SpillStore`` / ``SpillFuture``;
 * ``capabilities()``: what this build and machine offer (``python -m asteria.info`` prints it).

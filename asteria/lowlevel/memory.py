@@ -57,8 +57,8 @@ def device_view(
 
 
 def copy_stream(device: torch.device | str) -> Copies:
-    """The low-priority copy stream of ``device``: a ``CudaCopies`` (a lowest-priority
-    ``torch.cuda.Stream`` with events) for a CUDA device, the in-order CPU stand-in
+    """The copy stream of ``device``: a ``CudaCopies`` (a ``torch.cuda.Stream`` of the least
+    priority, 0 as the default stream's, with events) for a CUDA device, the in-order CPU stand-in
     (``HostCopies``) for ``"cpu"``. ``CudaUnavailableError`` for a CUDA device without CUDA."""
     device = torch.device(device)
     if device.type == "cuda":

@@ -1,7 +1,7 @@
 """Asteria's memory tiers below the device: host memory it owns (aligned, pinned and mapped where a
 GPU is visible) with the staging ring that device snapshots go through and device views
 (host.py), and the NVMe spill store (nvme.py). The placement policy is tiers.py (pure) and the
-state sizes it is fed come from accounting.py; the low-priority copy stream is copies.py and the
+state sizes it is fed come from accounting.py; the copy stream is copies.py and the
 device window the runtime reads host bases through on discrete GPUs is window.py; import them
 from there."""
 

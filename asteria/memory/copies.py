@@ -1,9 +1,10 @@
-"""The low-priority copy stream: the one way Asteria copies between host and device memory.
+"""The copy stream: the one way Asteria copies between host and device memory.
 
 Owns: ``Copies``, what a copy stream offers (device buffers, events recorded on the main stream,
 copies on the copy stream that wait for such events, making the main stream wait for a copy),
-and its two implementations: ``CudaCopies`` (one lowest-priority ``torch.cuda.Stream`` per
-device, ``torch.cuda.Event``s, ``non_blocking`` copies to and from pinned host memory) and
+and its two implementations: ``CudaCopies`` (one ``torch.cuda.Stream`` of the least priority
+per device: 0, the default stream's too, Note [Stream priorities] in asteria/runtime/streams.py;
+``torch.cuda.Event``s, ``non_blocking`` copies to and from pinned host memory) and
 ``HostCopies``, the CPU stand-in with the same interface (the "device" is the CPU, the copy
 stream a queue of plain copies run in order once the events they wait for completed; events
 record the order and can be completed by hand). The runtime makes one per device and runs both
@@ -79,9 +80,10 @@ class Copies(Protocol):
 
 
 class CudaCopies:
-    """The CUDA backend: copies on a lowest-priority stream of ``device``, events on its current
-    stream. Host sources should be pinned (``asteria.memory.host_empty``) for the copies to be
-    asynchronous."""
+    """The CUDA backend: copies on a least-priority stream of ``device`` (priority 0: below the
+    training only where it runs inside ``asteria.runtime.training_stream``), events on its
+    current stream. Host sources should be pinned (``asteria.memory.host_empty``) for the copies
+    to be asynchronous."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

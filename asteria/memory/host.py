@@ -143,7 +143,7 @@ class StagingSlot:
 
     The slot is handed out again only after every copy recorded on it (``record``) completed and
     every tensor from ``view`` is gone, so releasing early is safe. The runtime fills its slots
-    on the low-priority copy stream (``asteria.memory.copies``) and records each copy there.
+    on the copy stream (``asteria.memory.copies``) and records each copy there.
     """
 
     def __init__(self, lease: _C.StagingSlot) -> None:

@@ -516,7 +516,7 @@ def _make_threads(
         p.lane = StatisticsLane(p.block_name)
         p.grad_guards = GradientGuards(params_of(optimizer), p.lane, always=p.coherence is not None)
     costs = InstallCosts(optimizer.install_cost, functools.partial(block_state, optimizer))
-    # one low-priority copy stream, made once, for the window and the staged snapshots
+    # one copy stream (least priority), made once, for the window and the staged snapshots
     copies = functools.cache(functools.partial(copy_stream, optimizer))
     p.bases = choose_bases(optimizer, c, choices.placement, p.lane, costs, p.block_name, copies)
     thread_cost = _free if p.bases.installs_off_thread else costs

@@ -104,7 +104,7 @@ class RuntimeConfig:
             requested again as soon as its previous refresh is installed and an executor has
             room for it, oldest blocks first (Note [Continuous refresh] in schedule.py). No
             effect at a budget of 0 (native mode).
-        device_refresh: refreshes may run on a low-priority device stream when the CPU pool
+        device_refresh: refreshes may run on a least-priority device stream when the CPU pool
             cannot finish them before their deadline (Note [Refresh placement] in
             placement.py). ``None`` (default): where the parameters are on a CUDA device,
             unless ``fixed_delay`` is set (the executor is chosen by measured times and the

@@ -6,7 +6,7 @@ pool), which places each job on the C++ CPU pool or on a ``StreamExecutor`` (Not
 placement]); the moving averages of the jobs' measured durations per executor, kind and size
 (``Durations``); each executor's backlog; the room the executors have for more work (what
 continuous refresh asks, Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one
-thread running jobs with torch, in deadline order, on its own lowest-priority CUDA stream, or on
+thread running jobs with torch, in deadline order, on its own least-priority CUDA stream, or on
 the CPU (the stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
 
 Must not: decide when a refresh is requested or installed (schedule.py), install, or change what
@@ -36,12 +36,14 @@ block's two factors may run on different executors); ``stats()["placement"]`` co
 executor and names where each block's last job ran.
 
 What a device refresh costs the training: the job's inputs are copied to the device at
-submission (the factor and basis, ``d^2`` values each, on a low-priority stream of their own,
+submission (the factor and basis, ``d^2`` values each, on a least-priority stream of their own,
 which the submitting thread waits for, so that the staging slot or the lane's snapshot may be
 reused at once; a device input is copied after the training stream's writes to it, and the
 wait then includes them), and
-its eigh or QR then runs on a stream of the lowest priority: the training stream's kernels are
-scheduled first, but the refresh still takes SMs and memory bandwidth while it runs, and
+its eigh or QR then runs on a stream of the least priority (0, which the default stream has
+too: the training's kernels are scheduled first only where it runs on a higher-priority stream,
+``asteria.runtime.training_stream``, Note [Stream priorities] in streams.py), the refresh still
+takes SMs and memory bandwidth while it runs, and
 torch's ``eigh`` on CUDA synchronizes its own stream with the host (a cusolver info check), which
 is why it runs on a thread of its own. Its results stay on the device (no copy back), and the
 install reads them after the thread has seen the stream finish.
@@ -141,7 +143,7 @@ class _StreamFuture:
 
 class StreamExecutor:
     """One thread that runs refresh jobs with torch (``RefreshJob.run``), in deadline order
-    (ties: submission order): on ``device``'s lowest-priority stream, or on the CPU with
+    (ties: submission order): on ``device``'s least-priority stream, or on the CPU with
     ``device`` None (the stand-in). Inputs are copied at submission."""
 
     name = "device_stream"

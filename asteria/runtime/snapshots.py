@@ -10,7 +10,7 @@ runtime attaches (``attach.choose_snapshots``) from where the parameters live:
   lane behind the block's statistics of this step, which it must see (Note [Statistics lane] in
   lane.py); the training thread never waits for the lane at a refresh step;
 * ``StagedSnapshots`` (device parameters): an asynchronous copy into a slot of the pinned
-  staging ring (``asteria.memory.StagingRing``) on the low-priority copy stream
+  staging ring (``asteria.memory.StagingRing``) on the copy stream
   (``asteria.memory.copies``, the one the bases window uses too), submitted once it has landed
   (Note [Staged snapshots]); the copies and their fences are ``asteria.memory.staging.snapshot``,
   the staging path ``asteria.lowlevel`` offers too.
