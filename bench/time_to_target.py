@@ -81,18 +81,26 @@ from asteria.train.plots import plot_loss  # noqa: E402
 from asteria.train.targets import time_to_target  # noqa: E402
 from bench._common import device_tag, emit_json, env_header, print_table  # noqa: E402
 
-OPTIMIZERS = ("adamw", "soap", "kl-shampoo", "shampoo")
-SECOND_ORDER = OPTIMIZERS[1:]
+OPTIMIZERS = ("adamw", "soap", "kl-shampoo", "shampoo", "muon", "soap-f1")
+FIRST_ORDER = ("adamw", "muon")  # no refreshes: one mode, the variant is the name alone
+SECOND_ORDER = ("soap", "kl-shampoo", "shampoo", "soap-f1")
+DEFAULT_OPTIMIZERS = ("adamw", "soap", "kl-shampoo", "shampoo")
 FACTORS = (0.5, 1.0, 2.0, 4.0)
 # The demo's rates before this benchmark (asteria/train/optimizers.py, one seed, 200 steps): the
 # centre of each grid, fixed here so that the grid does not move with the table it tunes. Two
 # moved down by half once: the first tuning (2026-12-02, bench/results/time_to_target_cpu.json
 # of 5752f26) chose the lowest rate of Shampoo's grids (both presets) and of KL-Shampoo's on
 # tiny, so better rates could lie below them; every grid keeps its four rates.
+# Muon and SOAP at frequency 1 (issue 49): centred on the issue's constant-rate probe on nano
+# (Muon best at 1e-2 of 5e-3/1e-2/2e-2, SOAP f=1 at 5e-3 of 2.5e-3/5e-3/1e-2), a grid x 1/2 ...
+# x 4 around half of it, so the probe's best sits inside; tiny's centres scaled as AdamW's and
+# SOAP's best rates fall from nano to tiny (x 1/3 to 1/2).
 BASE_LRS = {
-    "nano": {"adamw": 3e-3, "soap": 1e-2, "kl-shampoo": 1e-2, "shampoo": 1.5e-3},
-    "tiny": {"adamw": 1e-3, "soap": 3e-3, "kl-shampoo": 5e-3, "shampoo": 1.5e-3},
-}
+    "nano": {"adamw": 3e-3, "soap": 1e-2, "kl-shampoo": 1e-2, "shampoo": 1.5e-3,
+             "muon": 5e-3, "soap-f1": 5e-3},
+    "tiny": {"adamw": 1e-3, "soap": 3e-3, "kl-shampoo": 5e-3, "shampoo": 1.5e-3,
+             "muon": 2.5e-3, "soap-f1": 2e-3},
+}  # fmt: skip
 GRIDS = {
     preset: {name: tuple(round(lr * f, 10) for f in FACTORS) for name, lr in lrs.items()}
     for preset, lrs in BASE_LRS.items()
@@ -122,11 +130,12 @@ MODES = ("native", "asteria", "continuous")
 
 
 def variants(names: tuple[str, ...], modes: tuple[str, ...] = MODES) -> list[str]:
-    """``adamw``, then ``<name>:<mode>`` for each second-order name and mode (MODES: native,
-    Asteria at its defaults, Asteria with ``refresh="continuous"``)."""
-    out = ["adamw"] if "adamw" in names else []
+    """The first-order names (``adamw``, ``muon``), then ``<name>:<mode>`` for each second-order
+    name and mode (MODES: native, Asteria at its defaults, Asteria with
+    ``refresh="continuous"``)."""
+    out = [n for n in names if n in FIRST_ORDER]
     for n in names:
-        if n != "adamw":
+        if n not in FIRST_ORDER:
             out += [f"{n}:{m}" for m in modes]
     return out
 
@@ -134,6 +143,47 @@ def variants(names: tuple[str, ...], modes: tuple[str, ...] = MODES) -> list[str
 def _split(variant: str) -> tuple[str, str]:
     name, _, mode = variant.partition(":")
     return name, mode or "native"
+
+
+def parse_variants(text: str) -> list[str]:
+    """``--variants``: ``adamw`` (first: the reference), ``muon``, ``<name>:<mode>``; checked."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or out[0] != "adamw":
+        raise ValueError("--variants must start with adamw, the reference")
+    for v in out:
+        name, mode = _split(v)
+        if name not in OPTIMIZERS:
+            raise ValueError(f"--variants: unknown optimizer {name!r} in {v!r}")
+        if name in FIRST_ORDER and ":" in v:
+            raise ValueError(f"--variants: {name} has one mode only, write {name!r}")
+        if name not in FIRST_ORDER and (":" not in v or mode not in MODES):
+            raise ValueError(f"--variants: write {name} as {name}:MODE, MODE one of {MODES}")
+    if len(set(out)) != len(out):
+        raise ValueError("--variants: a variant repeats")
+    return out
+
+
+def rate_source(variant: str, chosen: list[str], each_mode: bool = False) -> str:
+    """The variant whose tuned rate ``variant`` trains at (Note [Rates of the Asteria modes])."""
+    name, mode = _split(variant)
+    if name in FIRST_ORDER or mode == "native" or each_mode:
+        return variant
+    if name == "soap" and mode == "continuous" and "soap-f1:native" in chosen:
+        return "soap-f1:native"
+    return f"{name}:native"
+
+
+# Note [Rates of the Asteria modes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Only native runs are tuned (an Asteria run's refreshes land by the clock, so its loss depends
+# on the machine's load, Note [Parallel tuning]); an Asteria mode trains at the rate of the
+# native run it is measured against: ``<opt>:asteria`` and ``<opt>:continuous`` at
+# ``<opt>:native``'s, the same optimizer and math at equal hyperparameters. One exception: where
+# SOAP at frequency 1 (``soap-f1:native``) is in the comparison, ``soap:continuous`` takes its
+# rate, for it is the quality continuous refresh is judged against (issue 49: within 1 % of its
+# loss, within 5 % of its steps) and a rate tuned for a refresh every 10 steps is not the rate
+# of one every step (the issue's probe: 2e-2 at f=10, 5e-3 at f=1). ``--tune-each-mode`` tunes
+# every Asteria mode on its own grid instead (serially).
 
 
 # -- one run, and the cache of finished runs -------------------------------------------------------
@@ -176,7 +226,7 @@ def run_one(preset: str, budget: Budget, variant: str, lr: float, seed: int, cor
     cfg = TrainConfig(
         model=preset,
         optimizer=name,
-        mode="native" if mode == "native" else "asteria",
+        mode="native" if mode == "native" else "asteria",  # the runtime as configured here
         steps=budget.steps,
         batch_size=budget.batch_size,
         seq_len=budget.seq_len,
@@ -192,8 +242,11 @@ def run_one(preset: str, budget: Budget, variant: str, lr: float, seed: int, cor
         rt = RuntimeConfig(staleness=args.staleness, refresh="continuous")
     start = time.perf_counter()
     result = train(cfg, corpus, runtime_config=rt, progress=False, device=args.device)
-    keep = ("step", "step_ms", "loss", "val_loss")
-    records = [{k: r[k] for k in keep if k in r} for r in result.records]
+    keep = ("step", "step_ms", "opt_ms", "barrier_wait_ms", "loss", "val_loss")
+    records = [
+        {k: (round(r[k], 3) if k.endswith("_ms") else r[k]) for k in keep if r.get(k) is not None}
+        for r in result.records
+    ]
     s = result.summary()
     return {
         "variant": variant,
@@ -262,37 +315,63 @@ def _run_tuning_in_parallel(preset, budget, runs, cache: Cache, args) -> None:
             cache.put(_key(preset, budget, variant, lr, args.tune_seed, args), future.result())
 
 
-def tune(preset: str, budget: Budget, names, corpus, cache: Cache, args) -> dict[str, dict]:
-    """variant -> {"grid": {lr: final val loss}, "lr": chosen, "at_edge", "tuned_as"}."""
-    out: dict[str, dict] = {}
-    if args.rates_from is None and args.device == "cpu":
-        grid_of = (lambda name: GRIDS[preset][name]) if args.grid is None else (lambda _: args.grid)
-        native = [v for v in variants(names, args.modes) if _split(v)[1] == "native"]
-        runs = [(v, lr) for v in native for lr in grid_of(_split(v)[0])]
+def grid_of(preset: str, variant: str, args) -> tuple[float, ...]:
+    """The rates ``variant`` is tuned over: ``--grid``, else GRIDS."""
+    return tuple(args.grid) if args.grid is not None else GRIDS[preset][_split(variant)[0]]
+
+
+def tune(preset: str, budget: Budget, chosen: list[str], corpus, cache: Cache, args):
+    """``(tuning, rates)``. ``tuning``: each variant whose rate another takes (Note [Rates of
+    the Asteria modes]) -> ``{"grid": {lr: final val loss}, "lr": chosen, "at_edge",
+    "tuned_as"}``, tuned here on ``args.tune_seed`` or taken from ``--rates-from`` (where it has
+    it; the others are an error unless ``--tune-missing``). ``rates``: every chosen variant ->
+    ``{"lr", "tuned_as"}``."""
+    sources = list(dict.fromkeys(rate_source(v, chosen, args.tune_each_mode) for v in chosen))
+    earlier: dict[str, dict] = {}
+    if args.rates_from is not None:
+        earlier = args.rates_from.get("presets", {}).get(preset, {}).get("tuning", {})
+        missing = [v for v in sources if v not in earlier]
+        if missing and not args.tune_missing:
+            raise SystemExit(
+                f"--rates-from: {args.rates_from.get('_path')} has no tuning of "
+                f"{', '.join(missing)} on {preset} (it tuned {', '.join(earlier) or 'nothing'} "
+                "there; --tune-missing tunes them here)"
+            )
+    todo = [v for v in sources if v not in earlier]
+    if args.device == "cpu":
+        native = [v for v in todo if _split(v)[1] == "native"]
+        runs = [(v, lr) for v in native for lr in grid_of(preset, v, args)]
         _run_tuning_in_parallel(preset, budget, runs, cache, args)
-    for variant in variants(names, args.modes):
-        name, mode = _split(variant)
-        if args.rates_from is not None:  # the tuning of an earlier run, taken as it chose
-            out[variant] = _tuned_from(args.rates_from, preset, variant, args.tune_each_mode)
+    tuning: dict[str, dict] = {}
+    for variant in sources:
+        if variant in earlier:  # the tuning of an earlier run, taken as it chose
+            tuning[variant] = {
+                **earlier[variant],
+                "tuned_as": variant,
+                "tuned_in": earlier[variant].get("tuned_in") or args.rates_from.get("commit"),
+            }
             continue
-        if mode != "native" and not args.tune_each_mode:
-            native = out[f"{name}:native"]
-            out[variant] = {**native, "tuned_as": f"{name}:native"}
-            continue
-        grid = GRIDS[preset][name] if args.grid is None else tuple(args.grid)
+        grid = grid_of(preset, variant, args)
         finals = {}
         for lr in grid:
             run = _cached_run(cache, preset, budget, variant, lr, args.tune_seed, corpus, args)
             finals[lr] = run["final_val_loss"]
         scored = {lr: v for lr, v in finals.items() if v is not None and math.isfinite(v)}
         best = min(scored, key=scored.get) if scored else grid[0]
-        out[variant] = {
+        tuning[variant] = {
             "grid": {str(lr): v for lr, v in finals.items()},
             "lr": best,
             "at_edge": best in (grid[0], grid[-1]),
             "tuned_as": variant,
         }
-    return out
+    rates = {}
+    for v in chosen:
+        src = rate_source(v, chosen, args.tune_each_mode)
+        rates[v] = {"lr": tuning[src]["lr"], "tuned_as": src}
+    for v, t in earlier.items():  # carried forward, so that this JSON holds every tuned rate
+        commit = t.get("tuned_in") or args.rates_from.get("commit")
+        tuning.setdefault(v, {**t, "tuned_as": v, "tuned_in": commit})
+    return tuning, rates
 
 
 def warm_up(preset: str, budget: Budget, names, corpus, args) -> None:
@@ -307,53 +386,78 @@ def warm_up(preset: str, budget: Budget, names, corpus, args) -> None:
         train(cfg, corpus, progress=False, device=args.device)
 
 
-def _tuned_from(payload: dict, preset: str, variant: str, each_mode: bool) -> dict:
-    """``variant``'s tuning in an earlier run's JSON (``--rates-from``): its own, or (an Asteria
-    mode not tuned on its own) its native mode's."""
-    tuning = payload.get("presets", {}).get(preset, {}).get("tuning", {})
-    name, mode = _split(variant)
-    own = variant if (mode == "native" or each_mode) else f"{name}:native"
-    if own not in tuning:
-        raise SystemExit(
-            f"--rates-from: {payload.get('_path')} has no tuning of {own} on {preset} "
-            f"(it tuned {', '.join(tuning) or 'nothing'} there)"
-        )
-    return {**tuning[own], "tuned_as": own}
-
-
-def evaluate(preset, budget, tuned, corpus, cache: Cache, args) -> dict[str, dict[int, dict]]:
+def evaluate(preset, budget, rates, corpus, cache: Cache, args) -> dict[str, dict[int, dict]]:
     """variant -> seed -> run, seed by seed, the order rotated from one seed to the next."""
-    names = list(tuned)
+    names = list(rates)
     runs: dict[str, dict[int, dict]] = {v: {} for v in names}
     for i, seed in enumerate(args.eval_seeds):
         shift = i % len(names)
         for variant in names[shift:] + names[:shift]:
             runs[variant][seed] = _cached_run(
-                cache, preset, budget, variant, tuned[variant]["lr"], seed, corpus, args
+                cache, preset, budget, variant, rates[variant]["lr"], seed, corpus, args
             )
     return runs
 
 
-def goals(figures: dict[str, Any]) -> dict[str, Any]:
-    """The issue's goals on one preset's figures (targets.time_to_target's dict)."""
+def _asteria_variants(runs: dict) -> list[str]:
+    return [v for v in runs if _split(v)[0] not in FIRST_ORDER and _split(v)[1] != "native"]
+
+
+def worst_ratio(r: dict) -> float | None:
+    """A run's largest time ratio over the seeds, where it reaches the target on every seed."""
+    return r["ratio_to_reference"]["max"] if r["reached"] == r["of_seeds"] else None
+
+
+def faster_first_order(figures: dict[str, Any]) -> str:
+    """Note [The faster first-order optimizer]: ``muon`` where it reaches AdamW's mean final loss
+    in less training time than AdamW on most seeds (median ratio < 1), else ``adamw``."""
+    muon = figures["runs"].get("muon")
+    if muon is None:
+        return "adamw"
+    med = muon["ratio_to_reference"]["median"]
+    most = muon["reached"] * 2 > muon["of_seeds"]
+    return "muon" if most and med is not None and med < 1 else "adamw"
+
+
+# Note [The faster first-order optimizer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Issue 49's time goal is against "the faster first-order optimizer (AdamW or Muon)": the one a
+# user would train with to get a given loss soonest. The comparison reads it off the run itself:
+# Muon is the faster where it reaches AdamW's mean final validation loss in less training time
+# than AdamW does (its median ratio over the seeds below 1, on more than half of them); then the
+# goal's target is Muon's own mean final loss and the time its own time to it on each seed
+# (``vs_faster``), else AdamW's loss and time (the main figures).
+
+
+def goals(figures: dict[str, Any], fast: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The issue's goals on one preset's figures (targets.time_to_target's dict, against AdamW),
+    with ``fast`` the same figures against the faster first-order optimizer where it is not
+    AdamW (Note [The faster first-order optimizer])."""
     runs = figures["runs"]
-    asteria = [v for v in runs if _split(v)[1] != "native" and v != "adamw"]
-
-    def worst_ratio(v: str) -> float | None:
-        r = runs[v]
-        return r["ratio_to_reference"]["max"] if r["reached"] == r["of_seeds"] else None
-
+    asteria = _asteria_variants(runs)
+    against = fast if fast is not None else figures
     ranked = sorted(
-        (v for v in asteria if worst_ratio(v) is not None), key=lambda v: worst_ratio(v)
+        (v for v in asteria if worst_ratio(against["runs"][v]) is not None),
+        key=lambda v: worst_ratio(against["runs"][v]),
     )
     best = ranked[0] if ranked else None
     out: dict[str, Any] = {
+        "faster_first_order": against["reference"],
+        "faster_first_order_target": against["target"],
         "best_asteria": best,
-        "best_asteria_worst_ratio": worst_ratio(best) if best else None,
-        "best_asteria_within_0p7_every_seed": bool(best) and worst_ratio(best) <= 0.7,
+        "best_asteria_worst_ratio": worst_ratio(against["runs"][best]) if best else None,
+        "best_asteria_median_ratio": (
+            against["runs"][best]["ratio_to_reference"]["median"] if best else None
+        ),
+        "best_asteria_within_0p7_every_seed": bool(best)
+        and worst_ratio(against["runs"][best]) <= 0.7,
         "asteria_ahead_of_native": {},
         "asteria_quality_within_1pct": {},
     }
+    if "soap:continuous" in runs and "soap-f1:native" in runs:
+        out["continuous_soap_vs_f1"] = continuous_vs_f1(
+            runs["soap:continuous"], runs["soap-f1:native"]
+        )
     for v in asteria:
         native = f"{_split(v)[0]}:native"
         if native not in runs:
@@ -371,18 +475,67 @@ def goals(figures: dict[str, Any]) -> dict[str, Any]:
             "median_seconds": [a_med, n_med],
             "ahead": wins == len(secs),
         }
-        am, nm = a["final_val_loss"]["mean"], n["final_val_loss"]["mean"]
-        rel = (am - nm) / nm if am is not None and nm else None
-        out["asteria_quality_within_1pct"][v] = {
-            "mean_final_val_loss": [am, nm],
-            "relative_difference": rel,
-            "within": rel is not None and abs(rel) <= 0.01,
-            # the quality kept (at most 1% worse); "within" also flags a variant that ends more
-            # than 1% *below* native's loss, which follows another schedule of refreshes
-            "no_worse": rel is not None and rel <= 0.01,
-            **paired_difference(a["final_val_loss"]["per_seed"], n["final_val_loss"]["per_seed"]),
-        }
+        out["asteria_quality_within_1pct"][v] = quality(a, n)
     return out
+
+
+def quality(a: dict, n: dict) -> dict[str, Any]:
+    """Run ``a``'s final validation loss against ``n``'s: mean and paired (Note [Paired seeds])."""
+    am, nm = a["final_val_loss"]["mean"], n["final_val_loss"]["mean"]
+    rel = (am - nm) / nm if am is not None and nm else None
+    return {
+        "mean_final_val_loss": [am, nm],
+        "relative_difference": rel,
+        "within": rel is not None and abs(rel) <= 0.01,
+        # the quality kept (at most 1% worse); "within" also flags a variant that ends more
+        # than 1% *below* the other's loss, which follows another schedule of refreshes
+        "no_worse": rel is not None and rel <= 0.01,
+        **paired_difference(a["final_val_loss"]["per_seed"], n["final_val_loss"]["per_seed"]),
+    }
+
+
+def continuous_vs_f1(c: dict, f1: dict) -> dict[str, Any]:
+    """Issue 49's goals for Asteria's continuous SOAP against native SOAP at frequency 1: its
+    final loss at most 1 % above f=1's (means over the seeds), its steps to AdamW's loss at most
+    5 % more than f=1's (means over the seeds; every seed must reach it), and its median step at
+    most 1.1x AdamW's (the median over the seeds of each seed's median-step ratio)."""
+    q = quality(c, f1)
+    steps = {}
+    for name, r in (("continuous", c), ("f1", f1)):
+        vals = [x for x in r["steps_to_target"].values() if x is not None]
+        steps[name] = statistics.fmean(vals) if len(vals) == r["of_seeds"] and vals else None
+    step_ratio = steps["continuous"] / steps["f1"] if steps["continuous"] and steps["f1"] else None
+    step_time = c["step_time_vs_reference"]["median"]
+    out = {
+        "final_loss": q,
+        "loss_within_1pct": q["no_worse"],
+        "mean_steps_to_adamw_loss": steps,
+        "steps_ratio": step_ratio,
+        "steps_within_5pct": step_ratio is not None and step_ratio <= 1.05,
+        "median_step_vs_adamw": step_time,
+        "step_within_1p1": step_time is not None and step_time <= 1.1,
+    }
+    out["met"] = out["loss_within_1pct"] and out["steps_within_5pct"] and out["step_within_1p1"]
+    return out
+
+
+def step_split(seeds: dict[int, dict]) -> dict[str, float | None]:
+    """Where a variant's training time goes, per step, averaged over the run and then the median
+    over the seeds: ``forward_backward`` (step_ms - opt_ms: the forward, backward and clipping),
+    ``optimizer`` (opt_ms less the barrier wait: the optimizer's own math on the training
+    thread, and the runtime's per-step work), ``wait`` (the staleness barrier's wait)."""
+    parts: dict[str, list[float]] = {"forward_backward": [], "optimizer": [], "wait": []}
+    for run in seeds.values():
+        recs = run["records"]
+        if not recs or "opt_ms" not in recs[0]:
+            continue
+        n = len(recs)
+        wait = sum(r.get("barrier_wait_ms", 0.0) for r in recs) / n
+        opt = sum(r["opt_ms"] for r in recs) / n
+        parts["forward_backward"].append(sum(r["step_ms"] for r in recs) / n - opt)
+        parts["optimizer"].append(opt - wait)
+        parts["wait"].append(wait)
+    return {k: (statistics.median(v) if v else None) for k, v in parts.items()}
 
 
 def paired_difference(a: dict[str, float | None], n: dict[str, float | None]) -> dict[str, Any]:
@@ -432,39 +585,57 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report_preset(preset: str, tuned: dict, figures: dict, g: dict, tune_seed: int) -> None:
+def report_preset(preset: str, tuning: dict, figures: dict, g: dict, tune_seed: int) -> None:
     print(f"\n== {preset}: tuning on seed {tune_seed}, final validation loss per rate")
-    for v, t in tuned.items():
-        if t["tuned_as"] != v:
-            continue
+    for v, t in tuning.items():
         grid = ", ".join(f"{lr}: {_fmt(val, '.4f')}" for lr, val in t["grid"].items())
-        print(f"   {v:>18}: {grid} -> {t['lr']:g}{' (edge of the grid)' if t['at_edge'] else ''}")
+        print(f"   {v:>22}: {grid} -> {t['lr']:g}{' (edge of the grid)' if t['at_edge'] else ''}")
     print(f"\n== {preset}: target {figures['target']:.4f} (AdamW's mean final validation loss)")
     rows = []
     for v, r in figures["runs"].items():
-        f, q = r["final_val_loss"], r["ratio_to_reference"]
+        f, q, sp = r["final_val_loss"], r["ratio_to_reference"], r.get("split_ms", {})
         rows.append(
             [
                 v,
-                f"{tuned[v]['lr']:g}",
+                f"{r['lr']:g}",
                 _fmt(f["mean"], ".4f"),
-                _fmt(f["std"], ".4f"),
                 f"{_fmt(f['min'], '.4f')}-{_fmt(f['max'], '.4f')}",
                 ", ".join(_fmt(x, ".0f") for x in r["steps_to_target"].values()),
-                ", ".join(_fmt(x, ".1f") for x in r["seconds_to_target"].values()),
                 _fmt(q["median"], ".2f"),
                 f"{_fmt(q['min'], '.2f')}-{_fmt(q['max'], '.2f')}",
                 _fmt(r["step_time_vs_reference"]["median"], ".2f"),
+                "/".join(_fmt(sp.get(k), ".0f") for k in ("forward_backward", "optimizer", "wait")),
             ]
         )
-    headers = ["variant", "lr", "val mean", "std", "min-max", "steps to target", "seconds",
-               "ratio med", "ratio range", "step vs adamw"]  # fmt: skip
+    headers = ["variant", "lr", "val mean", "min-max", "steps to target", "ratio med",
+               "ratio range", "step vs adamw", "fwd+bwd/opt/wait ms"]  # fmt: skip
     print_table(headers, rows)
-    best = g["best_asteria"]
+    fast, best = g["faster_first_order"], g["best_asteria"]
     print(
-        f"   best Asteria variant: {best or 'none reached the target on every seed'}"
-        + (f", worst ratio {g['best_asteria_worst_ratio']:.2f} (goal <= 0.7)" if best else "")
+        f"   faster first-order optimizer: {fast} (target {g['faster_first_order_target']:.4f});"
+        f" best Asteria variant against it: {best or 'none reached it on every seed'}"
+        + (
+            f", worst seed {g['best_asteria_worst_ratio']:.2f}x, median "
+            f"{g['best_asteria_median_ratio']:.2f}x its time (goal <= 0.7 on every seed: "
+            f"{'met' if g['best_asteria_within_0p7_every_seed'] else 'NOT met'})"
+            if best
+            else ""
+        )
     )
+    c = g.get("continuous_soap_vs_f1")
+    if c is not None:
+        q, st = c["final_loss"], c["mean_steps_to_adamw_loss"]
+        rel = q["relative_difference"]
+        print(
+            f"   soap:continuous against soap-f1:native: final loss "
+            f"{_fmt(None if rel is None else 100 * rel, '+.2f')}% (goal <= +1%: "
+            f"{'met' if c['loss_within_1pct'] else 'NOT met'}); steps to AdamW's "
+            f"loss {_fmt(st['continuous'], '.1f')} against {_fmt(st['f1'], '.1f')} (x"
+            f"{_fmt(c['steps_ratio'], '.3f')}, goal <= 1.05: "
+            f"{'met' if c['steps_within_5pct'] else 'NOT met'}); median step "
+            f"{_fmt(c['median_step_vs_adamw'], '.2f')}x AdamW's (goal <= 1.1: "
+            f"{'met' if c['step_within_1p1'] else 'NOT met'})"
+        )
     for v, a in g["asteria_ahead_of_native"].items():
         q = g["asteria_quality_within_1pct"][v]
         qd, pd = q["relative_difference"], q["paired_relative_difference"]
@@ -498,11 +669,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", default="nano,tiny", help="comma-separated: nano, tiny")
     p.add_argument(
-        "--optimizers", default=",".join(OPTIMIZERS),
+        "--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
         help="comma-separated, adamw first (the reference): " + ", ".join(OPTIMIZERS),
     )  # fmt: skip
+    p.add_argument(
+        "--variants",
+        help="comma-separated variants, instead of --optimizers x --modes: adamw first, then "
+        "muon and NAME:MODE (e.g. adamw,muon,soap-f1:native,soap:continuous)",
+    )
     p.add_argument("--tune-seed", type=int, default=0)
-    p.add_argument("--eval-seeds", default="1,2,3", help="at least three, none the tune seed")
+    p.add_argument(
+        "--eval-seeds", "--seeds", dest="eval_seeds", default="1,2,3",
+        help="at least two, none the tune seed (the goals: 5 on nano, 3 on tiny)",
+    )  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     p.add_argument("--tune-each-mode", action="store_true", help="tune Asteria modes too")
     p.add_argument("--grid", help="comma-separated rates for every optimizer (default: GRIDS)")
@@ -523,6 +702,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rates-from", type=Path,
         help="skip the tuning: take each variant's rate from this earlier run's JSON",
     )  # fmt: skip
+    p.add_argument(
+        "--tune-missing", action="store_true",
+        help="with --rates-from: tune here the variants the earlier run did not tune",
+    )  # fmt: skip
     args = p.parse_args(argv)
     args.presets = [x.strip() for x in args.presets.split(",") if x.strip()]
     if args.quick:
@@ -538,9 +721,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = tuple(x.strip() for x in args.modes.split(",") if x.strip())
     if "native" not in args.modes or set(args.modes) - set(MODES):
         p.error(f"--modes: native (the comparison) and any of {', '.join(MODES[1:])}")
+    if args.variants is not None:
+        try:
+            args.variants = parse_variants(args.variants)
+        except ValueError as err:
+            p.error(str(err))
+    else:
+        args.variants = variants(args.optimizers, args.modes)
     args.eval_seeds = [int(x) for x in args.eval_seeds.split(",") if x.strip()]
-    if len(args.eval_seeds) < 3 or args.tune_seed in args.eval_seeds:
-        p.error("--eval-seeds: at least three seeds, none of them the tuning seed")
+    if len(args.eval_seeds) < 2 or args.tune_seed in args.eval_seeds:
+        p.error("--eval-seeds: at least two seeds, none of them the tuning seed")
+    if len(set(args.eval_seeds)) != len(args.eval_seeds):
+        p.error("--eval-seeds: a seed repeats")
     if args.grid is not None:
         args.grid = [float(x) for x in args.grid.split(",") if x.strip()]
         if len(args.grid) < 4:
@@ -549,6 +741,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device: cpu or cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    if args.tune_missing and args.rates_from is None:
+        p.error("--tune-missing goes with --rates-from")
     if args.rates_from is not None:
         try:
             lines = args.rates_from.read_text("utf-8").strip().splitlines()
@@ -587,6 +781,7 @@ def main(argv: list[str] | None = None) -> dict:
             "tune_seed": args.tune_seed,
             "eval_seeds": args.eval_seeds,
             "lr_factors": FACTORS,
+            "variants": list(args.variants),
             "modes": list(args.modes),
             "tune_each_mode": args.tune_each_mode,
             "staleness": args.staleness,
@@ -600,6 +795,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "date": args.rates_from.get("date"),
             },
             "data_bytes": args.data_bytes,
+            "data_sha256": corpus.sha256,  # Note [Embedded corpus] in asteria/train/corpus.py
         },
         "presets": {},
     }
@@ -610,43 +806,77 @@ def main(argv: list[str] | None = None) -> dict:
             budget = dataclasses.replace(budget, steps=args.steps)
         print(f"\n== {preset}: {budget}", flush=True)
         if args.device == "cuda":
-            warm_up(preset, budget, args.optimizers, corpus, args)
-        tuned = tune(preset, budget, args.optimizers, corpus, cache, args)
-        runs = evaluate(preset, budget, tuned, corpus, cache, args)
-        by_seed = {v: {s: r["records"] for s, r in seeds.items()} for v, seeds in runs.items()}
-        extra = {v: {"lr": t["lr"], "tuned_as": t["tuned_as"]} for v, t in tuned.items()}
-        figures = time_to_target(by_seed, "adamw", None, extra)
-        g = goals(figures)
-        report_preset(preset, tuned, figures, g, args.tune_seed)
-        args.plots.mkdir(parents=True, exist_ok=True)
-        plot = args.plots / f"time_to_target_{tag}_{preset}.png"
+            names = list(dict.fromkeys(_split(v)[0] for v in args.variants))
+            warm_up(preset, budget, names, corpus, args)
+        tuning, rates = tune(preset, budget, args.variants, corpus, cache, args)
+        runs = evaluate(preset, budget, rates, corpus, cache, args)
+        payload["presets"][preset] = figures_of(preset, budget, tuning, rates, runs, tag, args)
+        payload["presets"][preset]["duration_s"] = time.perf_counter() - t0
+        if preset != args.presets[-1]:  # what is done so far, should the next preset not end
+            write_json(payload, args, started, partial=True)
+    write_json(payload, args, started, partial=False)
+    return payload
+
+
+def figures_of(preset, budget, tuning, rates, runs, tag, args) -> dict[str, Any]:
+    """One preset's figures, goals and plots (printed, and returned for the JSON)."""
+    by_seed = {v: {s: r["records"] for s, r in seeds.items()} for v, seeds in runs.items()}
+    figures = time_to_target(by_seed, "adamw", None, rates)
+    for v, seeds in runs.items():
+        figures["runs"][v]["median_opt_ms"] = statistics.median(
+            r["median_opt_ms"] for r in seeds.values()
+        )
+        figures["runs"][v]["split_ms"] = step_split(seeds)
+    fast = None
+    if faster_first_order(figures) != "adamw":
+        fast = time_to_target(by_seed, faster_first_order(figures), None, rates)
+    g = goals(figures, fast)
+    report_preset(preset, tuning, figures, g, args.tune_seed)
+    args.plots.mkdir(parents=True, exist_ok=True)
+    more = {} if fast is None else {f"{fast['reference']}'s mean final loss": fast["target"]}
+    plots = {}
+    for axis, suffix in (("seconds", ""), ("steps", "_steps")):
+        plots[axis] = str(args.plots / f"time_to_target_{tag}_{preset}{suffix}.png")
         plot_loss(
-            plot, by_seed, time=True, target=figures["target"], train=False,
-            title=f"{preset}: validation loss, mean of seeds {args.eval_seeds} (band: min-max); "
-            "* reaches AdamW's mean final loss",
+            Path(plots[axis]), by_seed, time=axis == "seconds", target=figures["target"],
+            train=False, center="median", more_targets=more,
+            title=f"{preset}: validation loss, median of seeds {args.eval_seeds} (band: min-max)"
+            "; * reaches AdamW's mean final loss",
         )  # fmt: skip
-        for v, seeds in runs.items():
-            figures["runs"][v]["median_opt_ms"] = statistics.median(
-                r["median_opt_ms"] for r in seeds.values()
-            )
-        payload["presets"][preset] = {
-            "budget": budget.__dict__,
-            "tuning": {v: t for v, t in tuned.items() if t["tuned_as"] == v},
-            **figures,
-            "goals": g,
-            "plot": str(plot),
-            "duration_s": time.perf_counter() - t0,
+    out = {
+        "budget": budget.__dict__,
+        "tuning": tuning,
+        **figures,
+        "goals": g,
+        "plot": plots["seconds"],
+        "plot_steps": plots["steps"],
+    }
+    if fast is not None:  # the time goal's figures (Note [The faster first-order optimizer])
+        keep = ("steps_to_target", "seconds_to_target", "reached", "of_seeds",
+                "ratio_to_reference")  # fmt: skip
+        out["vs_faster"] = {
+            "reference": fast["reference"],
+            "target": fast["target"],
+            "runs": {v: {k: r[k] for k in keep} for v, r in fast["runs"].items()},
         }
+    return out
+
+
+def write_json(payload: dict[str, Any], args, started: float, partial: bool) -> None:
+    """Print the JSON line (and write ``--json``); ``partial``: after a preset, with more to
+    come (``"partial": true``, not printed)."""
     payload["duration_s"] = time.perf_counter() - started
-    print(f"\nduration {payload['duration_s'] / 60:.1f} min", flush=True)
+    payload["partial"] = partial
+    if not partial:
+        print(f"\nduration {payload['duration_s'] / 60:.1f} min", flush=True)
     line = io.StringIO()
     with contextlib.redirect_stdout(line):
         emit_json(payload)
     if args.json is not None:  # the very line printed last
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(line.getvalue(), "utf-8")
-    print(line.getvalue(), end="", flush=True)
-    return payload
+    if not partial:
+        print(line.getvalue(), end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode", default="native", choices=MODES,
-        help="mode of second-order optimizers named without :MODE (default native)",
+        help="mode of second-order optimizers named without :MODE (default native; continuous: "
+        "asteria with RuntimeConfig(refresh='continuous'))",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per step)")
@@ -164,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         default=STDLIB,
         help=(
-            f"{STDLIB!r} (Python's own .py sources, byte-level), a text file, a directory of text "
-            "files, or a token file (OLMo's numpy layout with --token-dtype, or a .npy)"
+            f"{STDLIB!r} (embedded: CPython 3.11.7's standard library .py sources, byte-level, "
+            "the same bytes on every Python), a text file, a directory of text files, or a token "
+            "file (OLMo's numpy layout with --token-dtype, or a .npy)"
         ),
     )
     d.add_argument(
@@ -305,6 +307,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             vocab_size=args.vocab_size,
         )
         device = _device(args.device)
+        if (args.fsdp or args.hsdp) and any(s.name == "muon" for s in specs):
+            raise ValueError(  # Note [Muon as people use it] in asteria/train/optimizers.py
+                "muon under --fsdp/--hsdp: torch.optim.Muon orthogonalizes whole matrices, and "
+                "each process holds a shard of them; run muon without sharding"
+            )
         if args.fsdp or args.hsdp:
             kind = "fsdp" if args.fsdp else "hsdp"
             ctx = dist_util.init(kind, args.hsdp_shards)
@@ -379,6 +386,7 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
     env = environment("transformers") | {
         "threads_note": threads_note,
         "data": corpus.name,
+        "data_sha256": corpus.sha256,  # Note [Embedded corpus] in asteria/train/corpus.py
         "data_tokens": corpus.num_tokens,
         "vocab_size": corpus.vocab_size,
         "device": str(ctx.device if ctx else device),
@@ -396,7 +404,8 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
             (out / RUN_JSON).write_text(json.dumps(payload, indent=2) + "\n", "utf-8")
     say(
         f"asteria.train: model {args.model}, {corpus.num_tokens:,} tokens "
-        f"({corpus.kind}, vocab {corpus.vocab_size}) from {corpus.name}, torch {env['torch']} "
+        f"({corpus.kind}, vocab {corpus.vocab_size}) from {corpus.name}, sha256 "
+        f"{corpus.sha256}, torch {env['torch']} "
         f"({env['torch_threads']} threads) on {env['device']}"
         f"{', ' + env['distributed'] if ctx else ''}; energy: "
         f"{meter.describe() if meter is not None else '-'}",
@@ -429,7 +438,7 @@ def _run(args, configs, rt_config, corpus, device, ctx) -> int:
                     result = train(
                         cfg,
                         corpus,
-                        runtime_config=rt_config if cfg.mode == "asteria" else None,
+                        runtime_config=rt_config if cfg.mode != "native" else None,
                         on_record=writer,
                         progress=not args.no_progress,
                         checkpoint=path,

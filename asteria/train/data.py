@@ -1,19 +1,21 @@
 """Training data for `asteria.train`: a byte-level corpus that works offline everywhere.
 
-Owns: reading the corpus (by default the Python standard library's own ``.py`` sources, which
-every Python installation ships), byte-level tokenization, the fixed train/validation split, and
+Owns: reading the corpus (by default the embedded snapshot of CPython 3.11.7's standard library
+``.py`` sources, the same bytes on every Python and platform: corpus.py, Note [Embedded corpus]),
+byte-level tokenization, the corpus checksum, the fixed train/validation split, and
 deterministic batches. Must not: download anything, depend on the model or the optimizer, or hold
 global random state (every batch stream has its own seeded ``torch.Generator``).
 
 Tokenization: token ids 0-255 are the bytes themselves and id 256 (``EOD``) separates documents
 (files), so ``VOCAB_SIZE == 257``. There is no BOS and no padding token: every window is full.
 
-Sources (``--data``): ``"stdlib"``; a text file or a directory of text files (byte-level, as
-above; a file with NUL bytes is not text and is refused, naming the file); or a pre-tokenized
-token file in OLMo's numpy layout: a flat array of ``uint16`` or ``uint32`` token ids with no
-header (``np.memmap``), read when ``token_dtype`` is given, or a ``.npy`` file with a header
-holding a 1-D ``uint16``/``uint32`` array. A token file's vocabulary is ``vocab_size`` when given,
-else its largest id + 1; it already holds its own document separators.
+Sources (``--data``): ``"stdlib"`` (the embedded snapshot); a text file or a directory of text
+files (byte-level, as above; a file with NUL bytes is not text and is refused, naming the file);
+or a pre-tokenized token file in OLMo's numpy layout: a flat array of ``uint16`` or ``uint32``
+token ids with no header (``np.memmap``), read when ``token_dtype`` is given, or a ``.npy`` file
+with a header holding a 1-D ``uint16``/``uint32`` array. A token file's vocabulary is
+``vocab_size`` when given, else its largest id + 1; it already holds its own document
+separators.
 
 Split: the corpus is one token stream cut into ``SLICES`` (100) equal slices; every
 ``VAL_EVERY``-th slice (the 20th, 40th, ..., 100th: 5 % of the tokens, spread over the whole corpus
@@ -22,19 +24,23 @@ order. Training windows are drawn only from the training part and validation win
 the validation part, so they never share a token. (A single 5 % tail would be one region of the
 corpus; for the first 4 MB of the standard library that region is the codec tables of
 ``encodings/``, which look nothing like the rest.)
+
+Checksum (``Corpus.sha256``): the SHA-256 of the whole token stream before the split, each token
+a little-endian uint32, for every kind of source (corpus.py, Note [Embedded corpus]).
 """
 
 from __future__ import annotations
 
-import os
-import sysconfig
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from asteria.train import corpus as embedded
 
 VOCAB_SIZE = 257
 EOD = 256
@@ -46,7 +52,6 @@ MAX_INFERRED_VOCAB = 2**20  # a larger id without --vocab-size is a misread file
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _NPY_MAGIC = b"\x93NUMPY"
 _BINARY_PROBE = 65536  # bytes of each text file checked for NUL bytes
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,8 @@ class Corpus:
     """A tokenized corpus split into a training and a validation token stream.
 
     Byte-level corpora hold int16 tensors, token files int32; ``vocab_size`` is the model's
-    vocabulary (257 for bytes). ``kind`` is ``"bytes"`` or ``"tokens"``.
+    vocabulary (257 for bytes). ``kind`` is ``"bytes"`` or ``"tokens"``. ``sha256``: the token
+    stream's checksum (the module doc).
     """
 
     name: str
@@ -63,21 +69,16 @@ class Corpus:
     val: torch.Tensor
     vocab_size: int = VOCAB_SIZE
     kind: str = "bytes"
+    sha256: str = ""
 
     @property
     def num_tokens(self) -> int:
         return self.train.numel() + self.val.numel()
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files in sorted order of their path relative to the root."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found: list[str] = []
-    for here, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
-        rel = Path(here).relative_to(root)
-        found.extend((rel / f).as_posix() for f in files if f.endswith(".py"))
-    return [root / rel for rel in sorted(found)]
+def token_checksum(tokens: torch.Tensor) -> str:
+    """SHA-256 of ``tokens`` as little-endian uint32s (corpus.py, Note [Embedded corpus])."""
+    return hashlib.sha256(tokens.numpy().astype("<u4").tobytes()).hexdigest()
 
 
 def _files_under(directory: Path) -> list[Path]:
@@ -91,9 +92,6 @@ def _files_under(directory: Path) -> list[Path]:
 
 
 def _source_files(source: str) -> tuple[str, list[Path]]:
-    if source == STDLIB:
-        root = sysconfig.get_paths()["stdlib"]
-        return f"stdlib:{root}", stdlib_files()
     path = Path(source)
     if path.is_file():
         return str(path), [path]
@@ -105,9 +103,10 @@ def _source_files(source: str) -> tuple[str, list[Path]]:
 
 
 def _tokenize(
-    files: list[Path], max_bytes: int, check_text: bool = True
+    files: Iterable[Path | bytes], max_bytes: int, check_text: bool = True
 ) -> tuple[torch.Tensor, int]:
-    """Concatenate the files' bytes, each followed by EOD, stopping after ``max_bytes`` bytes.
+    """Concatenate the files' bytes (a path, or a document's bytes), each followed by EOD,
+    stopping after ``max_bytes`` bytes.
 
     ``check_text`` refuses a file with a NUL byte in its first 64 KiB (binary, not text).
     """
@@ -117,7 +116,8 @@ def _tokenize(
     for path in files:
         if used >= max_bytes:
             break
-        data = path.read_bytes()[: max_bytes - used]
+        raw = path if isinstance(path, bytes) else path.read_bytes()
+        data = raw[: max_bytes - used]
         if not data:
             continue
         if check_text and b"\0" in data[:_BINARY_PROBE]:
@@ -247,7 +247,11 @@ def load_corpus(
                 f"--vocab-size {vocab_size} only applies to token files; text is byte-level "
                 f"(vocab {VOCAB_SIZE})"
             )
-        name, files = _source_files(source)
+        if source == STDLIB:
+            name = f"{STDLIB} (embedded: {embedded.SOURCE})"
+            files: list[Path | bytes] = [doc for _, doc in embedded.documents()]
+        else:
+            name, files = _source_files(source)
         tokens, documents = _tokenize(files, max_bytes, check_text=source != STDLIB)
         vocab, kind = VOCAB_SIZE, "bytes"
     train, val = split(tokens)
@@ -258,7 +262,13 @@ def load_corpus(
             f"needs at least {VAL_EVERY * min_tokens} tokens"
         )
     return Corpus(
-        name=name, num_documents=documents, train=train, val=val, vocab_size=vocab, kind=kind
+        name=name,
+        num_documents=documents,
+        train=train,
+        val=val,
+        vocab_size=vocab,
+        kind=kind,
+        sha256=token_checksum(tokens),
     )
 
 

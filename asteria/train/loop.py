@@ -21,6 +21,7 @@ measured), ``val_loss`` at validation steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import statistics
@@ -41,7 +42,15 @@ from asteria.train.data import Corpus, TrainBatches, val_batches
 from asteria.train.distributed import DistContext
 from asteria.train.energy import EnergyMeter
 from asteria.train.models import build_model, get_preset
-from asteria.train.optimizers import MODES, RunSpec, build_optimizer, get_spec
+from asteria.train.optimizers import (
+    MODES,
+    MUON_COOLDOWN_FRAC,
+    RUNTIME_MODES,
+    RunSpec,
+    build_optimizer,
+    get_spec,
+    hidden_matrices,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,7 +202,16 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_frac`` of the steps, then cosine decay to 10 % of the peak."""
+    """The optimizer's schedule (its table entry's ``schedule``): ``"warmup-cosine"``, linear
+    warmup over ``warmup_frac`` of the steps, then cosine decay to 10 % of the peak; or
+    ``"stable-cooldown"`` (Muon, Note [Muon as people use it] in optimizers.py), the peak from the
+    first step, then over the last 40 % of the steps a linear cooldown to 10 % of it."""
+    if get_spec(cfg.optimizer).schedule == "stable-cooldown":
+        x = step / cfg.steps
+        if x < 1.0 - MUON_COOLDOWN_FRAC:
+            return 1.0
+        w = (1.0 - x) / MUON_COOLDOWN_FRAC
+        return w + (1.0 - w) * 0.1
     warmup = max(1, round(cfg.warmup_frac * cfg.steps))
     if step < warmup:
         return (step + 1) / warmup
@@ -354,7 +372,8 @@ def train(
     if ctx is not None:
         dist_util.shard_model(model, ctx)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(cfg.optimizer, params, cfg.peak_lr)
+    hidden = hidden_matrices(model) if get_spec(cfg.optimizer).needs_hidden else None
+    opt = build_optimizer(cfg.optimizer, params, cfg.peak_lr, hidden=hidden)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     batches = TrainBatches(corpus, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
     val_set = val_batches(
@@ -376,9 +395,13 @@ def train(
         wall_before = float(resume["wall_s"])
         energy_before = dict(resume.get("energy_j", {}))
     runtime = None
-    if cfg.mode == "asteria":
-        from asteria.runtime import Runtime
+    if cfg.mode in RUNTIME_MODES:
+        from asteria.runtime import Runtime, RuntimeConfig
 
+        if cfg.mode == "continuous":  # the configuration given, refreshed continuously
+            runtime_config = dataclasses.replace(
+                runtime_config or RuntimeConfig(), refresh="continuous"
+            )
         runtime = Runtime(model, opt, runtime_config)
         if resume is not None:
             ckpt.load_runtime_state(runtime, resume, path=checkpoint)

@@ -1,10 +1,12 @@
 """Optimizer table for `asteria.train`: name -> constructor and learning rates that work.
 
-Owns: the names the CLI accepts, each optimizer's hyperparameters for the demo, and the documented
-default learning rates. Must not: implement optimizer math (that lives in `asteria.optim`) or
-split parameters into groups: every parameter goes to one group, and the second-order optimizers
-handle 1-D parameters (norm weights) with their Adam path and precondition the vocab x d
-embedding and head matrices like any other matrix.
+Owns: the names the CLI accepts, each optimizer's hyperparameters for the demo, its learning-rate
+schedule, and the documented default learning rates. Must not: implement optimizer math (that
+lives in `asteria.optim` and `torch.optim`). Every parameter goes to one group, and the
+second-order optimizers handle 1-D parameters (norm weights) with their Adam path and
+precondition the vocab x d embedding and head matrices like any other matrix; the one exception
+is ``muon`` (Note [Muon as people use it]), which splits the model's hidden matrices from the
+rest.
 
 Learning rates: bench/time_to_target.py's tuning (issue 24, bench/results/time_to_target_cpu.json,
 2026-12-03 at f69699c, a 2-vCPU AMD EPYC): every optimizer at the four rates of its grid (the
@@ -68,23 +70,214 @@ def _kl_shampoo(params: Params, lr: float) -> Optimizer:
     )
 
 
+def _soap_f1(params: Params, lr: float) -> Optimizer:
+    from asteria.optim import SOAP
+
+    # the quality reference: a refresh at every step, as NVIDIA's Emerging-Optimizers SOAP and
+    # the step-count record of modded-nanogpt's optimization track run it
+    return SOAP(params, lr=lr, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=1)
+
+
 def _shampoo(params: Params, lr: float) -> Optimizer:
     from asteria.optim import Shampoo
 
     return Shampoo(params, lr=lr, betas=(0.9, 1.0), precondition_frequency=10, grafting="adam")
 
 
+# Note [Muon as people use it]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``muon`` is torch.optim.Muon (torch >= 2.9) as its documentation and the published trainings
+# use it, not a variant of our own:
+#
+# * Muon on the hidden 2-D matrices only (attention and MLP projections); AdamW (the ``adamw``
+#   entry's betas (0.9, 0.95), eps 1e-8, weight decay 0.01) on the embeddings, the norms, any
+#   biases and the output layer. torch's docstring: "Muon is an optimizer for 2D parameters of
+#   neural network hidden layers. Other parameters, such as bias, and embedding, should be
+#   optimized by a standard method such as AdamW." A model passes its hidden matrices
+#   (``hidden_matrices``); a bare list of parameters falls back to the docstring's example rule
+#   (every 2-D parameter to Muon).
+# * Muon's own settings are torch's defaults (momentum 0.95, Nesterov, 5 Newton-Schulz steps,
+#   weight decay 0.1) with ``adjust_lr_fn="match_rms_adamw"``: Moonshot's scaling (Muon is
+#   Scalable for LLM Training, arXiv 2502.16982; Kimi K2, Megatron), with which, the docstring
+#   says, Muon "can directly reuse the learning rate and weight decay tuned for AdamW". So one
+#   rate, the one the benchmark tunes, drives both parts, as in Moonshot's trainings.
+# * Its schedule is the one of Keller Jordan's Muon trainings (modded-nanogpt): no warmup, the
+#   peak rate for the first 60 % of the steps, then a linear cooldown to 10 % of it
+#   (``lr_factor``'s ``"stable-cooldown"``); every other optimizer here warms up over 10 % and
+#   decays along a cosine.
+# * Under FSDP/HSDP each rank holds a shard of every matrix, and Newton-Schulz on a shard is not
+#   Muon: ``asteria-train`` refuses ``muon`` there.
+# * One deviation, on a CPU only: torch runs the Newton-Schulz iteration in bfloat16, the fast
+#   path of a GPU's tensor cores. A CPU without bfloat16 matrix units (this project's AVX2 EPYC)
+#   multiplies bfloat16 15 to 40 times slower than float32 (measured on a 256 x 768 matrix, one
+#   thread: X X^T 17 ms against 1.7, the addmm of G X 81 ms against 2.1): torch's Muon took
+#   11-20 s a step on ``tiny`` there, against 0.3 s for AdamW's whole step. So on a CPU the
+#   iteration runs in float32 (``CPUMuon``: torch's update, line for line, with torch's
+#   coefficients and steps; bfloat16 on a GPU, where it calls torch's own iteration).
+#   tests/unit/test_train.py checks that with bfloat16 it is torch.optim.Muon bit for bit.
+
+MUON_MOMENTUM = 0.95
+MUON_WEIGHT_DECAY = 0.1  # torch.optim.Muon's default (Moonshot's value)
+MUON_COOLDOWN_FRAC = 0.4  # modded-nanogpt's cooldown_frac
+
+
+class CPUMuon(torch.optim.Muon):
+    """``torch.optim.Muon`` with its Newton-Schulz iteration in ``ns_dtype`` (default: bfloat16,
+    torch's, on a GPU; float32 on a CPU; Note [Muon as people use it]). Everything else is
+    torch's: its parameters, state, hyperparameters, and the update of ``_single_tensor_muon``
+    line for line."""
+
+    def __init__(self, params, *, ns_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            for param, grad, buf in zip(params, grads, bufs):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                dtype = self.ns_dtype or (torch.float32 if grad.device.type == "cpu" else None)
+                if dtype in (None, torch.bfloat16):
+                    update = _zeropower_via_newtonschulz(
+                        update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                    )
+                else:
+                    update = _newton_schulz(
+                        update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
+                    )
+                adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+                param.mul_(1 - lr * wd)
+                param.add_(update, alpha=-adjusted_lr)
+        return loss
+
+
+def _newton_schulz(
+    grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype
+) -> torch.Tensor:
+    """torch.optim._muon._zeropower_via_newtonschulz in ``dtype`` instead of bfloat16."""
+    a, b, c = coefficients
+    x = grad.to(dtype)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x
+
+
+class MuonWithAdamW(Optimizer):
+    """``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest, stepped
+    together as one ``torch.optim.Optimizer`` (so that one LR scheduler, one ``zero_grad`` and one
+    ``state_dict`` cover both; Note [Muon as people use it]).
+
+    The two torch optimizers do all the math; this class only shares their param groups (each
+    marked ``"muon": True/False``) and their state with itself. ``muon`` and ``adamw`` are the
+    two optimizers (``adamw`` is None where every parameter is a hidden matrix).
+    """
+
+    def __init__(self, hidden: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], lr: float):
+        if not hidden:
+            raise ValueError("muon: no hidden 2-D matrix to optimize (Muon takes 2-D parameters)")
+        self.muon = CPUMuon(
+            hidden,
+            lr=lr,
+            momentum=MUON_MOMENTUM,
+            weight_decay=MUON_WEIGHT_DECAY,
+            adjust_lr_fn="match_rms_adamw",
+        )
+        self.adamw = _adamw(rest, lr) if rest else None
+        groups = list(self.muon.param_groups)
+        for g in groups:
+            g["muon"] = True
+        if self.adamw is not None:
+            for g in self.adamw.param_groups:
+                g["muon"] = False
+            groups += self.adamw.param_groups
+        super().__init__(groups, {"lr": lr})  # the same group dicts: one schedule sets both
+        self._link()
+
+    def _link(self) -> None:
+        self.muon.param_groups = [g for g in self.param_groups if g["muon"]]
+        self.muon.state = self.state
+        if self.adamw is not None:
+            self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+            self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        if self.adamw is not None:
+            self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        super().load_state_dict(state_dict)  # new group dicts and state: hand them on
+        self._link()
+
+
+def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The hidden 2-D matrices of ``model``: every 2-D parameter but the input embedding and the
+    output layer (Note [Muon as people use it])."""
+    outer = set()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, get, lambda: None)()
+        if module is not None and getattr(module, "weight", None) is not None:
+            outer.add(id(module.weight))
+    return [p for p in model.parameters() if p.ndim == 2 and id(p) not in outer]
+
+
+def _muon(params: Params, lr: float, hidden: Iterable[torch.nn.Parameter] | None = None):
+    params = list(params)
+    if hidden is None:  # torch's docstring example: every 2-D parameter to Muon
+        hidden_ids = {id(p) for p in params if p.ndim == 2}
+    else:
+        hidden_ids = {id(p) for p in hidden}
+    return MuonWithAdamW(
+        [p for p in params if id(p) in hidden_ids],
+        [p for p in params if id(p) not in hidden_ids],
+        lr,
+    )
+
+
 TUNED_PRESET = "tiny"  # whose rates the untuned presets use
+# bench/time_to_target.py's tuning of the two issue-49 references (see the module doc)
+MUON_LRS = {"nano": 1e-2, "tiny": 5e-3}
+SOAP_F1_LRS = {"nano": 5e-3, "tiny": 3e-3}
+
+
+SCHEDULES = ("warmup-cosine", "stable-cooldown")
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """One trainable optimizer: its CLI name, tuned learning rates per preset, and constructor."""
+    """One trainable optimizer: its CLI name, tuned learning rates per preset, constructor, and
+    learning-rate schedule (``loop.lr_factor``: ``"warmup-cosine"``, or ``"stable-cooldown"``
+    for Muon, Note [Muon as people use it])."""
 
     name: str
     lrs: dict[str, float]
     summary: str
-    factory: Callable[[Params, float], Optimizer]
+    factory: Callable[..., Optimizer]
+    schedule: str = "warmup-cosine"
+    needs_hidden: bool = False  # the factory takes ``hidden=`` (the model's hidden matrices)
 
     def lr_for(self, model: str) -> float:
         """The documented learning rate on preset ``model`` (``tiny``'s where not tuned)."""
@@ -112,6 +305,20 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             "asteria.optim.Shampoo, Adam grafting",
             _shampoo,
         ),
+        OptimizerSpec(
+            "muon",
+            MUON_LRS,
+            "torch.optim.Muon on hidden matrices + AdamW on the rest",
+            _muon,
+            schedule="stable-cooldown",
+            needs_hidden=True,
+        ),
+        OptimizerSpec(
+            "soap-f1",
+            SOAP_F1_LRS,
+            "asteria.optim.SOAP, refresh every step (the quality reference)",
+            _soap_f1,
+        ),
     )
 }
 
@@ -126,8 +333,11 @@ def get_spec(name: str) -> OptimizerSpec:
         ) from None
 
 
-MODES = ("native", "asteria")
-FIRST_ORDER = frozenset({"adamw"})  # no refreshes: only the native mode exists
+# native: the optimizer alone; asteria: under asteria.Runtime (its configuration as given);
+# continuous: under the runtime with RuntimeConfig(refresh="continuous")
+MODES = ("native", "asteria", "continuous")
+RUNTIME_MODES = frozenset({"asteria", "continuous"})
+FIRST_ORDER = frozenset({"adamw", "muon"})  # no refreshes: only the native mode exists
 
 
 @dataclass(frozen=True)
@@ -158,7 +368,8 @@ def parse_run(text: str, default_mode: str = "native") -> RunSpec:
         if ":" in text and mode != "native":
             raise ValueError(
                 f"{name} has no preconditioner refreshes to orchestrate: only {name} (native) "
-                "exists; the asteria mode is for soap, kl-shampoo and shampoo"
+                "exists; the asteria and continuous modes are for soap, soap-f1, kl-shampoo and "
+                "shampoo"
             )
         mode = "native"
     return RunSpec(name, mode)
@@ -173,7 +384,7 @@ def parse_runs(text: str, default_mode: str = "native") -> list[RunSpec]:
     if not parts:
         raise ValueError(
             f"no optimizer names in {text!r}; choose from {', '.join(OPTIMIZERS)} "
-            f"(second-order ones as name:native or name:asteria)"
+            f"(second-order ones as name:native, name:asteria or name:continuous)"
         )
     runs = [parse_run(part, default_mode) for part in parts]
     labels = [r.label for r in runs]
@@ -195,11 +406,20 @@ def parse_names(text: str) -> list[str]:
 
 
 def build_optimizer(
-    name: str, params: Params, lr: float | None = None, *, model: str = TUNED_PRESET
+    name: str,
+    params: Params,
+    lr: float | None = None,
+    *,
+    model: str = TUNED_PRESET,
+    hidden: Iterable[torch.nn.Parameter] | None = None,
 ) -> Optimizer:
-    """Construct optimizer ``name`` over ``params`` (one group) at ``lr`` or its rate for
-    ``model``."""
+    """Construct optimizer ``name`` over ``params`` (one group; ``muon``: its two parts) at ``lr``
+    or its rate for preset ``model``. ``hidden``: the model's hidden matrices (``muon`` alone
+    reads them, ``hidden_matrices``)."""
     spec = get_spec(name)
     if lr is not None and not lr > 0.0:
         raise ValueError(f"lr must be > 0, got {lr}")
-    return spec.factory(params, spec.lr_for(model) if lr is None else lr)
+    rate = spec.lr_for(model) if lr is None else lr
+    if spec.needs_hidden:
+        return spec.factory(params, rate, hidden=hidden)
+    return spec.factory(params, rate)

@@ -1,9 +1,10 @@
 """The PNG plots of `asteria.train` and bench/time_to_target.py.
 
 Owns: drawing. Must not: train, compute figures (targets.py), or write anything but the PNGs.
-Runs come as ``label -> seed -> records``; a label with several seeds is drawn as the mean over
-its seeds at each validation step with a band from the lowest to the highest seed (against
-wall-clock: at the seeds' mean training time of that step). Where a target loss is given it is a
+Runs come as ``label -> seed -> records``; a label with several seeds is drawn as the mean (or,
+``center="median"``, the median) over its seeds at each validation step with a band from the
+lowest to the highest seed (against wall-clock: at the seeds' mean or median training time of
+that step). Where a target loss is given it is a
 dotted line, and a star marks where each seed of each run first reaches it (Note [Time to
 target] in targets.py).
 
@@ -60,8 +61,17 @@ def _xs(records: Records, time: bool) -> list[float]:
     return train_seconds(records) if time else [float(r["step"]) for r in records]
 
 
-def _draw_run(ax, label: str, color: str, by_seed: Mapping[int, Records], time: bool, train: bool):
-    """One run: its lines (one seed) or the mean over seeds with a min-max band."""
+def _draw_run(
+    ax,
+    label: str,
+    color: str,
+    by_seed: Mapping[int, Records],
+    time: bool,
+    train: bool,
+    center: str = "mean",
+):
+    """One run: its lines (one seed) or the mean (median) over seeds with a min-max band."""
+    middle = statistics.median if center == "median" else statistics.fmean
     seeds = [recs for recs in by_seed.values() if recs]
     if not seeds:
         return
@@ -76,12 +86,12 @@ def _draw_run(ax, label: str, color: str, by_seed: Mapping[int, Records], time: 
     if not steps:
         return
     if time:
-        x = [statistics.fmean(p[s][0] for p in per_seed) for s in steps]
+        x = [middle([p[s][0] for p in per_seed]) for s in steps]
     else:
         x = [float(s) for s in steps]
     vals = [[p[s][1] for p in per_seed] for s in steps]
-    mean = [statistics.fmean(v) for v in vals]
-    name = f"{label} validation" + (f" (mean of {len(seeds)} seeds)" if len(seeds) > 1 else "")
+    mean = [middle(v) for v in vals]
+    name = f"{label} validation" + (f" ({center} of {len(seeds)} seeds)" if len(seeds) > 1 else "")
     ax.plot(x, mean, "o--" if train else "o-", color=color, markersize=3, label=name)
     if len(seeds) > 1:
         ax.fill_between(x, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.18)
@@ -105,15 +115,21 @@ def plot_loss(
     target: float | None = None,
     train: bool = True,
     title: str | None = None,
+    center: str = "mean",
+    more_targets: Mapping[str, float] | None = None,
 ) -> Path:
     """Loss against step (``time=False``) or training seconds, one colour per run; with a
-    ``target``: its line and each seed's crossing. ``train=False`` draws validation only."""
+    ``target``: its line and each seed's crossing. ``train=False`` draws validation only;
+    ``center``: ``"mean"`` or ``"median"`` over the seeds; ``more_targets``: further losses drawn
+    as dashed lines, by name."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=110)
     for i, (label, by_seed) in enumerate(runs.items()):
-        _draw_run(ax, label, f"C{i}", by_seed, time, train)
+        _draw_run(ax, label, f"C{i}", by_seed, time, train, center)
         if target is not None:
             _mark_crossings(ax, f"C{i}", by_seed, target, time)
+    for name, loss in (more_targets or {}).items():
+        ax.axhline(loss, color="0.5", ls="--", lw=1, label=f"{name} {loss:.4f}")
     if target is not None:
         ax.axhline(target, color="0.3", ls=":", lw=1, label=f"target {target:.4f} (* reached)")
         points = [val_points(r) for by in runs.values() for r in by.values()]

@@ -195,7 +195,8 @@ def write_report(
         (
             f"Model `{first['model']}`, {first['steps']} steps of batch {first['batch_size']} x "
             f"{first['seq_len']} tokens, {_seeds_text(seeds)}, data {env.get('data', '?')} "
-            f"(vocab {vocab_size}); torch {env['torch']}, {env['torch_threads']} threads, "
+            f"(vocab {vocab_size}, sha256 {env.get('data_sha256', '?')}); torch {env['torch']}, "
+            f"{env['torch_threads']} threads, "
             f"{env['cpu']}{', GPU ' + str(env['cuda']) if env.get('cuda') else ''}"
             f"{', ' + str(env['distributed']) if env.get('distributed') else ''}."
         ),

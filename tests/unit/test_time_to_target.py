@@ -305,3 +305,88 @@ def test_parallel_tuning_makes_the_serial_tunings_runs(
     assert all(len(t["grid"]) == 4 for t in parallel.values())
     with pytest.raises(SystemExit):
         bench.parse_args(["--quick", "--tune-jobs", "0"])
+
+
+def test_benchmark_variants_pick_the_comparison_and_its_rates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 49: --variants names the comparison (Muon, SOAP at frequency 1, the continuous
+    # modes); continuous SOAP trains at f=1's rate (Note [Rates of the Asteria modes]), the
+    # goals judge it against f=1, and each preset has its two plots and its per-step split.
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import time_to_target as bench
+
+    args = bench.parse_args(["--quick", "--variants", "adamw,muon,soap-f1:native,soap:continuous"])
+    assert args.variants == ["adamw", "muon", "soap-f1:native", "soap:continuous"]
+    assert bench.rate_source("soap:continuous", args.variants) == "soap-f1:native"
+    assert bench.rate_source("soap:continuous", ["adamw", "soap:continuous"]) == "soap:native"
+    assert bench.rate_source("kl-shampoo:continuous", args.variants) == "kl-shampoo:native"
+    for bad in ("muon,adamw", "adamw,soap", "adamw,muon:native", "adamw,lion", "adamw,adamw"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--quick", "--variants", bad])
+    assert bench.parse_args(["--quick", "--seeds", "5,6"]).eval_seeds == [5, 6]
+    for bad in ("1", "0,1", "2,2"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--quick", "--seeds", bad])
+
+    argv = ["--quick", "--variants", "adamw,muon,soap-f1:native,soap:continuous"]
+    argv += ["--grid", "0.001,0.002,0.004,0.008", "--seeds", "1,2", "--plots", str(tmp_path)]
+    argv += ["--json", str(tmp_path / "t.json")]
+    payload = bench.main(argv)
+    nano = payload["presets"]["nano"]
+    assert payload["config"]["variants"] == ["adamw", "muon", "soap-f1:native", "soap:continuous"]
+    assert payload["config"]["data_sha256"] == bench.load_corpus(max_bytes=100_000).sha256
+    assert set(nano["tuning"]) == {"adamw", "muon", "soap-f1:native"}
+    runs = nano["runs"]
+    assert runs["soap:continuous"]["lr"] == nano["tuning"]["soap-f1:native"]["lr"]
+    assert runs["soap:continuous"]["tuned_as"] == "soap-f1:native"
+    for v, r in runs.items():  # where the time goes; only the runtime's steps wait
+        split = r["split_ms"]
+        assert split["forward_backward"] > 0 and split["optimizer"] > 0
+        assert split["wait"] >= 0 and (v == "soap:continuous" or split["wait"] == 0)
+    g = nano["goals"]
+    assert g["faster_first_order"] in ("adamw", "muon")
+    assert (g["faster_first_order"] == "muon") == ("vs_faster" in nano)
+    c = g["continuous_soap_vs_f1"]
+    assert set(c) >= {"final_loss", "steps_ratio", "median_step_vs_adamw", "met"}
+    assert c["met"] == (c["loss_within_1pct"] and c["steps_within_5pct"] and c["step_within_1p1"])
+    for key in ("plot", "plot_steps"):
+        assert Path(nano[key]).read_bytes()[:8] == PNG
+    assert json.loads((tmp_path / "t.json").read_text())["partial"] is False
+
+
+def test_benchmark_goals_against_the_faster_first_order_optimizer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Note [The faster first-order optimizer]: Muon is the reference of the time goal where it
+    # reaches AdamW's loss sooner than AdamW; the best Asteria variant is ranked on its worst
+    # seed against it; continuous SOAP is judged against SOAP f=1 (loss, steps, step time).
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.time_to_target import continuous_vs_f1, faster_first_order, goals
+
+    adamw = {1: _records({2: 3.0, 4: 2.0}, 4), 2: _records({2: 3.0, 4: 2.2}, 4)}  # target 2.1
+    muon = {1: _records({2: 2.0, 4: 1.8}, 4, 120.0), 2: _records({2: 2.1, 4: 1.8}, 4, 120.0)}
+    f1 = {1: _records({2: 2.1, 4: 1.7}, 4, 300.0), 2: _records({2: 2.1, 4: 1.7}, 4, 300.0)}
+    cont = {1: _records({2: 2.1, 4: 1.71}, 4, 105.0), 2: _records({2: 2.1, 4: 1.72}, 4, 105.0)}
+    runs = {"adamw": adamw, "muon": muon, "soap-f1:native": f1, "soap:continuous": cont}
+    figures = time_to_target(runs, "adamw")
+    assert faster_first_order(figures) == "muon"  # 0.24 s against AdamW's 0.38 s and 0.4 s
+    fast = time_to_target(runs, "muon")
+    g = goals(figures, fast)
+    assert g["faster_first_order"] == "muon" and g["faster_first_order_target"] == 1.8
+    # continuous reaches 1.8 at step 2 + 2 * 0.3 / 0.39 on seed 1: 0.105 * 3.538 s, against
+    # Muon's whole 0.48 s (it ends at 1.8 on both seeds: step 4)
+    assert g["best_asteria"] == "soap:continuous"
+    r = fast["runs"]["soap:continuous"]["ratio_to_reference"]["per_seed"]
+    assert r["1"] == pytest.approx(0.105 * (2 + 2 * 0.3 / 0.39) / 0.48)
+    assert g["best_asteria_worst_ratio"] == pytest.approx(max(r.values()))
+    assert g["best_asteria_within_0p7_every_seed"] == (max(r.values()) <= 0.7)
+    c = g["continuous_soap_vs_f1"]
+    assert c == continuous_vs_f1(
+        figures["runs"]["soap:continuous"], figures["runs"]["soap-f1:native"]
+    )
+    assert c["final_loss"]["relative_difference"] == pytest.approx(1.715 / 1.7 - 1)
+    assert c["loss_within_1pct"] and c["steps_ratio"] == pytest.approx(1.0)  # both at step 2
+    assert c["median_step_vs_adamw"] == pytest.approx(1.05) and c["step_within_1p1"] and c["met"]
+    slow = {1: _records({2: 2.3, 4: 2.05}, 4, 200.0), 2: _records({2: 2.3, 4: 2.05}, 4, 200.0)}
+    assert faster_first_order(time_to_target({"adamw": adamw, "muon": slow}, "adamw")) == "adamw"

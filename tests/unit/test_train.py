@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import shutil
@@ -17,10 +18,18 @@ import numpy as np
 import pytest
 import torch
 
-from asteria.train import cli, data, energy, loop, models, report
+from asteria.train import cli, corpus, data, energy, loop, models, report
 from asteria.train.cli import main
 from asteria.train.loop import TrainConfig, lr_factor
-from asteria.train.optimizers import OPTIMIZERS, build_optimizer, parse_names
+from asteria.train.optimizers import (
+    OPTIMIZERS,
+    CPUMuon,
+    MuonWithAdamW,
+    build_optimizer,
+    hidden_matrices,
+    parse_names,
+    parse_run,
+)
 
 # A handful of small steps: enough to exercise validation, refresh flags and every output file.
 QUICK = ["--steps", "4", "--batch-size", "2", "--seq-len", "32", "--val-every", "2"]
@@ -125,12 +134,53 @@ def test_stdlib_corpus_is_deterministic_and_split_in_slices() -> None:
     assert int(stream.min()) >= 0 and int(stream.max()) < data.VOCAB_SIZE
     assert int((stream == data.EOD).sum()) == a.num_documents
     assert stream.numel() == 50_000 + a.num_documents  # the byte cap, plus one EOD per file
-    files = data.stdlib_files()
-    first = next(f.read_bytes() for f in files if f.stat().st_size > 0)
-    assert first[:100] == bytes(a.train[:100].tolist())
-    root = Path(sysconfig.get_paths()["stdlib"])
-    rels = [f.relative_to(root).as_posix() for f in files]
+    docs = corpus.documents()
+    assert docs[0][1][:100] == bytes(a.train[:100].tolist())
+    rels = [rel for rel, _ in docs]
     assert rels == sorted(rels) and not any(r.startswith("site-packages/") for r in rels)
+
+
+def test_embedded_corpus_is_fixed_bytes_with_a_checksum(tmp_path: Path) -> None:
+    # Note [Embedded corpus]: the default corpus is the snapshot's bytes whatever Python runs,
+    # its checksum the constant, computed alike by the stdlib-only module and by data.py.
+    docs = corpus.documents()
+    assert len(docs) == 314 and sum(len(d) for _, d in docs) == corpus.SNAPSHOT_BYTES
+    assert docs[0][0] == "__future__.py" and docs[-1][0] == "encodings/cp775.py"
+    full = data.load_corpus()
+    assert full.sha256 == corpus.CORPUS_SHA256 == corpus.checksum(d for _, d in docs)
+    assert full.num_tokens == corpus.SNAPSHOT_BYTES + 314 and "CPython 3.11.7" in full.name
+    part = data.load_corpus(max_bytes=50_000)
+    assert part.sha256 == corpus.checksum((d for _, d in docs), 50_000) != full.sha256
+    assert corpus.LICENSE.read_text().startswith("A. HISTORY OF THE SOFTWARE")
+    # Under 3.11.7 the snapshot is the interpreter's own library, as the former default read it.
+    if sys.version_info[:3] == (3, 11, 7):
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [path for _, path in corpus.stdlib_sources(root)]
+        tokens, _ = data._tokenize(files, corpus.SNAPSHOT_BYTES, check_text=False)
+        assert data.token_checksum(tokens) == corpus.CORPUS_SHA256
+    # The same check in a Python that imports nothing but the module (the command
+    # docs/train.md gives for another interpreter).
+    proc = subprocess.run(
+        [sys.executable, "-I", corpus.__file__], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and corpus.CORPUS_SHA256 in proc.stdout, proc.stdout
+    # A corrupted archive is refused, naming the file.
+    bad = tmp_path / "bad.tar.xz"
+    bad.write_bytes(corpus.ARCHIVE.read_bytes()[:-1] + b"\0")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus, "ARCHIVE", bad)
+        with pytest.raises(corpus.CorpusError, match="bad.tar.xz has SHA-256"):
+            corpus.documents()
+
+
+def test_own_data_keeps_working_and_has_its_checksum(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"hello world\n" * 400)
+    (tmp_path / "b.txt").write_bytes(b"second file\n" * 400)
+    c = data.load_corpus(str(tmp_path), min_tokens=16)
+    assert c.name == str(tmp_path) and c.num_documents == 2
+    stream = b"hello world\n" * 400 + b"second file\n" * 400
+    assert c.sha256 == corpus.checksum([stream[:4800], stream[4800:]])
+    assert c.sha256 != data.load_corpus(str(tmp_path / "a.txt"), min_tokens=16).sha256
 
 
 def test_batches_are_deterministic_per_seed() -> None:
@@ -200,6 +250,86 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
     assert factors[-1] == pytest.approx(0.1, abs=0.01)
+    # Muon's (Note [Muon as people use it]): the peak from step 0 for 60 % of the steps, then a
+    # linear cooldown to 10 %
+    muon = [lr_factor(s, TrainConfig(steps=100, optimizer="muon")) for s in range(100)]
+    assert muon[:60] == [1.0] * 60 and muon[60] == pytest.approx(1.0)
+    assert muon[80] == pytest.approx(0.55) and muon[-1] == pytest.approx(0.1225)
+    assert all(a > b for a, b in zip(muon[60:], muon[61:]))
+
+
+def test_muon_is_torchs_on_the_hidden_matrices_and_adamw_on_the_rest() -> None:
+    model = models.build_model(models.PRESETS["nano"], vocab_size=257, max_seq_len=32, seed=0)
+    hidden = hidden_matrices(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted({names[id(p)].split(".")[-2] for p in hidden}) == [
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"
+    ]  # fmt: skip
+    assert len(hidden) == 2 * 7  # two layers; not the embedding, not the output layer
+    opt = build_optimizer("muon", model.parameters(), 0.01, hidden=hidden)
+    assert isinstance(opt, MuonWithAdamW) and isinstance(opt.muon, torch.optim.Muon)
+    assert isinstance(opt.adamw, torch.optim.AdamW)
+    muon_group, adamw_group = opt.param_groups
+    assert muon_group["muon"] and muon_group["adjust_lr_fn"] == "match_rms_adamw"
+    assert muon_group["weight_decay"] == 0.1 and muon_group["momentum"] == 0.95
+    assert not adamw_group["muon"] and adamw_group["betas"] == (0.9, 0.95)
+    assert adamw_group["weight_decay"] == 0.01 and muon_group["lr"] == adamw_group["lr"] == 0.01
+    rest = {names[id(p)] for p in adamw_group["params"]}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= rest
+    # one scheduler drives both optimizers: the groups are theirs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    assert opt.muon.param_groups[0]["lr"] == opt.adamw.param_groups[0]["lr"] == 0.005
+    x = torch.randint(0, 257, (2, 32))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    sched.step()
+    assert set(opt.state) == {p for p in model.parameters()}
+    assert all("momentum_buffer" in opt.state[p] for p in hidden)
+    # state_dict round trip (saved and loaded as a checkpoint is): the copy steps as the original
+    twin = models.build_model(models.PRESETS["nano"], vocab_size=257, max_seq_len=32, seed=0)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = build_optimizer("muon", twin.parameters(), 0.01, hidden=hidden_matrices(twin))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    twin_opt.load_state_dict(torch.load(buf, weights_only=True))
+    assert twin_opt.muon.state is twin_opt.state and twin_opt.adamw.param_groups[0]["lr"] == 0.005
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        m(input_ids=x, labels=x).loss.backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_cpu_muon_is_torchs_update_with_a_float32_iteration() -> None:
+    # With torch's bfloat16 iteration it is torch.optim.Muon bit for bit; on a CPU its default,
+    # float32, is the same iteration, closer to the exact orthogonalization.
+    torch.manual_seed(0)
+    w0, grads = torch.randn(48, 24), [torch.randn(48, 24) for _ in range(3)]
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    weights = []
+    for make in (
+        lambda p: torch.optim.Muon([p], **kw),
+        lambda p: CPUMuon([p], ns_dtype=torch.bfloat16, **kw),
+        lambda p: CPUMuon([p], **kw),
+    ):
+        p = torch.nn.Parameter(w0.clone())
+        o = make(p)
+        for g in grads:
+            p.grad = g.clone()
+            o.step()
+        weights.append(p.detach())
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[1], weights[2])
+    assert torch.allclose(weights[1], weights[2], atol=0.02 * 0.2 * 48**0.5 * 3 * 0.1)
+
+
+def test_continuous_mode_and_the_first_order_optimizers_parse() -> None:
+    assert parse_run("soap:continuous").mode == "continuous"
+    assert parse_run("soap-f1").label == "soap-f1:native"
+    assert parse_run("muon").label == "muon"
+    with pytest.raises(ValueError, match="muon has no preconditioner refreshes"):
+        parse_run("muon:continuous")
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -225,6 +355,7 @@ def test_optimizer_table_builds_each(name: str) -> None:
         (["--staleness", "-1"], "staleness must be an integer >= 0, got -1"),
         (["--fixed-delay", "9"], "fixed_delay must be in [0, staleness=5]"),
         (["--fsdp", "--optimizer", "soap"], "runs under torchrun"),
+        (["--fsdp", "--compare", "adamw,muon"], "muon under --fsdp/--hsdp"),
         (["--fsdp"], "runs under torchrun"),
         (["--token-dtype", "uint16"], "--token-dtype needs --data to be one token file"),
         (["--compare", "adamw,lion"], "unknown optimizer 'lion'"),
@@ -302,6 +433,7 @@ def _model_state(out: Path, label: str) -> dict[str, torch.Tensor]:
     ("runs", "steps", "stop", "extra"),
     [
         ("adamw", 6, 4, []),
+        ("muon", 6, 4, []),
         ("soap:native", 6, 4, []),
         # refreshes requested at step 11 install at 13: in flight at the stop, in the checkpoint
         ("soap:asteria", 14, 12, ["--staleness", "2", "--fixed-delay", "2", "--workers", "1"]),
@@ -606,3 +738,29 @@ def test_continuous_refresh_from_the_command_line(tmp_path: Path) -> None:
     assert run["runtime"]["basis_age"]["within_bound"]
     report_md = (out / "report.md").read_text()
     assert "steps between installs (mean, max)" in report_md and "(continuous)" in report_md
+
+
+def test_compare_knows_muon_soap_f1_and_continuous_refresh(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Issue 49: asteria-train --compare runs Muon, SOAP at frequency 1 and the runtime's
+    # continuous refresh, and reports the corpus's checksum.
+    out = tmp_path / "run"
+    labels = ("adamw", "muon", "soap-f1:native", "soap:continuous")
+    assert main([*QUICK, "--model", "nano", "--compare", ",".join(labels), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["runs"]) == list(labels)
+    assert summary["env"]["data_sha256"] == data.load_corpus(max_bytes=100_000).sha256
+    assert summary["runs"]["muon"]["lr"] == OPTIMIZERS["muon"].lr_for("nano")
+    assert summary["runs"]["soap:continuous"]["runtime"]["refresh"]["mode"] == "continuous"
+    assert "runtime" not in summary["runs"]["soap-f1:native"]
+    records = _read_jsonl(out / "metrics.jsonl")
+    f1 = [r for r in records if r["optimizer"] == "soap-f1:native"]
+    assert all(r["refresh"] for r in f1)  # a refresh at every step
+    muon = [r for r in records if r["optimizer"] == "muon"]
+    assert [r["lr"] for r in muon] == [OPTIMIZERS["muon"].lr_for("nano")] * 3 + [
+        pytest.approx(OPTIMIZERS["muon"].lr_for("nano") * 0.6625)
+    ]  # the peak from the first step; step 4 of 4 (x = 0.75) in the cooldown
+    printed = capsys.readouterr().out
+    assert f"sha256 {summary['env']['data_sha256']}" in printed
+    assert f"sha256 {summary['env']['data_sha256']}" in (out / "report.md").read_text()
