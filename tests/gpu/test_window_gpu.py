@@ -211,3 +211,25 @@ def test_the_window_under_requests_in_the_step_that_hosted_the_bases(cls, refres
     assert window["spares"] + window["part_hits"] + window["hits"] > 0, window
     for a, b in zip(params, reference):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("refresh", ["staggered", "continuous"])
+@pytest.mark.parametrize("cls", [SOAP, Shampoo, KLShampoo], ids=lambda c: c.__name__)
+def test_the_window_with_the_default_staleness_stays_close_to_bases_on_the_device(cls, refresh):
+    """Issue 50, stage 1 of bench/gpu_check.sh: the default staleness (5), where refreshes may
+    move to the device stream and install at other steps than on the pool: not bitwise, but the
+    window changes where the bases are read from, not the training: the parameters stay within
+    10% (relative norm) of training with the bases on the device, finite, and the window ran."""
+    if detect_arch("cuda").unified_memory:
+        pytest.skip("a unified-memory GPU reads host bases through mapped views, not a window")
+    kw = dict(workers=2, refresh=refresh)
+    reference, _, _ = _train(cls, RuntimeConfig(**kw, placement={"bases": "device"}))
+    params, report, hosted = _train(cls, _window_forced(**kw))
+    assert report["placement"]["bases_access"] == "window" and hosted and all(hosted)
+    window = report["placement"]["window"]
+    assert window["fills"] > 0 and window["hits"] + window["prefetch_hits"] > 0, window
+    for a, b in zip(params, reference):
+        assert torch.isfinite(a).all()
+        # (on the CPU stand-ins, pool only, the same runs differ by up to 4.7% (SOAP,
+        # continuous: installs at other steps), KL-Shampoo by 2e-7)
+        assert (a - b).norm() <= 0.1 * b.norm() + 1e-6, ((a - b).norm(), b.norm())
