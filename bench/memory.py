@@ -9,10 +9,17 @@ optimizers' own blocking, on ``meta`` parameters: nothing allocated) and tiers f
   * native device = factors (L, R) + bases (Q_L, Q_R) + moments (SOAP: m, v; KL-Shampoo: m and
     the eigenvalue estimates; AdamW m, v for vectors);
   * Asteria device = factors + moments, bases in host memory, on a unified-memory GPU (GH200:
-    mapped reads; what the runtime does there) and, as designed, on a discrete GPU with a device
-    window of two blocks (needs an optimizer that reads its bases through the runtime; today's
-    runtime keeps bases on a discrete GPU's device: ``device_ratio_discrete_today`` = 1.0);
-  * ``device_ratio`` = Asteria device bytes / native device bytes (goal <= 0.7).
+    mapped reads) and on a discrete GPU behind the device window (two slots, the window at most
+    1/16 of the bases: Note [A window smaller than the bases it spares] in
+    asteria/memory/tiers.py);
+  * ``device_ratio`` = Asteria device bytes / native device bytes (goal <= 0.7);
+  * ``per_gpu``: the same with the budgets a real device gives (``GPUS``: an 80 GB H100 and a
+    141 GB H200, less ``CONTEXT_BYTES``; the bases budget ``device_bases_fraction`` of that):
+    native, Asteria auto (the bases stay on the device where the budget holds them), the window
+    forced, unified memory;
+  * ``largest_model``: per GPU, OLMo-2 width family (1B's, 7B's) and optimizer, the most layers
+    (and parameters) whose optimizer state fits the GPU, per tier, and ``vs_native`` (goal:
+    >= 1.5x native's parameters).
 Host bytes: bases, one waiting refresh result per block, and on CUDA the staging slots (a factor
 and basis snapshot per block).
 The same accounting is then measured on a small OLMo-shaped stack of parameters trained here
@@ -240,15 +247,76 @@ def tiers_of(blocks, arch: Arch, **kw) -> dict[str, dict[str, int]]:
     return plan(blocks, arch, **kw).bytes
 
 
-def analytical(model: str, optimizer: str, max_dim: int) -> dict[str, object]:
-    params = [
-        torch.nn.Parameter(torch.empty(s, device="meta")) for s in olmo2_shapes(*MODELS[model])
-    ]
+#: One GPU of each size the project runs on (bytes, as sold: 80 GB, 141 GB). What is free at
+#: attach is that less the CUDA context and torch's own (CONTEXT_BYTES, about what an idle
+#: process holds on an H100/H200); the runtime's bases budget is RuntimeConfig's
+#: device_bases_fraction of it (Note [Bases by budget] in asteria/memory/tiers.py).
+GPUS = {"h100": 80 * 10**9, "h200": 141 * 10**9}
+CONTEXT_BYTES = 1 << 30
+BASES_FRACTION = RuntimeConfig().device_bases_fraction
+
+
+def _blocks(model: str, optimizer: str, max_dim: int, layers: int | None = None):
+    d, n, mlp, vocab = MODELS[model]
+    shapes = olmo2_shapes(d, n if layers is None else layers, mlp, vocab)
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
     opt = OPTIMIZERS[optimizer](params, max_preconditioner_dim=max_dim)
-    blocks = estimate_blocks(opt)
+    return estimate_blocks(opt), sum(p.numel() for p in params)
+
+
+def device_tiers(blocks, gpu_bytes: int) -> dict[str, int]:
+    """Device bytes of the optimizer's state on a GPU of ``gpu_bytes``, per tier: native (all on
+    the device), Asteria auto (the bases stay when the bases budget holds them, else the
+    window), Asteria with the window forced, and on unified memory (mapped host bases)."""
+    free = gpu_bytes - CONTEXT_BYTES
+    budget = int(BASES_FRACTION * free)
+    arch = Arch(cuda=True)
+    tiers = {
+        "native": tiers_of(blocks, arch, placement={"bases": "device"}),
+        "asteria_auto": tiers_of(blocks, arch, bases_window=True, bases_device_bytes=budget),
+        "asteria_window": tiers_of(
+            blocks, arch, placement={"bases": "host"}, bases_window=True,
+            bases_device_bytes=budget,
+        ),
+        "asteria_unified": tiers_of(blocks, Arch(cuda=True, unified_memory=True)),
+    }  # fmt: skip
+    return {k: sum(v["device"].values()) for k, v in tiers.items()}
+
+
+def largest_fitting(model: str, optimizer: str, max_dim: int, gpu_bytes: int) -> dict:
+    """Per tier, the most layers of ``model``'s widths (and their parameters) whose optimizer
+    state fits one GPU of ``gpu_bytes`` (what is free at attach), by bisection on layers."""
+    free = gpu_bytes - CONTEXT_BYTES
+    cache: dict[int, tuple[dict[str, int], int]] = {}
+
+    def at(layers: int) -> tuple[dict[str, int], int]:
+        if layers not in cache:
+            blocks, params = _blocks(model, optimizer, max_dim, layers)
+            cache[layers] = (device_tiers(blocks, gpu_bytes), params)
+        return cache[layers]
+
+    out = {}
+    for tier in ("native", "asteria_auto", "asteria_window", "asteria_unified"):
+        lo, hi = 0, 1
+        while at(hi)[0][tier] <= free and hi < 1024:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if at(mid)[0][tier] <= free else (lo, mid)
+        out[tier] = {"layers": lo, "params": at(lo)[1] if lo else 0}
+    base = out["native"]["params"]
+    for tier in ("asteria_auto", "asteria_window", "asteria_unified"):
+        out[tier]["vs_native"] = out[tier]["params"] / base if base else None
+    return out
+
+
+def analytical(model: str, optimizer: str, max_dim: int) -> dict[str, object]:
+    blocks, n_params = _blocks(model, optimizer, max_dim)
     native = tiers_of(blocks, Arch(cuda=True), placement={"bases": "device"})
     unified = tiers_of(blocks, Arch(cuda=True, unified_memory=True))
-    window = tiers_of(blocks, Arch(cuda=True), bases_window=True, window_blocks=2)
+    window = tiers_of(
+        blocks, Arch(cuda=True), placement={"bases": "host"}, bases_window=True, window_blocks=2
+    )
     staging = sum(b.snapshots for b in blocks)
     native_device = sum(native["device"].values())
 
@@ -261,15 +329,23 @@ def analytical(model: str, optimizer: str, max_dim: int) -> dict[str, object]:
             "device_ratio": device / native_device,
         }
 
+    per_gpu = {}
+    for gpu, size in GPUS.items():
+        dev = device_tiers(blocks, size)
+        per_gpu[gpu] = {
+            "device_bytes": dev,
+            "device_ratio": {k: v / dev["native"] for k, v in dev.items() if k != "native"},
+            "fits": {k: v <= size - CONTEXT_BYTES for k, v in dev.items()},
+        }
     return {
-        "params": sum(p.numel() for p in params),
+        "params": n_params,
         "blocks": sum(1 for b in blocks if b.factors),
         "native": {"device": native["device"], "device_gib": native_device / GiB},
         "asteria_unified": asteria(unified),
         "asteria_discrete_window": asteria(window),
         "device_ratio": asteria(unified)["device_ratio"],
         "device_ratio_discrete_window": asteria(window)["device_ratio"],
-        "device_ratio_discrete_today": 1.0,
+        "per_gpu": per_gpu,
     }
 
 
@@ -361,6 +437,22 @@ def accounting(directory: str, max_dim: int) -> dict[str, object]:
     print_table(
         ["model optimizer", "native dev GiB", "asteria dev GiB", "ratio (unified)",
          "ratio (window)"], rows,
+    )  # fmt: skip
+    rows = []
+    out["largest_model"] = {}
+    for gpu, size in GPUS.items():
+        for model in MODELS:
+            for name in OPTIMIZERS:
+                fit = largest_fitting(model, name, max_dim, size)
+                out["largest_model"].setdefault(gpu, {}).setdefault(model, {})[name] = fit
+                rows.append(
+                    [f"{gpu} {model} widths {name}", fit["native"]["params"] / 1e9,
+                     fit["asteria_window"]["params"] / 1e9, fit["asteria_window"]["vs_native"],
+                     fit["asteria_auto"]["params"] / 1e9, fit["asteria_unified"]["params"] / 1e9]
+                )  # fmt: skip
+    print_table(
+        ["largest model on one GPU", "native B params", "window B params", "window/native",
+         "auto B params", "unified B params"], rows,
     )  # fmt: skip
     rows = []
     for name in OPTIMIZERS:

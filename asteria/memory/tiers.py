@@ -313,12 +313,25 @@ def window_slot(blocks: Sequence[BlockSizes], slots: int, room: int | None) -> i
     return max(largest, widest)
 
 
+#: Note [A window smaller than the bases it spares]: the window exists to take the bases off the
+#: device, so it never takes more than 1/WINDOW_SHARE of them (at least WINDOW_FLOOR bytes, so
+#: that a model whose bases are small keeps a shape group a slot). Without the cap a slot held a
+#: whole shape group and the window two slots: at OLMo-2 1B one group is nearly every basis, and
+#: the window was twice the bases it was meant to spare (issue 50: SOAP's device bytes 1.33x
+#: native's instead of below). A step reads every basis through the window either way; a smaller
+#: slot only cuts a step's reads into more pieces.
+WINDOW_SHARE = 16
+WINDOW_FLOOR = 256 << 20
+
+
 def _window_room(
     total: Mapping[str, int], device_budget: int | None, bases_budget: int | None
-) -> int | None:
-    """The device bytes the bases window may take: what the tighter of the budgets leaves
-    beside the factors and moments (None: neither is set)."""
+) -> int:
+    """The device bytes the bases window may take: at most 1/WINDOW_SHARE of the bases (Note [A
+    window smaller than the bases it spares]), within what the tighter of the budgets leaves
+    beside the factors and moments."""
+    room = max(total["bases"] // WINDOW_SHARE, WINDOW_FLOOR)
     budgets = [b for b in (device_budget, bases_budget) if b is not None]
-    if not budgets:
-        return None
-    return max(0, min(budgets) - total["factors"] - total["moments"])
+    if budgets:
+        room = min(room, max(0, min(budgets) - total["factors"] - total["moments"]))
+    return room
