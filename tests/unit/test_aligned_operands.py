@@ -24,8 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from asteria import _C
 from asteria.memory.tiers import Arch
-from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.optim import batched
+from asteria.optim import SOAP, KLShampoo, Shampoo, batched
 from asteria.optim import matrix_functions as mf
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
