@@ -41,6 +41,23 @@ ENERGY_GOAL = 1.10
 TIME_GOAL = 0.7  # issue 24: the best Asteria variant's time to AdamW's loss, every seed
 ASTERIA_VARIANTS = ("soap_asteria", "kl_shampoo_asteria")
 NATIVE_VARIANTS = ("soap_native", "kl_shampoo_native")
+#: Asteria's modes in bench/step_time.py beside auto placement (issue 50: gpu_check's stage 2
+#: runs the window forced and the bases on the device instead): their rows come where run.
+TIER_MODES = ("window", "device")
+
+
+def _asteria_variants(step: dict | None) -> list[str]:
+    """``*_asteria``, and each optimizer's ``*_window`` / ``*_device`` present in ``step``."""
+    out = list(ASTERIA_VARIANTS)
+    results = _get(step, "results") or {}
+    for base in ASTERIA_VARIANTS:
+        name = base.rsplit("_", 1)[0]
+        for mode in TIER_MODES:
+            if f"{name}_{mode}" in results:
+                out.append(f"{name}_{mode}")
+    if any(v in results for v in out[len(ASTERIA_VARIANTS) :]):  # only the tiers that ran
+        out = [v for v in out if v in results]
+    return out
 
 
 def load_result(path: str | None) -> tuple[dict[str, Any] | None, str | None]:
@@ -83,10 +100,11 @@ def _get(payload: dict | None, *keys: str) -> Any:
 
 def step_rows(step: dict | None, why: str | None) -> list[dict]:
     rows = []
+    asteria = _asteria_variants(step)
     if step is not None and why is None:
-        missing = [v for v in ("adamw", *ASTERIA_VARIANTS) if _get(step, "results", v) is None]
+        missing = [v for v in ("adamw", *asteria) if _get(step, "results", v) is None]
         why = f"not in step_time results: {', '.join(missing)}" if missing else None
-    for v in ASTERIA_VARIANTS:
+    for v in asteria:
         spike = _get(step, "results", v, "spike_ratio")
         rows.append(
             _row(f"{v} spike (max/median)", spike, SPIKE_GOAL, why if spike is None else None)
@@ -94,11 +112,11 @@ def step_rows(step: dict | None, why: str | None) -> list[dict]:
     for v in NATIVE_VARIANTS:
         spike = _get(step, "results", v, "spike_ratio")
         rows.append(_row(f"{v} spike (max/median)", spike, None, why if spike is None else None))
-    for v in ("soap_asteria", "kl_shampoo_asteria", *NATIVE_VARIANTS):
+    for v in (*asteria, *NATIVE_VARIANTS):
         value = _get(step, "ratios", f"{v}_vs_adamw_median")
-        goal = SOAP_STEP_GOAL if v == "soap_asteria" else None
+        goal = SOAP_STEP_GOAL if v.startswith("soap_") and not v.endswith("_native") else None
         rows.append(_row(f"{v} median step / AdamW", value, goal, why if value is None else None))
-    for v in ASTERIA_VARIANTS:
+    for v in asteria:
         value = _get(step, "ratios", f"{v}_vs_adamw_energy_per_step")
         note = why
         if value is None and note is None:
@@ -124,12 +142,26 @@ def memory_rows(memory: dict | None, why: str | None) -> list[dict]:
             why = "memory result is not the measured (--measure-cuda) mode"
     rows = []
     for name, goal in (("soap", MEMORY_GOAL), ("kl_shampoo", None)):
-        value = None if why else _get(memory, "measured", name, "ratio")
-        note = why
-        if value is None and note is None:
-            failed = {k: v for k, v in (memory.get("errors") or {}).items() if k.startswith(name)}
-            note = "; ".join(f"{k}: {v}" for k, v in failed.items()) or f"no measured {name} ratio"
-        rows.append(_row(f"{name} device optimizer memory / native", value, goal, note))
+        # the window forced where measured (issue 50: auto keeps an H100/H200's bases on the
+        # device, where the memory goal cannot be met by construction), and auto placement
+        if _get(memory, "measured", name, "window_ratio") is not None or _get(
+            memory, "runs", name, "window"
+        ):
+            kinds = [("window_ratio", " (window)", goal), ("ratio", " (auto)", None)]
+        else:
+            kinds = [("ratio", "", goal)]
+        for key, label, row_goal in kinds:
+            value = None if why else _get(memory, "measured", name, key)
+            note = why
+            if value is None and note is None:
+                errors = (memory.get("errors") or {}).items()
+                failed = {k: v for k, v in errors if k.startswith(name)}
+                note = "; ".join(f"{k}: {v}" for k, v in failed.items()) or (
+                    f"no measured {name} {key}"
+                )
+            rows.append(
+                _row(f"{name} device optimizer memory / native{label}", value, row_goal, note)
+            )
     return rows
 
 

@@ -411,3 +411,29 @@ def test_step_time_keep_going_records_a_failed_variant(monkeypatch, capsys):
     payload = _last_json(capsys.readouterr().out)
     assert payload["errors"] == {"soap_native": "RuntimeError: planted failure"}
     assert list(payload["results"]) == ["adamw"]
+
+
+def test_summary_judges_the_window_and_device_tiers_where_they_ran(tmp_path):
+    """Stage 2 runs each optimizer natively, with the bases on the device and behind the window
+    (no auto variant), and the memory phase the window forced beside auto: the goals apply to
+    those rows."""
+    results = {"adamw": {"spike_ratio": 1.0}}
+    ratios = {}
+    for opt in ("soap", "kl_shampoo"):
+        for mode, median in (("native", 1.2), ("device", 1.05), ("window", 1.3)):
+            results[f"{opt}_{mode}"] = {"spike_ratio": 1.1}
+            ratios[f"{opt}_{mode}_vs_adamw_median"] = median
+    step = {"results": results, "ratios": ratios, "config": {"device": "cuda"}}
+    memory = {
+        "benchmark": "memory", "mode": "measure_cuda",
+        "measured": {"soap": {"ratio": 1.0, "window_ratio": 0.6},
+                     "kl_shampoo": {"ratio": 1.0, "window_ratio": 0.55}},
+    }  # fmt: skip
+    summary = gpu_summary.build_summary((step, None), (memory, None), (None, "not given"))
+    rows = {r["figure"]: r for r in summary["rows"]}
+    assert rows["soap_device median step / AdamW"]["status"] == "met"
+    assert rows["soap_window median step / AdamW"]["status"] == "MISSED"
+    assert rows["kl_shampoo_window spike (max/median)"]["status"] == "met"
+    assert "soap_asteria spike (max/median)" not in rows  # not run: no row
+    assert rows["soap device optimizer memory / native (window)"]["status"] == "met"
+    assert rows["soap device optimizer memory / native (auto)"]["status"] == "info"
