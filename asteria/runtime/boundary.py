@@ -15,6 +15,7 @@ runtime.py, holds it around every call).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from asteria.optim.base import BlockKey
@@ -157,14 +158,20 @@ class Boundaries:
         deferred = self.deferred
         if not deferred:
             return
-        self.refreshes.help(deferred[-1][1])
+        refreshes = self.refreshes
+        since = time.perf_counter()  # one barrier for them all (Note [Helping within the deadline])
+        refreshes.help(deferred[-1][1], since + refreshes.config.barrier_timeout_s)
         schedule = self.schedule
-        while deferred:
-            key, e, step, block, freq = deferred[0]
-            if e.pending is not None:
-                self._install(key, e, step, block, False)
-            schedule.record_age(e, step, freq)  # installed above, read by this step
-            del deferred[0]
+        refreshes.barrier_since = since
+        try:
+            while deferred:
+                key, e, step, block, freq = deferred[0]
+                if e.pending is not None:
+                    self._install(key, e, step, block, False)
+                schedule.record_age(e, step, freq)  # installed above, read by this step
+                del deferred[0]
+        finally:
+            refreshes.barrier_since = None
 
     def _urgent(self, key: BlockKey, block: dict, step: int, group: dict, due_at: int) -> bool:
         """``optimizer.refresh_urgent(block, step, group)``, kept for the block's refresh

@@ -96,6 +96,13 @@ class Durations:
         _, n, s = min(seen)
         return s * (size / n) ** 3
 
+    def longest(self, executor: str) -> float | None:
+        """The longest average of ``executor``'s jobs (any kind and size), None before any;
+        what a helping waiter expects of a job it does not know (Note [Helping within the
+        deadline] in refreshes.py)."""
+        seen = [s for (e, _, _), s in self._mean.items() if e == executor]
+        return max(seen) if seen else None
+
     def report(self) -> dict[str, float]:
         return {f"{e}/{k}:{n}": 1e3 * s for (e, k, n), s in sorted(self._mean.items())}
 

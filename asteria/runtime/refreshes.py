@@ -88,6 +88,11 @@ class Refreshes:
         self.timeout_error = timeout_error
         self.submitted = self.failed = self.cancelled = self.helped = 0
         self.wait_s = 0.0
+        #: the longest job this thread ran while helping (Note [Helping within the deadline])
+        self.longest_helped_s = 0.0
+        #: where set (``Boundaries.flush``), the start of the barrier the step's deferred
+        #: installs share: their waits together take at most ``barrier_timeout_s``
+        self.barrier_since: float | None = None
         #: a barrier of this step timed out: later ones in the step do not wait (the facade
         #: resets it at ``step_begin``; Note [All-or-nothing steps] in boundary.py)
         self.timed_out = False
@@ -225,12 +230,13 @@ class Refreshes:
 
     # -- the barrier and the results ---------------------------------------------------------
 
-    def help(self, e: BlockEntry) -> None:
+    def help(self, e: BlockEntry, deadline: float) -> None:
         """Submit what of ``e``'s refresh is still a snapshot, then run the jobs queued up to its
         last one on this thread, one at a time, until a worker starts it (Note [Helping
         waiters] in csrc/core/worker_pool.cpp): a wait for it is then no longer, and shorter
-        where the workers have a queue. Not after a barrier timed out this step (its later
-        barriers do not wait)."""
+        where the workers have a queue. Each job only where it fits before ``deadline``
+        (``time.perf_counter``; Note [Helping within the deadline]). Not after a barrier timed
+        out this step (its later barriers do not wait)."""
         pending = e.pending
         if pending is None:
             return
@@ -239,23 +245,39 @@ class Refreshes:
         if self.timed_out:
             return
         last = next((f for f in reversed(pending.futures) if f is not None), None)
-        while last is not None and last.run_ahead():
+        while last is not None and self._fits(deadline):
+            t0 = time.perf_counter()
+            if not last.run_ahead():
+                break
+            self.longest_helped_s = max(self.longest_helped_s, time.perf_counter() - t0)
             self.helped += 1
 
+    def _fits(self, deadline: float) -> bool:
+        """Whether a job of the pool, as long as the longest measured (by the placement's
+        averages or here), ends before ``deadline``."""
+        left = deadline - time.perf_counter()
+        durations = getattr(self.pool, "durations", None)
+        measured = None if durations is None else durations.longest("pool")
+        return left > max(self.longest_helped_s, measured or 0.0)
+
     def wait(self, e: BlockEntry, step: int) -> None:
-        """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh."""
+        """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh, at most
+        ``barrier_timeout_s`` from the barrier's start (``barrier_since`` where a flush set it),
+        helping or not."""
         t0 = time.perf_counter()
+        since = t0 if self.barrier_since is None else self.barrier_since
         limit = 0.0 if self.timed_out else self.config.barrier_timeout_s
-        self.help(e)
+        self.help(e, since + limit)
         timeout_error = self.timeout_error
         for f in e.pending.futures:
             if f is None or f.done():
                 continue
-            remaining = limit - (time.perf_counter() - t0)
+            remaining = limit - (time.perf_counter() - since)
             try:
                 interruptible_result(f, max(remaining, 0.0), timeout_error)
             except timeout_error:
                 self.timed_out = True
+                self.wait_s += time.perf_counter() - t0
                 raise StalenessTimeoutError(
                     f"Asteria: the refresh of block '{e.name}' requested at step "
                     f"{e.pending.requested} was not ready at step {step} (staleness budget "
@@ -547,3 +569,19 @@ def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> 
         except timeout_error:
             if time.perf_counter() >= deadline:
                 raise
+
+
+# Note [Helping within the deadline]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A barrier waits at most ``barrier_timeout_s`` (a step's deferred installs, Note [Deferred
+# installs] in boundary.py, share one such wait), and the error names the block, the step and
+# the knob (``StalenessTimeoutError``). The training thread helps while it waits (Note [Helping
+# waiters] in csrc/core/worker_pool.cpp): it runs the jobs queued before the one it waits for. A
+# job once started runs to its end, so helping without a limit kept a barrier behind 60 slow
+# jobs going for the whole queue (SOAP, 60 blocks of 300 x 300, timeout 0.3 s: waits of 0.7 to
+# 3.1 s, no timeout). So the helper takes a job only when one as long as the longest measured
+# (the placement's averages of the pool's jobs, any kind and size, or the longest it ran
+# itself) ends before the deadline; else it stops helping and waits out what is left, and the
+# deadline wins. Before anything was measured it takes the first job (its length then is
+# known), so a barrier can pass its deadline by at most one job, once per runtime.
+# tests/unit/test_deadlines.py checks every wait's deadline over the optimizers, helping or not.
