@@ -123,6 +123,13 @@ BUDGETS = {
     "tiny": Budget(steps=120, batch_size=8, seq_len=128, val_every=10),
 }
 QUICK = Budget(steps=8, batch_size=2, seq_len=32, val_every=4, val_batches=2)
+# Issue 49's comparison (the default): the two first-order references, SOAP at frequency 1 (the
+# quality reference), Asteria's continuous SOAP and KL-Shampoo, and continuous Shampoo (the best
+# Asteria variant of the runs before); its goals take at least five evaluation seeds on nano,
+# three on tiny
+ISSUE49_VARIANTS = ("adamw", "muon", "soap-f1:native", "soap:continuous", "kl-shampoo:continuous",
+                    "shampoo:continuous")  # fmt: skip
+DEFAULT_SEEDS = {"nano": (1, 2, 3, 4, 5), "tiny": (1, 2, 3)}
 QUICK_DATA_BYTES = 100_000
 
 
@@ -390,7 +397,7 @@ def evaluate(preset, budget, rates, corpus, cache: Cache, args) -> dict[str, dic
     """variant -> seed -> run, seed by seed, the order rotated from one seed to the next."""
     names = list(rates)
     runs: dict[str, dict[int, dict]] = {v: {} for v in names}
-    for i, seed in enumerate(args.eval_seeds):
+    for i, seed in enumerate(args.eval_seeds[preset]):
         shift = i % len(names)
         for variant in names[shift:] + names[:shift]:
             runs[variant][seed] = _cached_run(
@@ -519,6 +526,31 @@ def continuous_vs_f1(c: dict, f1: dict) -> dict[str, Any]:
     return out
 
 
+def what_it_takes(figures: dict[str, Any], against: dict[str, Any]) -> dict[str, dict]:
+    """Per Asteria variant: the mean training step (ms) that would reach the time goal's target
+    in 0.7x the faster first-order optimizer's time on every seed at the steps it took
+    (``needed_step_ms``: the smallest over the seeds), against its mean step and that step's
+    forward and backward alone (``split_ms``), the floor while the model's math runs on the
+    training thread."""
+    out = {}
+    ref = against["runs"][against["reference"]]
+    for v in _asteria_variants(figures["runs"]):
+        steps = against["runs"][v]["steps_to_target"]
+        need = []
+        for s, n in steps.items():
+            ref_s = ref["seconds_to_target"].get(s) or ref["train_seconds"].get(s)
+            if n and ref_s:
+                need.append(0.7 * ref_s * 1e3 / n)
+        split = figures["runs"][v].get("split_ms", {})
+        mean_step = sum(x for x in split.values() if x is not None) if split else None
+        out[v] = {
+            "needed_step_ms": min(need) if need and len(need) == len(steps) else None,
+            "mean_step_ms": mean_step,
+            "forward_backward_ms": split.get("forward_backward"),
+        }
+    return out
+
+
 def step_split(seeds: dict[int, dict]) -> dict[str, float | None]:
     """Where a variant's training time goes, per step, averaged over the run and then the median
     over the seeds: ``forward_backward`` (step_ms - opt_ms: the forward, backward and clipping),
@@ -585,11 +617,17 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report_preset(preset: str, tuning: dict, figures: dict, g: dict, tune_seed: int) -> None:
+def report_tuning(preset: str, tuning: dict, tune_seed: int) -> None:
     print(f"\n== {preset}: tuning on seed {tune_seed}, final validation loss per rate")
     for v, t in tuning.items():
         grid = ", ".join(f"{lr}: {_fmt(val, '.4f')}" for lr, val in t["grid"].items())
-        print(f"   {v:>22}: {grid} -> {t['lr']:g}{' (edge of the grid)' if t['at_edge'] else ''}")
+        where = f" (tuned at {t['tuned_in']})" if t.get("tuned_in") else ""
+        edge = " (edge of the grid)" if t["at_edge"] else ""
+        print(f"   {v:>22}: {grid} -> {t['lr']:g}{edge}{where}")
+
+
+def report_preset(preset: str, tuning: dict, figures: dict, g: dict, tune_seed: int) -> None:
+    report_tuning(preset, tuning, tune_seed)
     print(f"\n== {preset}: target {figures['target']:.4f} (AdamW's mean final validation loss)")
     rows = []
     for v, r in figures["runs"].items():
@@ -622,6 +660,12 @@ def report_preset(preset: str, tuning: dict, figures: dict, g: dict, tune_seed: 
             else ""
         )
     )
+    for v, w in g.get("what_0p7_takes", {}).items():
+        print(
+            f"   {v}: 0.7x needs a mean step of {_fmt(w['needed_step_ms'], '.0f')} ms at its "
+            f"steps; it took {_fmt(w['mean_step_ms'], '.0f')} ms, of which forward+backward "
+            f"{_fmt(w['forward_backward_ms'], '.0f')} ms"
+        )
     c = g.get("continuous_soap_vs_f1")
     if c is not None:
         q, st = c["final_loss"], c["mean_steps_to_adamw_loss"]
@@ -665,24 +709,43 @@ def _commit() -> str:
     return (sha or "unknown") + ("+uncommitted changes" if dirty else "")
 
 
+def _seeds(p: argparse.ArgumentParser, text: str, tune_seed: int) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"seeds {text!r}: comma-separated integers")
+    if len(out) < 2 or tune_seed in out:
+        p.error("--eval-seeds: at least two seeds, none of them the tuning seed")
+    if len(set(out)) != len(out):
+        p.error("--eval-seeds: a seed repeats")
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", default="nano,tiny", help="comma-separated: nano, tiny")
     p.add_argument(
-        "--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
-        help="comma-separated, adamw first (the reference): " + ", ".join(OPTIMIZERS),
+        "--optimizers",
+        help="comma-separated, adamw first (the reference): " + ", ".join(OPTIMIZERS)
+        + "; each in every --mode (with neither, the default is --variants')",
     )  # fmt: skip
     p.add_argument(
         "--variants",
         help="comma-separated variants, instead of --optimizers x --modes: adamw first, then "
-        "muon and NAME:MODE (e.g. adamw,muon,soap-f1:native,soap:continuous)",
+        f"muon and NAME:MODE (default {','.join(ISSUE49_VARIANTS)})",
     )
     p.add_argument("--tune-seed", type=int, default=0)
     p.add_argument(
-        "--eval-seeds", "--seeds", dest="eval_seeds", default="1,2,3",
-        help="at least two, none the tune seed (the goals: 5 on nano, 3 on tiny)",
+        "--eval-seeds", "--seeds", dest="eval_seeds",
+        help="evaluation seeds of every preset: at least two, none the tune seed (default: "
+        + "; ".join(f"{k} {','.join(map(str, v))}" for k, v in DEFAULT_SEEDS.items())
+        + ", issue 49's goals)",
     )  # fmt: skip
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    p.add_argument(
+        "--preset-seeds", action="append", default=[], metavar="PRESET=SEEDS",
+        help="one preset's evaluation seeds (e.g. tiny=4,5,6), over --eval-seeds; repeatable",
+    )  # fmt: skip
+    p.add_argument("--modes", help="comma-separated: " + ", ".join(MODES) + " (default: all)")
     p.add_argument("--tune-each-mode", action="store_true", help="tune Asteria modes too")
     p.add_argument("--grid", help="comma-separated rates for every optimizer (default: GRIDS)")
     p.add_argument(
@@ -703,6 +766,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip the tuning: take each variant's rate from this earlier run's JSON",
     )  # fmt: skip
     p.add_argument(
+        "--tune-only", action="store_true", help="stop after the tuning (its JSON: the rates)"
+    )
+    p.add_argument(
         "--tune-missing", action="store_true",
         help="with --rates-from: tune here the variants the earlier run did not tune",
     )  # fmt: skip
@@ -713,6 +779,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [x for x in args.presets if x not in BUDGETS]
     if bad:
         p.error(f"unknown presets {bad}; choose from {', '.join(BUDGETS)}")
+    grid_asked = args.optimizers is not None or args.modes is not None
+    if args.optimizers is None:
+        args.optimizers = ",".join(DEFAULT_OPTIMIZERS)
+    if args.modes is None:
+        args.modes = ",".join(MODES)
     args.optimizers = tuple(x.strip() for x in args.optimizers.split(",") if x.strip())
     if not args.optimizers or args.optimizers[0] != "adamw":
         p.error("--optimizers must start with adamw, the reference")
@@ -721,6 +792,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = tuple(x.strip() for x in args.modes.split(",") if x.strip())
     if "native" not in args.modes or set(args.modes) - set(MODES):
         p.error(f"--modes: native (the comparison) and any of {', '.join(MODES[1:])}")
+    if args.variants is not None and grid_asked:
+        p.error("--variants, or --optimizers and --modes: not both")
+    if args.variants is None and not grid_asked:
+        args.variants = ",".join(ISSUE49_VARIANTS)
     if args.variants is not None:
         try:
             args.variants = parse_variants(args.variants)
@@ -728,11 +803,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(str(err))
     else:
         args.variants = variants(args.optimizers, args.modes)
-    args.eval_seeds = [int(x) for x in args.eval_seeds.split(",") if x.strip()]
-    if len(args.eval_seeds) < 2 or args.tune_seed in args.eval_seeds:
-        p.error("--eval-seeds: at least two seeds, none of them the tuning seed")
-    if len(set(args.eval_seeds)) != len(args.eval_seeds):
-        p.error("--eval-seeds: a seed repeats")
+    seeds = {k: list(v) for k, v in DEFAULT_SEEDS.items()}
+    if args.quick and args.eval_seeds is None:
+        args.eval_seeds = "1,2,3"
+    if args.eval_seeds is not None:
+        seeds = {k: _seeds(p, args.eval_seeds, args.tune_seed) for k in BUDGETS}
+    for item in args.preset_seeds:
+        preset, _, text = item.partition("=")
+        if preset not in BUDGETS:
+            p.error(
+                f"--preset-seeds {item!r}: PRESET=SEEDS with PRESET one of {', '.join(BUDGETS)}"
+            )
+        seeds[preset] = _seeds(p, text, args.tune_seed)
+    args.eval_seeds = seeds
     if args.grid is not None:
         args.grid = [float(x) for x in args.grid.split(",") if x.strip()]
         if len(args.grid) < 4:
@@ -779,7 +862,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python bench/time_to_target.py " + " ".join(argv or sys.argv[1:]),
         "config": {
             "tune_seed": args.tune_seed,
-            "eval_seeds": args.eval_seeds,
+            "eval_seeds": {k: args.eval_seeds[k] for k in args.presets},
             "lr_factors": FACTORS,
             "variants": list(args.variants),
             "modes": list(args.modes),
@@ -809,6 +892,10 @@ def main(argv: list[str] | None = None) -> dict:
             names = list(dict.fromkeys(_split(v)[0] for v in args.variants))
             warm_up(preset, budget, names, corpus, args)
         tuning, rates = tune(preset, budget, args.variants, corpus, cache, args)
+        if args.tune_only:
+            report_tuning(preset, tuning, args.tune_seed)
+            payload["presets"][preset] = {"budget": budget.__dict__, "tuning": tuning}
+            continue
         runs = evaluate(preset, budget, rates, corpus, cache, args)
         payload["presets"][preset] = figures_of(preset, budget, tuning, rates, runs, tag, args)
         payload["presets"][preset]["duration_s"] = time.perf_counter() - t0
@@ -831,6 +918,7 @@ def figures_of(preset, budget, tuning, rates, runs, tag, args) -> dict[str, Any]
     if faster_first_order(figures) != "adamw":
         fast = time_to_target(by_seed, faster_first_order(figures), None, rates)
     g = goals(figures, fast)
+    g["what_0p7_takes"] = what_it_takes(figures, fast or figures)
     report_preset(preset, tuning, figures, g, args.tune_seed)
     args.plots.mkdir(parents=True, exist_ok=True)
     more = {} if fast is None else {f"{fast['reference']}'s mean final loss": fast["target"]}
@@ -840,7 +928,8 @@ def figures_of(preset, budget, tuning, rates, runs, tag, args) -> dict[str, Any]
         plot_loss(
             Path(plots[axis]), by_seed, time=axis == "seconds", target=figures["target"],
             train=False, center="median", more_targets=more,
-            title=f"{preset}: validation loss, median of seeds {args.eval_seeds} (band: min-max)"
+            title=f"{preset}: validation loss, median of seeds {args.eval_seeds[preset]} (band: "
+            "min-max)"
             "; * reaches AdamW's mean final loss",
         )  # fmt: skip
     out = {

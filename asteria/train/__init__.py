@@ -3,8 +3,9 @@
 ``python -m asteria.train`` (or ``asteria-train``) runs it; ``--help`` lists the options. It needs
 the ``train`` extra (``pip install 'asteria[train]'``; Note [The train extra] in extra.py): the
 names below are imported on first use, after a check that names any missing package.
-Modules: data (byte-level corpus, token files and batches), models (presets), optimizers (name ->
-constructor and default learning rates, run specs like ``soap:asteria``), loop (the training loop),
+Modules: data (byte-level corpus, token files and batches), corpus (the embedded default corpus
+and its checksum; standard library only), models (presets), optimizers (name -> constructor,
+default learning rates and schedule, run specs like ``soap:asteria``), loop (the training loop),
 checkpoint (save and resume), distributed (FSDP2/HSDP under torchrun), energy (NVML and RAPL),
 report (output files and plots), env (machine facts), cli (arguments), extra (its packages).
 """
@@ -35,8 +36,8 @@ __all__ = sorted(_EXPORTS)
 
 
 #: The job's modules, imported on first use as attributes too (``asteria.train.loop``).
-_MODULES = ("checkpoint", "cli", "data", "distributed", "energy", "env", "loop", "models",
-            "optimizers", "plots", "report", "targets")  # fmt: skip
+_MODULES = ("checkpoint", "cli", "corpus", "data", "distributed", "energy", "env", "loop",
+            "models", "optimizers", "plots", "report", "targets")  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -324,10 +324,17 @@ def test_benchmark_variants_pick_the_comparison_and_its_rates(
     for bad in ("muon,adamw", "adamw,soap", "adamw,muon:native", "adamw,lion", "adamw,adamw"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--quick", "--variants", bad])
-    assert bench.parse_args(["--quick", "--seeds", "5,6"]).eval_seeds == [5, 6]
-    for bad in ("1", "0,1", "2,2"):
+    assert bench.parse_args(["--quick", "--seeds", "5,6"]).eval_seeds["nano"] == [5, 6]
+    args = bench.parse_args(["--seeds", "6,7,8,9,10", "--preset-seeds", "tiny=4,5,6"])
+    assert args.eval_seeds == {"nano": [6, 7, 8, 9, 10], "tiny": [4, 5, 6]}
+    assert bench.parse_args([]).eval_seeds == {"nano": [1, 2, 3, 4, 5], "tiny": [1, 2, 3]}
+    assert bench.parse_args([]).variants == list(bench.ISSUE49_VARIANTS)
+    for bad in (["--seeds", "1"], ["--seeds", "0,1"], ["--seeds", "2,2"], ["--seeds", "a,b"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(["--quick", "--seeds", bad])
+            bench.parse_args(["--quick", *bad])
+    for bad in (["--preset-seeds", "huge=1,2"], ["--variants", "adamw", "--modes", "native"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
     argv = ["--quick", "--variants", "adamw,muon,soap-f1:native,soap:continuous"]
     argv += ["--grid", "0.001,0.002,0.004,0.008", "--seeds", "1,2", "--plots", str(tmp_path)]
@@ -350,9 +357,17 @@ def test_benchmark_variants_pick_the_comparison_and_its_rates(
     c = g["continuous_soap_vs_f1"]
     assert set(c) >= {"final_loss", "steps_ratio", "median_step_vs_adamw", "met"}
     assert c["met"] == (c["loss_within_1pct"] and c["steps_within_5pct"] and c["step_within_1p1"])
+    assert set(g["what_0p7_takes"]) == {"soap:continuous"}
+    w = g["what_0p7_takes"]["soap:continuous"]
+    assert w["mean_step_ms"] == pytest.approx(sum(runs["soap:continuous"]["split_ms"].values()))
     for key in ("plot", "plot_steps"):
         assert Path(nano[key]).read_bytes()[:8] == PNG
     assert json.loads((tmp_path / "t.json").read_text())["partial"] is False
+    # --tune-only: the rates, and no evaluation run
+    cache = tmp_path / "tune.jsonl"
+    only = bench.main([*argv[:2], "adamw,muon", *argv[3:], "--tune-only", "--cache", str(cache)])
+    assert set(only["presets"]["nano"]) == {"budget", "tuning"}
+    assert {json.loads(x)["run"]["seed"] for x in cache.read_text().splitlines()} == {0}
 
 
 def test_benchmark_goals_against_the_faster_first_order_optimizer(
