@@ -29,6 +29,7 @@ __all__ = [
     "qr_refresh_many",
     "inverse_root",
     "inverse_root_many",
+    "solver_failed",
 ]
 
 # The shift the authors of SOAP add before eigh ("L + 1e-30 I"); kept so results match theirs.
@@ -123,6 +124,21 @@ def _qr_q(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.householder_product(*torch.geqrf(a))
 
 
+#: What a solver's failure on a device says: cuSOLVER, cuBLAS and MAGMA report theirs as a
+#: ``RuntimeError`` that is not a ``LinAlgError`` (an out-of-memory error is its own type).
+_SOLVER_ERRORS = ("cusolver", "cublas", "magma")
+
+
+def solver_failed(e: BaseException) -> bool:
+    """Whether ``e`` is a refresh's numerical or device failure, handled like LAPACK's (a
+    float64 retry, then ``MatrixFunctionError``: counted, the previous bases kept; Note
+    [Refresh failures]): a ``LinAlgError``, an out-of-memory error, or a device solver's
+    ``RuntimeError``. Anything else (a bug, a bad argument) is not, and propagates."""
+    if isinstance(e, (torch.linalg.LinAlgError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _SOLVER_ERRORS)
+
+
 def _one_thread(t: torch.Tensor):
     """On the CPU, the calling thread's LAPACK/BLAS threads at 1 for a refresh's computation, as
     on a pool worker (Note [One thread per refresh] in csrc/core/aligned.cpp)."""
@@ -144,7 +160,9 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
         if valid(*out):
             return out
         first_error = "non-finite result"
-    except torch.linalg.LinAlgError as e:  # LAPACK did not converge
+    except RuntimeError as e:  # LAPACK did not converge, or a device solver failed
+        if not solver_failed(e):
+            raise
         first_error = str(e)
     if dtype != torch.float64:
         try:
@@ -152,7 +170,9 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
             if valid(*out):
                 return tuple(t.to(dtype) if t.is_floating_point() else t for t in out)
             retry_error = "non-finite result"
-        except torch.linalg.LinAlgError as e:
+        except RuntimeError as e:
+            if not solver_failed(e):
+                raise
             retry_error = str(e)
     else:
         retry_error = first_error
@@ -240,7 +260,9 @@ def qr_refresh_many(
         return [_qr_refresh_or_none(f, q, sort, dtype) for f, q in zip(factors, bases)]
     try:
         return _qr_many(factors, bases, sort, dtype)
-    except torch.linalg.LinAlgError:
+    except RuntimeError as e:
+        if not solver_failed(e):
+            raise
         return [None] * len(factors)  # each alone, with its float64 retry
 
 
@@ -336,7 +358,9 @@ def inverse_root_many(
         stacked = stacked[rows]
     try:
         roots = _roots_many(stacked, root, [epsilons[i] for i in rows], dtype)
-    except torch.linalg.LinAlgError:
+    except RuntimeError as e:  # a LAPACK or device solver failure (Note [Refresh failures])
+        if not solver_failed(e):
+            raise
         return [None] * len(factors)  # each alone, with its float64 retry
     ok = torch.isfinite(roots.sum(dim=(1, 2))).tolist()
     out: list[torch.Tensor | None] = [None] * len(factors)

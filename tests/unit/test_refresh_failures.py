@@ -139,3 +139,94 @@ def test_native_and_runtime_fail_alike(name):
     assert native_raised is not None and native_raised == orchestrated_raised
     for a, b in zip(native, orchestrated):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _DeviceSolverFault:
+    """Stands in for a device solver's failure (cuSOLVER reports a ``RuntimeError`` that is not
+    a ``LinAlgError``; an out-of-memory error is a ``torch.OutOfMemoryError``) on every batched
+    factorization and on the single ones of matrices of order ``order``."""
+
+    def __init__(self, monkeypatch, order: int, error: Exception) -> None:
+        from asteria.optim import matrix_functions as mf
+
+        self.calls = 0
+        real_eigh, real_q = torch.linalg.eigh, mf._qr_q
+
+        def fail(*args, **kwargs):
+            self.calls += 1
+            raise error
+
+        def eigh(a, *args, **kwargs):
+            if a.shape[-1] == order:
+                return fail()
+            return real_eigh(a, *args, **kwargs)
+
+        def qr_q(a):
+            if a.shape[-1] == order:
+                return fail()
+            return real_q(a)
+
+        monkeypatch.setattr(mf, "eigh_each", fail)
+        monkeypatch.setattr(mf, "qr_each", fail)
+        monkeypatch.setattr(torch.linalg, "eigh", eigh)
+        monkeypatch.setattr(mf, "_qr_q", qr_q)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("cusolver error: CUSOLVER_STATUS_EXECUTION_FAILED"), torch.OutOfMemoryError()],
+    ids=["cusolver", "oom"],
+)
+def test_a_device_solver_failure_is_a_counted_failure_and_drops_no_other_refresh(
+    name, error, monkeypatch
+):
+    """Issue 50 item 6: a device solver's error or an out-of-memory error inside a batched
+    native refresh is handled like LAPACK's (Note [Refresh failures]): the blocks it hit keep
+    their previous bases or roots and are counted, the step's other due refreshes run alone and
+    are installed as without the fault, and nothing escapes ``step()``."""
+    shapes = [(6, 5), (6, 5), (7, 9)]  # two of one shape: a batched group
+    problem = StochasticQuartic(shapes, 8, torch.float32)
+    params, twin_params = problem.params(), problem.params()
+    opt, twin = OPTIMIZERS[name](params), OPTIMIZERS[name](twin_params)
+    for t in range(POISON_AT):
+        _step(opt, params, problem, t)
+        _step(twin, twin_params, problem, t)
+    field = opt.bases_field
+    before = [_refreshed(opt.state[p]["blocks"][0], field) for p in params]
+    order = opt.state[params[2]]["blocks"][0]["factors"][0].shape[0]  # 7 (Shampoo merges: 63)
+    fault = _DeviceSolverFault(monkeypatch, order=order, error=error)
+    for t in (POISON_AT, POISON_AT + 1):  # one of them a refresh step (frequency 2)
+        _step(opt, params, problem, t)
+    monkeypatch.undo()
+    for t in (POISON_AT, POISON_AT + 1):
+        _step(twin, twin_params, problem, t)
+    assert fault.calls > 0
+    after = [opt.state[p]["blocks"][0][field] for p in params]
+    twin_after = [twin.state[p]["blocks"][0][field] for p in twin_params]
+    # the (7, 9) block's first factor failed: kept, and counted
+    assert opt.refresher.failures.get((2, 0), 0) >= 1
+    assert before[2][0] is None or torch.equal(after[2][0], before[2][0])
+    # its other dim and the other blocks refreshed as without the fault
+    for i in (0, 1):
+        for got, want in zip(after[i], twin_after[i]):
+            assert (got is None and want is None) or torch.equal(got, want)
+    assert (0, 0) not in opt.refresher.failures and (1, 0) not in opt.refresher.failures
+
+
+def test_a_bug_inside_a_refresh_is_not_taken_for_a_solver_failure(monkeypatch):
+    """Only solver failures are counted: any other error (a bug, a bad argument) propagates."""
+    from asteria.optim import matrix_functions as mf
+
+    assert mf.solver_failed(torch.linalg.LinAlgError("syevd failed"))
+    assert mf.solver_failed(torch.OutOfMemoryError("CUDA out of memory"))
+    assert mf.solver_failed(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublas"))
+    assert not mf.solver_failed(RuntimeError("shape mismatch"))
+    assert not mf.solver_failed(ValueError("cusolver"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an index out of range")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    with pytest.raises(RuntimeError, match="index out of range"):
+        mf.inverse_root(torch.eye(3), 4.0)
