@@ -1,51 +1,56 @@
-"""Time to AdamW's loss, over seeds, with every optimizer tuned alike (CPU presets nano and tiny).
+"""Time to target, over seeds, with every optimizer tuned alike (CPU presets nano and tiny).
 
-The headline a user decides on: how much wall-clock a second-order optimizer, native or
-Asteria-orchestrated, needs to reach the validation loss AdamW ends at.
+The headline a user decides on: how much wall-clock Asteria's orchestrated second-order
+optimizers need against what people train with today (issue 49): AdamW, ``torch.optim.Muon``
+(Note [Muon as people use it] in asteria/train/optimizers.py), and SOAP refreshed at every step
+(``soap-f1``, the quality reference; NVIDIA's Emerging-Optimizers and modded-nanogpt's
+step-count record run it so).
 
 Protocol, per preset (``--presets``, default ``nano,tiny``):
 
-1. Tuning, on seed 0 (``--tune-seed``): AdamW, SOAP, KL-Shampoo and Shampoo in native mode, each
-   at the four learning rates of its grid (GRIDS: the demo's rates before this benchmark, x 1/2,
-   1, 2 and 4; two grids moved down once, see BASE_LRS); the rate with the lowest final
-   validation loss is chosen. Only the learning rate is tuned, the other hyperparameters are
-   asteria/train/optimizers.py's. An Asteria variant takes the rate of its native mode: the same
-   optimizer and math, so the modes compare at equal hyperparameters (``--tune-each-mode``:
-   tune it on its own grid, four more runs each). A rate chosen at the edge of its grid is
-   flagged (``at_edge``).
-2. Evaluation, on seeds 1, 2, 3 (``--eval-seeds``, never seen by the tuning): the ten variants
-   (``adamw``; ``<opt>:native``, ``<opt>:asteria`` for the runtime at its defaults and
-   ``<opt>:continuous`` for its continuous refresh, ``RuntimeConfig(refresh="continuous")``;
-   ``--modes`` picks among the three) at their rates, seed by seed, the ten runs of a seed back
-   to back in an order rotated from seed to seed, so that the load of a shared machine falls on
-   them alike. The goals (``goals``) judge every Asteria mode against its native mode, the
-   quality goal also seed by seed (Note [Paired seeds]).
+1. Tuning, on seed 0 (``--tune-seed``): each native variant (and first-order optimizer) at the
+   learning rates of its grid (GRIDS: a centre x 1/2, 1, 2 and 4, see BASE_LRS and
+   GRID_FACTORS); the rate with the lowest final validation loss is chosen. Only the learning
+   rate is tuned, the other hyperparameters are asteria/train/optimizers.py's. An Asteria
+   variant takes the rate of a native run (Note [Rates of the Asteria modes]). A rate chosen at
+   the edge of its grid is flagged (``at_edge``). ``--rates-from`` takes the rates an earlier
+   run chose (``--tune-missing``: tuning here those it lacks).
+2. Evaluation, on seeds the tuning never saw (default nano 1-5, tiny 1-3: ``--eval-seeds``,
+   ``--preset-seeds``): the variants (default ISSUE49_VARIANTS; ``--variants``, or
+   ``--optimizers`` x ``--modes``: ``<opt>:native``, ``<opt>:asteria`` for the runtime at its
+   defaults, ``<opt>:continuous`` for ``RuntimeConfig(refresh="continuous")``) at their rates,
+   seed by seed, the runs of a seed back to back in an order rotated from seed to seed, so that
+   the load of a shared machine falls on them alike.
 3. The target is AdamW's mean final validation loss over the evaluation seeds. Per variant: the
    final validation loss (mean, std, min, max), the steps and training seconds to the target on
-   each seed, the ratio of its time to AdamW's on the same seed (median, min, max) and its step
+   each seed, the ratio of its time to AdamW's on the same seed (median, min, max), its step
    time against AdamW's (asteria/train/targets.py, Note [Time to target]: training time is the
    sum of the steps' forward, backward and optimizer time; AdamW's time is its own time to the
-   target, its whole training time on a seed that ends above it).
+   target, its whole training time on a seed that ends above it), and where a step's time goes
+   (``split_ms``: forward+backward, the optimizer's own work, the staleness barrier's wait).
+4. The goals (``goals``): the best Asteria variant against the faster first-order optimizer
+   (Note [The faster first-order optimizer]: its own mean final loss in at most 0.7x its time,
+   on every seed; ``what_0p7_takes``: the step that would need); continuous SOAP against SOAP
+   f=1 (final loss at most 1 % above, steps to AdamW's loss at most 5 % more, median step at
+   most 1.1x AdamW's); and every Asteria mode against its native mode where that ran (time, and
+   quality seed by seed: Note [Paired seeds]).
 
 Every run trains as ``asteria-train`` does (asteria.train.loop.train: warmup + cosine over the
-steps, gradient clipping 1.0, the same data order and init per seed), with the training on all
+steps, Muon its own schedule, gradient clipping 1.0, the same data order and init per seed, the
+embedded corpus: Note [Embedded corpus] in asteria/train/corpus.py), with the training on all
 cores but one (asteria-train's default on a CPU: on 2 cores, 1 thread) and Asteria's runtime at
-its defaults (``--staleness`` S = 5). Output: a table per preset, the goals, a plot per preset of
-validation loss against training seconds (mean over the evaluation seeds, a min-max band, a star
-where each seed crosses the target), and as the last line JSON (also ``--json PATH``) with the
-machine, commit, torch version, date and duration.
+its defaults (``--staleness`` S = 5). Output: a table per preset, the goals, two plots per
+preset of validation loss against training seconds and against steps (the median over the
+evaluation seeds, a min-max band, the target line, a star where each seed crosses it), and as
+the last line JSON (also ``--json PATH``, written after each preset with ``"partial": true``
+until the last) with the machine, commit, torch version, corpus checksum, date and duration.
 
-The JSON's ``duration_s`` is how long a run of it took: at its defaults 41.0 min on the shared
-2-vCPU AMD EPYC (2026-12-05, 2a3a573, with the tuning two runs at a time, Note [Parallel
-tuning]: nano 5.2 min, tiny 35.8 min; ``bench/results/time_to_target_cpu.json``), 40.3 min at
-c9f721c (``bench/results/time_to_target_cpu_rerun.json``), 67 min
-there before (2026-12-03, f69699c, serial tuning, a slower day: nano 9 min, tiny 57 min);
-the Intel Xeon took 36 min for seven variants (f2fdf15). The evaluation alone
-(the tuning's 32 runs from ``--cache``) took 41 min on the EPYC at 4c26c46 (nano 6, tiny 36).
-``--presets nano`` takes about 10 min. ``--quick`` (nano, a few tiny steps, for the tests)
-takes about half a minute. ``--cache FILE`` keeps each finished run (a JSON line) and reuses
-it when the same run is asked again, so that an interrupted benchmark continues where it
-stopped.
+Durations on the shared 2-vCPU AMD EPYC: issue 49's comparison (the default) is in
+docs/benchmarks.md with its committed command; the earlier ten-variant run took 41.0 min
+(2026-12-05, 2a3a573, ``bench/results/time_to_target_cpu_2a3a573.json``). ``--quick`` (nano, a
+few tiny steps, for the tests) takes about half a minute; ``--tune-only`` stops after the
+tuning. ``--cache FILE`` keeps each finished run (a JSON line) and reuses it when the same run
+is asked again, so that an interrupted benchmark continues where it stopped.
 
 Usage: ``python bench/time_to_target.py [--presets tiny] [--json bench/results/t.json]``.
 """
@@ -91,18 +96,24 @@ FACTORS = (0.5, 1.0, 2.0, 4.0)
 # moved down by half once: the first tuning (2026-12-02, bench/results/time_to_target_cpu.json
 # of 5752f26) chose the lowest rate of Shampoo's grids (both presets) and of KL-Shampoo's on
 # tiny, so better rates could lie below them; every grid keeps its four rates.
-# Muon and SOAP at frequency 1 (issue 49): centred on the issue's constant-rate probe on nano
+# Muon and SOAP at frequency 1 (issue 49): on nano centred on the issue's constant-rate probe
 # (Muon best at 1e-2 of 5e-3/1e-2/2e-2, SOAP f=1 at 5e-3 of 2.5e-3/5e-3/1e-2), a grid x 1/2 ...
-# x 4 around half of it, so the probe's best sits inside; tiny's centres scaled as AdamW's and
-# SOAP's best rates fall from nano to tiny (x 1/3 to 1/2).
+# x 4 around half of it, so the probe's best sits inside; on tiny at nano's tuned rate (Muon
+# 5e-3, SOAP f=1 1e-2) times the 1/3 by which AdamW's and SOAP's tuned rates fall from nano to
+# tiny, rounded (Muon 2e-3, x 1/2 ... x 4; SOAP f=1 3e-3, x 1/2, 1, 2: three rates, for a tiny
+# run of SOAP refreshed at every step is the longest of the benchmark, GRID_FACTORS).
 BASE_LRS = {
     "nano": {"adamw": 3e-3, "soap": 1e-2, "kl-shampoo": 1e-2, "shampoo": 1.5e-3,
              "muon": 5e-3, "soap-f1": 5e-3},
     "tiny": {"adamw": 1e-3, "soap": 3e-3, "kl-shampoo": 5e-3, "shampoo": 1.5e-3,
-             "muon": 2.5e-3, "soap-f1": 2e-3},
+             "muon": 2e-3, "soap-f1": 3e-3},
 }  # fmt: skip
+GRID_FACTORS = {("tiny", "soap-f1"): (0.5, 1.0, 2.0)}  # else FACTORS
 GRIDS = {
-    preset: {name: tuple(round(lr * f, 10) for f in FACTORS) for name, lr in lrs.items()}
+    preset: {
+        name: tuple(round(lr * f, 10) for f in GRID_FACTORS.get((preset, name), FACTORS))
+        for name, lr in lrs.items()
+    }
     for preset, lrs in BASE_LRS.items()
 }
 
