@@ -389,6 +389,27 @@ def test_step_time_layers_and_energy_on_cpu(capsys):
     assert all(j >= 0 for j in adamw["energy_j_per_step"].values())
 
 
+def test_step_time_forces_the_tier_each_variant_names(tmp_path, monkeypatch, capsys):
+    """Issue 50: ``<opt>_window`` trains through the window (on the CPU: its stand-in),
+    ``<opt>_device`` with the bases on the device, whatever auto placement would pick; a
+    partial JSON is written after each variant."""
+    from bench import step_time
+
+    partial = tmp_path / "partial.json"
+    monkeypatch.setenv("BENCH_PARTIAL_JSON", str(partial))
+    step_time.main(["--model", "nano", "--layers", "1", "--steps", "12", "--skip", "1",
+                    "--batch-size", "2", "--seq-len", "16",
+                    "--variants", "soap_window,soap_device,shampoo_window"])  # fmt: skip
+    results = _last_json(capsys.readouterr().out)["results"]
+    assert results["soap_window"]["bases_access"] == "window"
+    assert results["soap_window"]["window"]["fills"] > 0
+    assert results["shampoo_window"]["bases_access"] == "window"
+    assert results["soap_device"]["bases_access"] is None  # on the device
+    written = json.loads(partial.read_text())
+    assert written["partial"] is True and set(written["results"]) == set(results)
+    assert written["recorded"]["commit"]
+
+
 def test_step_time_keep_going_records_a_failed_variant(monkeypatch, capsys):
     from bench import step_time
 
