@@ -704,6 +704,11 @@ def report_preset(preset: str, tuning: dict, figures: dict, g: dict, tune_seed: 
 
 
 def _commit() -> str:
+    """The checkout's commit (``+uncommitted changes`` where tracked files differ from it);
+    ``ASTERIA_COMMIT`` where set: a copy of a commit's tree outside git (Note [Recorded runs] in
+    bench/_common.py)."""
+    if os.environ.get("ASTERIA_COMMIT"):
+        return os.environ["ASTERIA_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(
