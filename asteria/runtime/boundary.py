@@ -212,6 +212,15 @@ class Boundaries:
         an error of the model's code in a closure-less step, ...), finish what its skipped block
         boundaries owed: each runs now, at the block's step, as a due one (a refresh at its
         deadline installed, a new one requested or coalesced)."""
+        coherence = self.refreshes.coherence
+        if coherence is not None and coherence.replicates:
+            if self.in_step:  # Note [A fault on one rank] in distributed.py: no repair
+                coherence.fail(
+                    f"rank {coherence.rank}'s step stopped before its end (an exception or a "
+                    "KeyboardInterrupt inside optimizer.step()), with its replicated blocks' "
+                    "syncs left out of step with the other ranks'"
+                )
+            coherence.check()
         self.flush()  # installs of a step interrupted before its update read them
         if not self.in_step:
             return

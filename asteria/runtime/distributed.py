@@ -64,6 +64,7 @@ from asteria.runtime.registry import StalenessTimeoutError
 __all__ = [
     "CRASHED",
     "Coherence",
+    "CoherenceBrokenError",
     "CoherenceTimeoutError",
     "FAILED",
     "OK",
@@ -80,6 +81,39 @@ OK, FAILED, CRASHED = 1.0, 0.0, -1.0
 class CoherenceTimeoutError(StalenessTimeoutError):
     """A sync round did not complete within ``barrier_timeout_s`` (a peer slow, gone, or out of
     step); the message names the block, its owner rank and the step."""
+
+
+class CoherenceBrokenError(CoherenceTimeoutError):
+    """A rank's step stopped before its end, or a sync failed, in a distributed run: the
+    replicas may differ and the runtime stops on that rank (Note [A fault on one rank]). A
+    ``CoherenceTimeoutError``, so that a step keeps it for its end as it keeps the first."""
+
+
+#: The key prefix, in the default process group's store, of what a rank reports as the fault
+#: that stopped it (Note [A fault on one rank]).
+_FAULT_KEY = "asteria/fault/"
+
+
+# Note [A fault on one rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A replicated block is installed on every rank at the same step, each from its own sync, in
+# the same order (Note [Distributed coherence]). A step that stops before its end on one rank (a
+# KeyboardInterrupt, Ctrl-C on that rank only, or any error inside ``step()``) leaves that rank's
+# parameters partly updated and its syncs out of step with the other ranks'. The one-process
+# repair (Note [Interrupted steps] in boundary.py: the skipped boundaries finished at the next
+# step or forward) would run those syncs while the other ranks run later ones: with two ranks it
+# paired a repair with the next step's sync and the replicas parted silently (the other rank
+# trained on, no error, other parameters), and a ``close()`` after it waited in collectives
+# nobody else joined. So in a distributed run the runtime does not repair a step: the rank whose
+# step stopped, and any rank whose sync failed or timed out (``CoherenceTimeoutError``), marks
+# its coherence broken (``Coherence.fail``) and reports why in the default process group's store
+# under ``asteria/fault/<rank>``; from then on every step, every forward signal and every sync on
+# it raises ``CoherenceBrokenError`` at once, and ``close()`` runs no collective. A rank waiting
+# for it in a sync times out after ``barrier_timeout_s`` (its process groups' timeout) and its
+# ``CoherenceTimeoutError`` names the rank that reported a fault and why (from the store), else
+# the replica group's other ranks. Every rank so ends within the collective timeout, with an
+# error that names the rank: tests/distributed, ``interrupt`` on 2 and 4 ranks (interrupted and
+# left, or interrupted and training on). Resuming means restarting from a checkpoint.
 
 
 class Topology:
@@ -150,6 +184,11 @@ def _group(ranks: tuple[int, ...], timeout_s: float) -> Any:
     if key not in groups:
         groups[key] = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
     return groups[key]
+
+
+def _store() -> Any:
+    """The default process group's store (where every rank of the run reaches)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def check_ranks_per_node(value: Any, world: int, source: str) -> None:
@@ -233,6 +272,12 @@ class Coherence:
             "synced_blocks": 0,
             "owned_refreshes": 0,
         }
+        #: why this rank's coherence is broken (Note [A fault on one rank]); None: it is not
+        self.broken: str | None = None
+        try:  # a fault an earlier runtime of this process group reported is not this one's
+            _store().delete_key(f"{_FAULT_KEY}{self.rank}")
+        except Exception:  # noqa: BLE001
+            pass
 
     # -- attach-time checks -----------------------------------------------------------------
 
@@ -337,6 +382,45 @@ class Coherence:
     def replicated(self, key: BlockKey) -> bool:
         return self._replicas_of.get(key[0]) is not None
 
+    @property
+    def replicates(self) -> bool:
+        """Whether some block of this rank is replicated (synced with other ranks)."""
+        return any(r is not None for r in self._replicas_of.values())
+
+    # -- faults (Note [A fault on one rank]) --------------------------------------------------
+
+    def fail(self, reason: str) -> None:
+        """Mark this rank's coherence broken (the first reason stays) and report it in the
+        default group's store for the ranks that time out waiting for this one."""
+        if self.broken is not None:
+            return
+        self.broken = reason
+        try:
+            _store().set(f"{_FAULT_KEY}{self.rank}", reason[:2000])
+        except Exception:  # noqa: BLE001 (a store gone with its rank 0: nothing to tell)
+            pass
+
+    def check(self) -> None:
+        """Raise ``CoherenceBrokenError`` once this rank's coherence is broken."""
+        if self.broken is not None:
+            raise CoherenceBrokenError(
+                f"Asteria (rank {self.rank}): the distributed run cannot go on: {self.broken}. "
+                "The replicas may differ; every rank stops (restart from the last checkpoint)"
+            )
+
+    def reported_faults(self) -> str:
+        """What the other ranks reported as their faults (``fail``), '' if none or no store."""
+        try:
+            store = _store()
+            keys = [f"{_FAULT_KEY}{r}" for r in range(self.world) if r != self.rank]
+            found = [k for k in keys if store.check([k])]
+            return "; ".join(
+                f"rank {k.removeprefix(_FAULT_KEY)} reported: {store.get(k).decode()[:500]}"
+                for k in found
+            )
+        except Exception:  # noqa: BLE001
+            return ""
+
     def owner(self, key: BlockKey) -> int:
         owner = self.owners.get(key)
         if owner is None:  # a block the attach-time layout did not have: same rule everywhere
@@ -363,21 +447,27 @@ class Coherence:
         """Move the owner's ``status`` and ``results`` (one per job, ``None`` where a dim has no
         job) to every rank of the block's replica group; returns them, unpacked, on every rank
         (the owner too, so that every rank installs the same tensors)."""
+        self.check()
         owner = self.owner(key)
         floats, ints = self._buffers(jobs, dims, dtype)
         if owner == self.rank:
             self._pack(floats, ints, jobs, dims, status, results)
             self.counts["owned_refreshes"] += 1
         tensors = [floats] if ints is None else [floats, ints]
+        replicas = self._replicas_of[key[0]]
         try:
-            self._broadcast(self._replicas_of[key[0]], tensors, owner)
+            self._broadcast(replicas, tensors, owner)
         except Exception as err:  # gloo/NCCL timeouts, a peer that is gone
-            raise CoherenceTimeoutError(
+            ranks = [r for r in replicas.ranks if r != self.rank]
+            who = self.reported_faults() or f"a peer of ranks {ranks} did not answer"
+            message = (
                 f"Asteria: the sync of block '{name}' (owner rank {owner}) at step {step} "
-                f"failed on rank {self.rank}: a peer did not answer within barrier_timeout_s="
-                f"{self.timeout_s:g} s, is gone, or is out of step ({type(err).__name__}: "
+                f"failed on rank {self.rank}: {who} (within barrier_timeout_s="
+                f"{self.timeout_s:g} s, gone, or out of step; {type(err).__name__}: "
                 f"{str(err)[:300]})"
-            ) from err
+            )
+            self.fail(message)
+            raise CoherenceTimeoutError(message) from err
         self.counts["synced_blocks"] += 1
         status = float(floats[0].item())
         if status != OK:

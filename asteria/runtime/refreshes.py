@@ -468,11 +468,15 @@ class Refreshes:
     def install_in_flight(self) -> None:
         """Install every refresh in flight (close); one not ready within the barrier timeout is
         dropped with a warning. Collective for replicated blocks: every rank closes."""
+        broken = self.coherence is not None and self.coherence.broken is not None
         for key, e in sorted(self.registry.entries.items()):
             if e.pending is None:
                 continue
             if self.replicated(key):
-                self.sync_replicated(key, e, self.current_step(key), None)
+                if broken:  # no collective (Note [A fault on one rank] in distributed.py)
+                    self.drop(e)
+                else:
+                    self.sync_replicated(key, e, self.current_step(key), None)
                 continue
             try:
                 self.wait(e, self.current_step(key))

@@ -155,7 +155,7 @@ class Runtime:
             try:
                 if self._lane is not None:
                     self._lane.wait_all(reported_too=False)
-                if install_pending:
+                if self._repairable() and install_pending:
                     self._boundaries.finish_interrupted()
                     self._refreshes.timed_out = False  # close() waits as a barrier does
                     self._refreshes.install_in_flight()
@@ -173,6 +173,20 @@ class Runtime:
                     p.spill.close()  # deletes the spill file
                 self._bases.close()
                 p.finalizer.detach()
+
+    def _repairable(self) -> bool:
+        """Whether ``close()`` may finish an interrupted step and install what is in flight:
+        not where that would take collectives of a rank whose coherence broke or whose step
+        stopped (Note [A fault on one rank] in distributed.py: no collective)."""
+        coherence = self._parts.coherence
+        if coherence is None or not coherence.replicates:
+            return True
+        if self._boundaries.in_step:  # its step stopped: the other ranks are told why
+            coherence.fail(
+                f"rank {coherence.rank}'s step stopped before its end and the runtime was "
+                "closed (an exception or a KeyboardInterrupt inside optimizer.step())"
+            )
+        return coherence.broken is None
 
     # -- the Refresher protocol (called by the optimizer's step) ------------------------------
 

@@ -525,6 +525,56 @@ def scenario_hang(rank: int, world: int, out: dict) -> None:
     scenario_kill(rank, world, out, hang=True)
 
 
+def scenario_interrupt(rank: int, world: int, out: dict, resume: bool = False) -> None:
+    """Rank 1 is interrupted (KeyboardInterrupt, as Ctrl-C on that rank only) inside step 7's
+    sync of a replicated block; ``resume``: it catches the interrupt and trains on, else it
+    leaves its ``with Runtime(...)`` block (``close()``, collective) with the interrupt. Every
+    rank must end within the collective timeout with an error naming the rank (or train on,
+    all repaired): ``out`` has each rank's error and how long it took from step 7."""
+    import asteria.runtime.refreshes as refreshes_module
+
+    original = refreshes_module.Refreshes.sync_replicated
+    state = {"armed": rank == 1}
+
+    def interrupted(self, key, e, step, block):
+        if state["armed"] and step >= 7:
+            state["armed"] = False
+            raise KeyboardInterrupt
+        return original(self, key, e, step, block)
+
+    refreshes_module.Refreshes.sync_replicated = interrupted
+    net = model()
+    opt = make_opt("soap", list(net.parameters()))
+    config = RuntimeConfig(staleness=1, workers=1, barrier_timeout_s=4.0)
+    t0 = None
+    errors: list[str] = []
+    try:
+        with Runtime(net, opt, config):
+            t = 0
+            while t < 20:
+                if t == 7:
+                    t0 = time.perf_counter()
+                opt.zero_grad()
+                x, y = batch(t)
+                loss(net, x, y).backward()
+                try:
+                    opt.step()
+                except KeyboardInterrupt:
+                    errors.append("KeyboardInterrupt")
+                    if not resume:
+                        raise
+                t += 1
+    except BaseException as err:  # noqa: BLE001 (what each rank ends with is the result)
+        errors.append(f"{type(err).__name__}: {err}")
+    out["errors"] = errors
+    out["elapsed_s"] = time.perf_counter() - (t0 or time.perf_counter())
+    out["params"] = [p.detach().sum().item() for p in net.parameters()]
+
+
+def scenario_interrupt_resume(rank: int, world: int, out: dict) -> None:
+    scenario_interrupt(rank, world, out, resume=True)
+
+
 SCENARIOS = {
     "contract": scenario_contract,
     "ddp": scenario_ddp,
@@ -534,6 +584,8 @@ SCENARIOS = {
     "slow": scenario_slow,
     "kill": scenario_kill,
     "hang": scenario_hang,
+    "interrupt": scenario_interrupt,
+    "interrupt_resume": scenario_interrupt_resume,
     "bad": scenario_bad,
 }
 WITH_PATH = {
@@ -554,7 +606,7 @@ def main() -> None:
     else:
         SCENARIOS[scenario](rank, world, out)
     (path / f"rank{rank}.json").write_text(json.dumps(out))
-    if scenario not in ("kill", "hang"):
+    if scenario not in ("kill", "hang", "interrupt", "interrupt_resume"):
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -181,3 +181,28 @@ def test_bad_settings_fail_on_every_rank_at_attach(tmp_path: Path) -> None:
         for case, message in expected.items():
             assert r[case] is not None and message in r[case], (case, r[case])
         assert r["good"] is None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", ["interrupt", "interrupt_resume"])
+def test_an_interrupt_on_one_rank_ends_every_rank_with_an_error_naming_it(
+    tmp_path: Path, world: int, scenario: str
+) -> None:
+    """Note [A fault on one rank]: Ctrl-C on rank 1 only, inside step 7's sync; rank 1 leaves
+    (``interrupt``) or catches it and trains on (``interrupt_resume``: its repair paired with the
+    other rank's next sync, and the replicas parted without an error). Every rank now ends
+    within the collective timeout (4 s) with an error, the others' naming rank 1 and why."""
+    codes, results, logs, wall = launch(scenario, tmp_path, world=world, timeout_s=180.0)
+    assert codes == [0] * world and all(r is not None for r in results), logs
+    for rank, r in enumerate(results):
+        errors = r["errors"]
+        if rank == 1:
+            assert errors[0] == "KeyboardInterrupt", errors
+            if scenario == "interrupt_resume":  # its next step: at once, no collective
+                assert errors[1].startswith("CoherenceBrokenError: Asteria (rank 1)"), errors
+                assert "stopped before its end" in errors[1]
+            continue
+        assert len(errors) == 1 and errors[0].startswith("CoherenceTimeoutError"), errors
+        assert "at step 7" in errors[0] and f"failed on rank {rank}" in errors[0]
+        assert "rank 1 reported: rank 1's step stopped before its end" in errors[0], errors
+        assert r["elapsed_s"] < 4.0 + 6.0, r  # the timeout, and slack for a loaded machine
