@@ -130,6 +130,10 @@ for opt in soap kl_shampoo shampoo; do VARIANTS+=",${opt}_native,${opt}_device,$
 PROFILE_VARIANTS=soap_native,soap_asteria+bases_device,soap_asteria+window
 PROFILE_VARIANTS+=,kl_shampoo_native,kl_shampoo_asteria+window,shampoo_native,shampoo_asteria+window
 PEERS=${GPU_CHECK_PEERS:-build/peers}
+# ours and the peers' SOAP first, heavyball (torch.compile'd on CUDA: the slowest to start) last;
+# each finished optimizer is in the partial JSON
+PEER_ORDER=torch_adamw,asteria_soap,pytorch_optimizer_soap,meta_soap,asteria_shampoo,meta_shampoo
+PEER_ORDER+=,asteria_kl_shampoo,meta_kl_shampoo,heavyball_soap,heavyball_kl_shampoo
 # issue 49's short time to target (bench/time_to_target.py --variants/--seeds)
 TTT_VARIANTS=adamw,muon,soap-f1:native,soap:continuous
 
@@ -410,7 +414,7 @@ phase_peers() {
         install="$PY -m pip install --disable-pip-version-check --no-index --no-deps -q $PEERS/*.whl && "
     fi
     run_phase peers optim_step -- env ASTERIA_META_SHAMPOO="$ROOT/$PEERS/meta_distributed_shampoo" \
-        bash -c "${install}exec $PY bench/optim_step.py --device $DEVICE --sequential --steps 30 --warmup 3"
+        bash -c "${install}exec $PY bench/optim_step.py --device $DEVICE --sequential --steps 30 --warmup 3 --only $PEER_ORDER"
 }
 
 # ==== issue 49's short time to target (bench/time_to_target.py: --variants, --seeds) ===========
