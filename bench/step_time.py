@@ -155,6 +155,7 @@ def run_variant(variant: str, args: argparse.Namespace, corpus) -> dict:
     if stats is not None:
         out["bases_access"] = report["placement"]["bases_access"]
         out["window"] = report["placement"].get("window")
+        out["snapshots"] = stats["snapshots"]
         out["barrier_wait_ms_total"] = sum(stats["barrier_wait_ms"])
         out["staleness_histogram"] = stats["staleness_histogram"]
         out["jobs"] = stats["jobs"]

@@ -67,7 +67,8 @@ class Copies(Protocol):
         ...
 
     def host_sync(self) -> None:
-        """Wait on the host for the ``to_host`` copies (before the host reads their dsts)."""
+        """Wait on the host for the ``to_host`` copies (before the host reads their dsts);
+        ``host_waits`` counts the calls that found them still in flight."""
         ...
 
     def wait(self, event: Any) -> None:
@@ -90,6 +91,8 @@ class CudaCopies:
         least, _greatest = torch.cuda.Stream.priority_range()  # (lowest, highest) priority
         self.stream = torch.cuda.Stream(self.device, priority=least)
         self._host_writes: torch.cuda.Event | None = None  # after the last ``to_host`` copies
+        #: ``host_sync`` calls that found the copies to host still in flight (the host waited)
+        self.host_waits = 0
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -126,6 +129,8 @@ class CudaCopies:
 
     def host_sync(self) -> None:
         if self._host_writes is not None:
+            if not self._host_writes.query():
+                self.host_waits += 1
             self._host_writes.synchronize()
             self._host_writes = None
 
@@ -191,6 +196,7 @@ class HostCopies:
         self._queue: list[tuple[list, Tensors, Tensors, HostEvent]] = []
         self._host_writes: HostEvent | None = None
         self._unlanded: list[_HostWrites] = []  # copies to host not yet seen by the host
+        self.host_waits = 0  # ``host_sync`` calls that found them pending (as CudaCopies')
         self.log: list[tuple] = []
 
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -230,6 +236,8 @@ class HostCopies:
 
     def host_sync(self) -> None:
         if self._host_writes is not None:
+            if not self._host_writes.query():
+                self.host_waits += 1
             for event in self._unlanded:  # in their order (the main stream's)
                 event.synchronize()
             self._unlanded = []

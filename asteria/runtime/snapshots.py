@@ -251,6 +251,9 @@ class StagedSnapshots(Snapshots):
             "strategy": self.name,
             "staged": self.staged,
             "unstaged": self.unstaged,
+            # times the host waited for copies to host before reading a host basis (Note [Host
+            # sources of a snapshot] in asteria/memory/staging.py), the window's reads included
+            "host_waits": getattr(self._copies, "host_waits", 0),
             "ring": None if self._ring is None else self._ring.stats(),
         }
 

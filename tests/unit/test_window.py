@@ -203,6 +203,7 @@ def _train(name: str, config: RuntimeConfig, steps: int = STEPS):
             torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
             opt.step()
         report = rt.memory_report()
+        report["stats"] = rt.stats()
         hosted = [
             is_host_tensor(q)
             for _, _, block, _ in opt.blocks()
