@@ -84,6 +84,8 @@ def cuda_missing(ext: ModuleType) -> str | None:
             "rebuild: `ASTERIA_FORCE_CUDA=1 pip install --no-build-isolation --no-deps -e .` "
             "(docs/gpu.md)"
         )
+        if "ASTERIA_NO_CUDA" in reason:
+            fix = f"rebuild without ASTERIA_NO_CUDA, with a CUDA {major}.x toolkit: " + fix
     else:
         reason = f"asteria._C was built without CUDA: torch {torch.__version__} has no CUDA"
         fix = "install a torch with CUDA, then rebuild asteria._C against it with a CUDA toolkit"

@@ -89,8 +89,8 @@ def verdict(info: dict[str, Any]) -> str:
     if info.get("cuda_missing") and not info["cuda_extension"]:
         where = "a CUDA machine" if info["cuda_available"] else "a torch with CUDA"
         return (
-            f"CPU ONLY (a CPU-only build on {where}: a Runtime refuses CUDA parameters): "
-            + info["cuda_missing"]
+            f"CPU ONLY: CUDA off (a CPU-only build on {where}: a Runtime refuses CUDA "
+            f"parameters): {info['cuda_missing']}"
         )
     if info["cuda_extension"]:
         return "OK: CUDA build"
@@ -99,8 +99,6 @@ def verdict(info: dict[str, Any]) -> str:
 
 def format_report(info: dict[str, Any]) -> str:
     cuda = "off"
-    if info.get("cuda_missing"):
-        cuda = f"off: {info['cuda_missing']}"
     if info["cuda_extension"]:
         cuda = f"on (CUDA {info['cuda_version']}, arch list {info['cuda_arch_list'] or 'default'})"
     rows = [
@@ -112,6 +110,7 @@ def format_report(info: dict[str, Any]) -> str:
         ("this torch in the range", _IN_RANGE[info["torch_in_range"]]),
         ("this Python in the range", "yes" if info["python_in_range"] else "no (untested)"),
         ("CUDA extension", cuda),
+        *([("CUDA missing", info["cuda_missing"])] if info.get("cuda_missing") else []),
         ("CUDA device available", "yes" if info["cuda_available"] else "no"),
         ("LAPACK backend", f"{info['lapack_backend']} (eigh path: {info['eigh_path']})"),
         ("per-worker LAPACK threads", "yes" if info["per_worker_lapack_threads"] else "no"),

@@ -100,8 +100,11 @@ def test_info_and_attach_name_what_a_cpu_only_build_with_a_cuda_torch_lacks(monk
     assert "ASTERIA_FORCE_CUDA=1 pip install" in missing
     info = asteria.info.collect()
     assert info["cuda_missing"] == missing
-    assert asteria.info.verdict(info).startswith("CPU ONLY")
-    assert missing in asteria.info.format_report(info)
+    assert asteria.info.verdict(info).startswith("CPU ONLY: CUDA off")
+    report = asteria.info.format_report(info)
+    assert missing in report
+    cuda_row = next(line for line in report.splitlines() if line.startswith("CUDA extension"))
+    assert cuda_row.split()[-1] == "off"  # (tests/unit/test_extension.py reads this row)
     with pytest.raises(CudaUnavailableError, match="the parameters are on CUDA, but") as err:
         check_cuda_build([torch.device("cpu"), torch.device("cuda", 0)])
     assert "CUDA 13.x toolkit" in str(err.value)
@@ -114,3 +117,15 @@ def test_a_cpu_torch_gets_no_toolkit_advice():
         pytest.skip("torch has CUDA")
     assert "has no CUDA" in cuda_missing(_C)
     assert asteria.info.collect()["cuda_missing"] is None
+
+
+@pytest.mark.skipif(not CPU_BUILD, reason="needs a CPU-only build of asteria._C")
+def test_a_cpu_only_build_on_purpose_says_to_rebuild_without_asteria_no_cuda(monkeypatch):
+    import types
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    fake = types.SimpleNamespace(CUDA_MISSING="built with ASTERIA_NO_CUDA=1")
+    monkeypatch.setitem(sys.modules, "asteria._build_info", fake)
+    missing = cuda_missing(_C)
+    assert missing.startswith("built with ASTERIA_NO_CUDA=1")
+    assert "rebuild without ASTERIA_NO_CUDA, with a CUDA 13.x toolkit" in missing
