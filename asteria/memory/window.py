@@ -87,6 +87,7 @@ class BasesWindow:
         self._clock = itertools.count(1)
         self.fills = self.hits = self.prefetches = self.prefetch_hits = self.part_hits = 0
         self.spares = 0
+        self.together = 0  # reads handed out together with the ones before (Note [Reads together])
         self.resize(slot_bytes)
 
     @property
@@ -130,6 +131,8 @@ class BasesWindow:
         raises); without it, such a fill raises."""
         if not together:
             self.finish()
+        else:
+            self.together += 1
         slot = self._holding(key, srcs)  # a hit fitted when it was filled
         if slot is None:
             if srcs.count(None) == len(srcs):
@@ -235,6 +238,7 @@ class BasesWindow:
             "prefetch_hits": self.prefetch_hits,
             "part_hits": self.part_hits,
             "spares": self.spares,
+            "together": self.together,
         }
 
     # -- the ring ---------------------------------------------------------------------------------

@@ -168,7 +168,13 @@ def test_training_through_the_window_equals_bases_on_the_device(cls, fixed_delay
     assert on_device["placement"]["bases_access"] is None
     assert report["placement"]["bases_access"] == "window"
     window = report["placement"]["window"]
-    assert window["prefetch_hits"] + window["hits"] > 20  # the window did the work
+    # the window did the work, through its new paths: reads together (a slot a shape group),
+    # and SOAP's installs from the slot that holds the old bases (part hits); on the CPU
+    # stand-ins with an H100's free memory: 15-18 together, 20-27 hits, 61 part hits for SOAP
+    assert window["fills"] > 0 and window["together"] > 0, window
+    assert window["hits"] + window["prefetch_hits"] > 10, window
+    if cls is SOAP:
+        assert window["part_hits"] > 0, window
     assert hosted and all(hosted)
     assert report["device"]["bases"] == report["planned"]["device"]["bases"] > 0
     assert report["stats"]["snapshots"]["strategy"] == "staged"
@@ -208,7 +214,7 @@ def test_the_window_under_requests_in_the_step_that_hosted_the_bases(cls, refres
     params, report = train(_window_forced(**kw))
     window = report["placement"]["window"]
     assert report["placement"]["bases_access"] == "window"
-    assert window["spares"] + window["part_hits"] + window["hits"] > 0, window
+    assert window["together"] > 0 and window["spares"] + window["part_hits"] + window["hits"] > 0
     for a, b in zip(params, reference):
         assert torch.equal(a, b)
 
@@ -227,7 +233,7 @@ def test_the_window_with_the_default_staleness_stays_close_to_bases_on_the_devic
     params, report, hosted = _train(cls, _window_forced(**kw))
     assert report["placement"]["bases_access"] == "window" and hosted and all(hosted)
     window = report["placement"]["window"]
-    assert window["fills"] > 0 and window["hits"] + window["prefetch_hits"] > 0, window
+    assert window["fills"] > 0 and window["together"] > 0, window
     for a, b in zip(params, reference):
         assert torch.isfinite(a).all()
         # (on the CPU stand-ins, pool only, the same runs differ by up to 4.7% (SOAP,
