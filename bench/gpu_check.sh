@@ -410,11 +410,12 @@ phase_memory() {
 # (its package) travel with the tree under $PEERS (tools/pack_peers.sh; the device call carries
 # that folder); installed here without the network, then bench/optim_step.py --device cuda.
 phase_peers() {
-    local install=""
+    local install="" meta=$PEERS/meta_distributed_shampoo
+    [[ $meta == /* ]] || meta=$ROOT/$meta
     if compgen -G "$PEERS/*.whl" >/dev/null || ((DRY_RUN)); then
         install="$PY -m pip install --disable-pip-version-check --no-index --no-deps -q $PEERS/*.whl && "
     fi
-    run_phase peers optim_step -- env ASTERIA_META_SHAMPOO="$ROOT/$PEERS/meta_distributed_shampoo" \
+    run_phase peers optim_step -- env ASTERIA_META_SHAMPOO="$meta" \
         bash -c "${install}exec $PY bench/optim_step.py --device $DEVICE --sequential --steps 30 --warmup 3 --only $PEER_ORDER"
 }
 
@@ -463,8 +464,8 @@ for st in "${STAGES[@]}"; do
         if [[ -z $STAGE && $phase == summary && $st != "${STAGES[-1]}" ]]; then
             continue # ... and one summary
         fi
+        if [[ $phase != build ]]; then gpu_name; fi # (once: after the build, if any)
         "phase_$phase"
-        if [[ $phase == build ]]; then gpu_name; fi
     done
 done
 
