@@ -55,12 +55,14 @@ are the 'direct' ones, the store's default there), else only 'buffered'.
 Measured mode, ``--measure-cuda`` (instead of parts 1 and 2): the device bytes the optimizers
 take on a real GPU, from ``torch.cuda.max_memory_allocated``, not estimates. An asteria.train
 preset (``--model``, ``--layers``) is built on the GPU and trained ``--measure-steps`` steps on a
-fixed batch (bf16 autocast) three ways per optimizer, each from a fresh peak: with no optimizer
-(the baseline: model, gradients and activations), native, and under the runtime (default
-``RuntimeConfig``: on a discrete GPU the bases live in pinned host memory behind the device
-window). ``optimizer_peak_bytes`` = peak - the baseline's peak; ``resident_bytes`` = what stays
-allocated after the last step (gradients freed) beyond the model. ``ratio`` = Asteria / native of
-the peak figure (goal <= 0.75 for SOAP), ``resident_ratio`` of the resident one. Without CUDA it
+fixed batch (bf16 autocast) four ways per optimizer, each from a fresh peak: with no optimizer
+(the baseline: model, gradients and activations), native, under the runtime with the window
+forced (``placement={"bases": "host"}``: the bases in pinned host memory behind the device
+window) and under the default ``RuntimeConfig`` (auto: on an H100/H200 at OLMo-150m the bases
+fit the bases budget and stay on the device). ``optimizer_peak_bytes`` = peak - the baseline's
+peak; ``resident_bytes`` = what stays allocated after the last step (gradients freed) beyond the
+model. ``window_ratio`` and ``ratio`` = the window's and auto's peak figure over native's (goal
+<= 0.75 for SOAP, on the window), ``resident_ratio`` of the resident one (auto). Without CUDA it
 prints why and emits ``{"benchmark": "memory", "mode": "measure_cuda", "skipped": ...}`` (exit 0).
 
 Last line: JSON with ``accounting`` (part 1), ``device_ratio`` per model and optimizer, the
