@@ -601,12 +601,15 @@ def measure_cuda_main(args: argparse.Namespace) -> None:
         return None if nbytes is None else nbytes / 1e6
 
     print_table(
-        ["optimizer", "baseline MB", "native opt MB", "asteria opt MB", "ratio",
-         "native resident MB", "asteria resident MB", "resident ratio"],
+        ["optimizer", "baseline MB", "native opt MB", "window opt MB", "window ratio",
+         "auto opt MB", "auto ratio", "native resident MB", "auto resident MB",
+         "resident ratio"],
         [[n, mb(s["baseline_peak_bytes"]), mb(s["native_optimizer_peak_bytes"]),
+          mb(s["window_optimizer_peak_bytes"]), s["window_ratio"],
           mb(s["asteria_optimizer_peak_bytes"]), s["ratio"], mb(s["native_resident_bytes"]),
           mb(s["asteria_resident_bytes"]), s["resident_ratio"]] for n, s in summary.items()],
     )  # fmt: skip
+    payload["device_ratio_window_measured"] = {n: s["window_ratio"] for n, s in summary.items()}
     payload["device"] = torch.cuda.get_device_name()
     payload["runs"] = runs
     payload["measured"] = summary

@@ -458,3 +458,19 @@ def test_summary_judges_the_window_and_device_tiers_where_they_ran(tmp_path):
     assert "soap_asteria spike (max/median)" not in rows  # not run: no row
     assert rows["soap device optimizer memory / native (window)"]["status"] == "met"
     assert rows["soap device optimizer memory / native (auto)"]["status"] == "info"
+
+
+def test_measured_summary_has_the_window_beside_auto():
+    from bench.memory import measured_summary
+
+    runs = {
+        "soap": {
+            "none": {"peak_bytes": 1000, "resident_bytes": 0},
+            "native": {"peak_bytes": 1400, "resident_bytes": 380},
+            "window": {"peak_bytes": 1260, "resident_bytes": 240},
+            "asteria": {"peak_bytes": 1400, "resident_bytes": 380},  # auto: bases on the device
+        }
+    }
+    s = measured_summary(runs)["soap"]
+    assert s["window_optimizer_peak_bytes"] == 260 and s["window_ratio"] == pytest.approx(0.65)
+    assert s["ratio"] == pytest.approx(1.0)
