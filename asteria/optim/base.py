@@ -174,6 +174,10 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         self._nonfinite_warned = False
         self._overflow_warned = False
         self._budget_warned = False  # Note [Factor budget] in blocking.py
+        #: Note [Refused steps]: per group (by identity) its options as last checked, and per
+        #: parameter with state the layout key and state dtype that state was made for.
+        self._checked_options: dict[int, tuple] = {}
+        self._state_keys: dict[int, tuple] = {}
         #: Per parameter (by identity), an upper bound on the largest entry of the statistics
         #: it sums rather than averages, and (under ``("limit", id)``) the static part of its
         #: gradient limit (Note [Overflowing gradients]); filled when first needed.
@@ -361,6 +365,7 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                     continue
                 self._check_grad_kind(p.grad)
                 todo.append((pid, group, p))
+        self._check_before_step(todo)  # Note [Refused steps]
         if todo and not self._has_state() and _state_init_probe(self.param_groups, todo):
             for _, group, p in todo:
                 if local_tensor(p).numel():
@@ -422,11 +427,46 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         self._refresher.step_end()
         return loss
 
+    def _check_before_step(self, todo: list[tuple[int, dict[str, Any], torch.Tensor]]) -> None:
+        """Note [Refused steps]: what a step would fail on midway, refused before it changes
+        anything: a group's options edited since they were last checked (``param_groups[i]
+        ["lr"] = -1``: the constructor's checks, ``_validate_group``), and a parameter whose
+        shape, dtype or blocking options changed under its state (``p.data = ...`` of another
+        shape, ``max_preconditioner_dim`` edited after the first step)."""
+        name = type(self).__name__
+        for pid, group, p in todo:
+            options = _options_of(group)
+            if self._checked_options.get(id(group)) != options:
+                try:
+                    self._validate_group(group)
+                except (ValueError, TypeError, KeyError) as err:
+                    index = next(i for i, g in enumerate(self.param_groups) if g is group)
+                    raise ValueError(
+                        f"{name}.step: param_groups[{index}] was changed to a value the "
+                        f"optimizer does not take: {err}; nothing was updated"
+                    ) from None
+                self._checked_options[id(group)] = options
+            state = self.state.get(p)
+            if not state or _is_placeholder(state):
+                continue
+            now = (self._layout_key(local_tensor(p), group), state_dtype(p))
+            seen = self._state_keys.setdefault(id(p), now)
+            if seen != now:
+                what = self.param_names.get(pid, f"param{pid}")
+                raise ValueError(
+                    f"{name}.step: parameter '{what}' (index {pid}) has state for shape, "
+                    f"blocking options and state dtype {seen}, but is now {now}: its state does "
+                    "not fit it. Nothing was updated; to change a parameter's shape, dtype or "
+                    "blocking after its first step, make a new optimizer (or clear its state: "
+                    "del opt.state[p])"
+                )
+
     def _first_step(self, pid, p, grad, group, state, layout) -> None:
         """``_init_param``; a matrix function that fails there (the first eigenbases) names the
         parameter (Note [Overflowing gradients]: a step's own gradients cannot make it fail)."""
         try:
             self._init_param(pid, p, grad, group, state, layout)
+            self._state_keys[id(p)] = (self._layout_key(p, group), state_dtype(p))
         except MatrixFunctionError as err:
             state.clear()  # the parameter stays without state: its next step starts again
             name = self.param_names.get(pid, f"param{pid}")
@@ -653,6 +693,33 @@ def _param_list(name: str, params: Any) -> list:
             f"but got {type(params).__name__} ({name})"
         ) from None
     return params if params else [{"params": []}]
+
+
+def _options_of(group: dict[str, Any]) -> tuple:
+    """A group's options as ``_check_before_step`` compares them (a tensor by identity: a
+    scheduler fills a tensor ``lr`` in place, and reading it would wait for its device)."""
+    return tuple(
+        (k, id(v) if isinstance(v, torch.Tensor) else v)
+        for k, v in group.items()
+        if k not in ("params", "param_names")
+    )
+
+
+# Note [Refused steps]
+# ~~~~~~~~~~~~~~~~~~~~
+# A ``step()`` either runs to its end or raises before it changes anything (parameters,
+# ``opt.state``, a runtime's versions and refreshes in flight), for every input a caller can
+# hand it: a sparse or complex gradient (``_check_grad_kind``, in the first pass over the
+# parameters), a group option edited after construction to a value the constructor refuses
+# (``param_groups[0]["lr"] = -1``, ``"x"``, NaN, ``betas`` out of range, a frequency of 0 or 1.5,
+# a ``refresh_dtype`` of float16: each ran, silently wrong, or failed midway with a parameter
+# updated), and a parameter whose shape, dtype or blocking options no longer fit its state
+# (``p.data = torch.randn(5, 3)`` over a (4, 3) state, ``max_preconditioner_dim`` edited after
+# the first step: failed midway). ``_check_before_step`` checks them all first, with the
+# constructor's own checks, once per change of a group's options (a dict compare per group and
+# step otherwise). A non-finite gradient is not refused: its parameter skips the step (Note
+# [Non-finite gradients]). tests/unit/test_refusals.py draws the bad inputs with hypothesis and
+# compares a deep snapshot of everything observable before and after the refused step.
 
 
 def _drop_duplicates(group: dict[str, Any]) -> None:

@@ -72,6 +72,8 @@ _NOT_COPIED = frozenset(
         "_refresher",
         "_layouts",
         "_summed_bounds",
+        "_checked_options",
+        "_state_keys",
         "_optimizer_step_pre_hooks",
         "_optimizer_step_post_hooks",
         "_optimizer_state_dict_pre_hooks",
@@ -146,6 +148,7 @@ class StateIO:
                 setattr(self, name, copy.copy(value))
         self._layouts = {}
         self._summed_bounds = {}
+        self._checked_options, self._state_keys = {}, {}  # by identity: made again
         self._refresher = NativeRefresher(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -223,6 +226,7 @@ class StateIO:
                 self._refresher.check_state_dict(in_flight, blocks)
         self.param_groups, self.state = groups, state
         self._layouts.clear()  # layouts under the saved options were cached on the way
+        self._state_keys.clear()  # the loaded state was checked against the parameters
         self._summed_bounds.clear()  # taken from the loaded state when next needed
         first = 0
         for group in self.param_groups:  # the loaded names, in messages too

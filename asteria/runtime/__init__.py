@@ -6,13 +6,14 @@ mode; ``close()`` (or leaving a ``with`` block) switches it back.
 
 from asteria.runtime.attach import NoSpareCoreWarning
 from asteria.runtime.config import RuntimeConfig
-from asteria.runtime.distributed import CoherenceTimeoutError
+from asteria.runtime.distributed import CoherenceBrokenError, CoherenceTimeoutError
 from asteria.runtime.lane import StatisticsLaneError
 from asteria.runtime.registry import RefreshFailedError, StalenessTimeoutError
 from asteria.runtime.runtime import Runtime
 from asteria.runtime.streams import training_stream
 
 __all__ = [
+    "CoherenceBrokenError",
     "CoherenceTimeoutError",
     "NoSpareCoreWarning",
     "RefreshFailedError",

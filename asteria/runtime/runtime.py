@@ -82,6 +82,13 @@ class Runtime:
             )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        if model is not None:  # its hooks would signal nothing (issue 48's probe)
+            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if mine and not any(id(p) in mine for p in model.parameters()):
+                raise ValueError(
+                    f"model ({type(model).__name__}) holds none of the optimizer's "
+                    f"{len(mine)} parameters: pass the model the optimizer trains, or None"
+                )
         self.config = c = config if config is not None else RuntimeConfig()
         if not isinstance(c, RuntimeConfig):
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
