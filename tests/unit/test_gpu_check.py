@@ -474,3 +474,19 @@ def test_measured_summary_has_the_window_beside_auto():
     s = measured_summary(runs)["soap"]
     assert s["window_optimizer_peak_bytes"] == 260 and s["window_ratio"] == pytest.approx(0.65)
     assert s["ratio"] == pytest.approx(1.0)
+
+
+def test_the_time_to_target_stage_uses_options_the_bench_has(tmp_path):
+    """Stage 4's hook for issue 49's bench: its command line parses with
+    bench/time_to_target.py's own parser (a renamed option fails here, not on the GPU)."""
+    import shlex
+
+    from bench import time_to_target
+
+    proc = _dry_run(tmp_path, "--cpu-rehearsal", "--stage", "4")
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(_phase_lines(proc.stdout)["ttt"].split(": ", 1)[1])
+    argv = words[words.index("bench/time_to_target.py") + 1 :]
+    args = time_to_target.parse_args(argv)
+    assert args.device == "cpu" and args.tune_missing
+    assert "muon" in args.variants and args.eval_seeds["tiny"] == [1, 2]
