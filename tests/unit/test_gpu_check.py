@@ -490,3 +490,20 @@ def test_the_time_to_target_stage_uses_options_the_bench_has(tmp_path):
     args = time_to_target.parse_args(argv)
     assert args.device == "cpu" and args.tune_missing
     assert "muon" in args.variants and args.eval_seeds["tiny"] == [1, 2]
+
+
+def test_the_stages_variants_are_ones_the_benches_know(tmp_path):
+    import shlex
+
+    from bench import profile_step, step_time
+
+    phases = _phase_lines(_dry_run(tmp_path).stdout)
+
+    def option(phase: str, name: str) -> str:
+        words = shlex.split(phases[phase].split(": ", 1)[1])
+        return words[words.index(name) + 1]
+
+    for phase in ("step_tiny", "step_olmo"):
+        assert set(option(phase, "--variants").split(",")) <= set(step_time.VARIANTS)
+    for variant in option("profile", "--variants").split(","):
+        profile_step.parse_variant(variant)  # raises for an unknown one
