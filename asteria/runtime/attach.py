@@ -513,7 +513,7 @@ def _make_threads(
     if choices.lane:
         # a gradient hook per parameter keeps the next backward from writing a gradient the
         # lane still reads (Note [Gradient guards] in hooks.py)
-        p.lane = StatisticsLane(p.block_name)
+        p.lane = StatisticsLane(p.block_name, c.barrier_timeout_s)
         p.grad_guards = GradientGuards(params_of(optimizer), p.lane, always=p.coherence is not None)
     costs = InstallCosts(optimizer.install_cost, functools.partial(block_state, optimizer))
     # one copy stream (least priority), made once, for the window and the staged snapshots

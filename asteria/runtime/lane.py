@@ -118,7 +118,11 @@ class LaneWork:
 class StatisticsLane:
     """A FIFO of statistics updates on one background thread (Note [Statistics lane])."""
 
-    def __init__(self, name_of: Callable[[Hashable], str] = str) -> None:
+    def __init__(
+        self, name_of: Callable[[Hashable], str] = str, timeout_s: float | None = None
+    ) -> None:
+        #: how long a wait for the lane may take (``barrier_timeout_s``; Note [Lane deadlines])
+        self.timeout_s = timeout_s
         threads = torch.get_num_threads()
         # The lane computes with the training's intra-op thread count (a new thread starts with
         # OpenMP's default), so BLAS takes the same code path and gives the same bits.
@@ -163,7 +167,12 @@ class StatisticsLane:
     def _wait_beside(self, future: Future) -> None:
         t0 = time.perf_counter()
         try:
-            future.result()
+            future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise StatisticsLaneError(
+                f"Asteria: the half of a split update on the statistics lane did not finish "
+                f"within barrier_timeout_s={self.timeout_s:g} s"
+            ) from None
         finally:
             self.wait_s += time.perf_counter() - t0
 
@@ -228,7 +237,7 @@ class StatisticsLane:
             if reported_too or key not in self._reported:
                 self._result(key, future)
             else:
-                concurrent.futures.wait([future])
+                concurrent.futures.wait([future], timeout=self.timeout_s)
 
     def close(self) -> None:
         """Finish the queued work (errors not raised before are raised now), stop the thread."""
@@ -244,14 +253,21 @@ class StatisticsLane:
     def _result(self, key: Hashable, future: Future) -> None:
         t0 = time.perf_counter()
         try:
-            future.result()
+            try:
+                future.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                # Note [Lane deadlines]: the block counts as failed (its later updates are not
+                # run, every later wait raises), as a statistics update that raised does
+                raise TimeoutError(
+                    f"it did not finish within barrier_timeout_s={self.timeout_s:g} s"
+                ) from None
             with self._lock:
                 first = self._errors.get(key)
             if first is not None:
                 raise first
         except Exception as err:
             with self._lock:
-                err = self._errors.get(key, err)
+                err = self._errors.setdefault(key, err)
                 self._reported.add(key)
             raise StatisticsLaneError(
                 f"Asteria: the statistics update of block '{self._name_of(key)}' failed on the "
@@ -259,3 +275,13 @@ class StatisticsLane:
             ) from err
         finally:
             self.wait_s += time.perf_counter() - t0
+
+
+# Note [Lane deadlines]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Every wait for the lane (a step's wait for a block's statistics or install, the split update's
+# other half, ``sync()``, a load, ``close()``) takes at most ``barrier_timeout_s``, as a barrier
+# does (Note [Helping within the deadline] in refreshes.py): a statistics update still running
+# then (a hung or pathologically slow one) fails its block with a ``StatisticsLaneError`` naming
+# the block and the knob, and the block is failed from then on, as after an update that raised.
+# tests/unit/test_deadlines.py holds a lane update past the deadline.

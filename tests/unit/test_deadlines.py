@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from asteria import lowlevel as ll
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.runtime import Runtime, RuntimeConfig, StalenessTimeoutError
-from asteria.runtime.testing import slow_pool
+from asteria.runtime import Runtime, RuntimeConfig, StalenessTimeoutError, StatisticsLaneError
+from asteria.runtime.testing import slow_pool, wrapped_statistics
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
 FILLER_DIM = 400  # an eigh of this size: ~0.05 s on the project's CPU, one thread
@@ -129,3 +129,37 @@ def test_a_futures_result_keeps_its_timeout_behind_a_queue():
         assert time.perf_counter() - t0 < 0.2 + SLACK_S
         for f in fillers:
             f.cancel()
+
+
+@pytest.mark.filterwarnings("ignore::asteria.runtime.NoSpareCoreWarning")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_wait_for_a_hung_statistics_update_has_the_deadline_too(name):
+    """Note [Lane deadlines]: a statistics update on the lane that does not finish (held here
+    for 3 s) fails its block after ``barrier_timeout_s`` at the first wait for it (a step, or
+    ``sync()``), naming the block and the knob; it waited without a limit before."""
+    hold = {"calls": 0}
+
+    def wrap(key, update, *args):
+        if key == (0, 0):
+            hold["calls"] += 1
+            if hold["calls"] == 3:
+                time.sleep(3.0)
+        update(*args)
+
+    gen = torch.Generator().manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(16, 16, generator=gen))
+    opt = OPTIMIZERS[name]([p], lr=1e-3, precondition_frequency=1)
+    config = RuntimeConfig(staleness=1, workers=1, barrier_timeout_s=0.3, hooks=False,
+                           statistics_lane=True)  # fmt: skip
+    rt = Runtime(None, opt, config)
+    try:
+        with wrapped_statistics(wrap):
+            t0 = time.perf_counter()
+            with pytest.raises(StatisticsLaneError, match=r"param0\[0\].*barrier_timeout_s=0.3"):
+                for _ in range(6):
+                    p.grad = torch.randn(16, 16, generator=gen)
+                    opt.step()
+                rt.sync()
+            assert time.perf_counter() - t0 < 3.0
+    finally:
+        rt.close(install_pending=False)
