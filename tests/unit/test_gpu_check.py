@@ -507,3 +507,24 @@ def test_the_stages_variants_are_ones_the_benches_know(tmp_path):
         assert set(option(phase, "--variants").split(",")) <= set(step_time.VARIANTS)
     for variant in option("profile", "--variants").split(","):
         profile_step.parse_variant(variant)  # raises for an unknown one
+
+
+def test_the_peers_stage_names_optimizers_the_bench_has(tmp_path):
+    """Stage 4's --only list against bench/optim_step.py's contenders (each one this checkout
+    can build: the peers that are installed here, Meta's where ../shared/peers has it)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import optim_step
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    phases = _phase_lines(_dry_run(tmp_path, "--stage", "4").stdout)
+    import shlex
+
+    script = shlex.split(phases["peers"].split(": ", 1)[1])[-1]  # bash -c's script
+    words = shlex.split(script)
+    names = words[words.index("--only") + 1].split(",")
+    known = set(optim_step.contenders(None, compile_heavyball=False))
+    missing = [n for n in names if n not in known]
+    absent = {"meta_shampoo", "meta_soap", "meta_kl_shampoo"} - known  # no ../shared/peers
+    assert not set(missing) - absent, missing
+    assert len(names) == len(set(names)) >= 10
