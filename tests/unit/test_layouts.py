@@ -4,8 +4,9 @@
   strided slices, storage offsets, channels-last, each with its gradient contiguous or in the
   parameter's own strides; for SOAP, KL-Shampoo and Shampoo, natively and under a runtime
   (``S = 0`` and a fixed delay) on every bases tier a CPU runs (the block's own tensors, the CPU
-  stand-in of a discrete GPU's device memory and of its host window, unified memory). The twin
-  is the same optimizer over contiguous copies, in the same groups, so both take the same path
+  stand-in of a discrete GPU's device memory and of its host window, unified memory), on the
+  batched step and the per-parameter one, the statistics lane on or off. The twin is the same
+  optimizer over contiguous copies, in the same groups, so both take the same path
   (Note [Working copies] in asteria/optim/base.py).
 * A parameter listed twice trains as if listed once, after torch's warning (Note [Duplicate
   parameters] in base.py), natively and under a runtime.
@@ -112,17 +113,19 @@ def _groups(params: list[torch.Tensor], split: bool) -> list[dict]:
     mode=st.sampled_from(["native", "S=0", "fixed_delay=2"]),
     tier=st.sampled_from(list(TIERS)),
     momentum=st.booleans(),
+    tensor_lr=st.booleans(),
+    lane=st.sampled_from([None, True, False]),
     grad_like_param=st.booleans(),
     frequency=st.integers(1, 3),
     steps=st.integers(1, 8),
 )
 def test_any_layout_trains_like_its_contiguous_copy(
-    name, layouts, split, mode, tier, momentum, grad_like_param, frequency, steps
+    name, layouts, split, mode, tier, momentum, tensor_lr, lane, grad_like_param, frequency, steps
 ):
     cls = OPTIMIZERS[name]
-    kw = dict(lr=1e-2, precondition_frequency=frequency)
+    kw = dict(lr=torch.tensor(1e-2) if tensor_lr else 1e-2, precondition_frequency=frequency)
     if name == "shampoo" and momentum:
-        kw["momentum"] = 0.5  # Shampoo's per-parameter path (the batched one otherwise)
+        kw["momentum"] = 0.5  # Shampoo's per-parameter path (so is a tensor lr's)
     odd, plain = _params(layouts, seed=len(layouts) + steps)
     strides = [p.stride() for p in odd]
     results = []
@@ -136,7 +139,7 @@ def test_any_layout_trains_like_its_contiguous_copy(
                 dict(staleness=2, fixed_delay=2) if mode == "fixed_delay=2" else {"staleness": 0}
             )
             tiers = {} if placement is None else {"placement": placement}
-            config = RuntimeConfig(workers=1, hooks=False, **delay, **tiers)
+            config = RuntimeConfig(workers=1, hooks=False, statistics_lane=lane, **delay, **tiers)
             ctx = (
                 contextlib.nullcontext()
                 if arch is None
