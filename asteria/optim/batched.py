@@ -318,13 +318,23 @@ def _aligned_mm_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy of it, where ``t`` (on the CPU) is not contiguous from a 64-byte
-    boundary: what a contraction that is not a product of two matrices (``tensordot`` of blocks
-    of order 3 and more) reads, so that its BLAS calls see the operands a block alone would
-    (Note [Aligned operands])."""
-    if t.device.type != "cpu" or (t.data_ptr() % 64 == 0 and t.is_contiguous()):
+    """``t``, or a copy of it in its own memory layout, where ``t`` (on the CPU) does not start at
+    a 64-byte boundary or is not dense: what a contraction that is not a product of two matrices
+    (``tensordot`` of a block of order other than 2) reads, so that its BLAS calls see the
+    operands, in the orientations, a block alone would (Note [Aligned operands])."""
+    if t.device.type != "cpu" or (t.data_ptr() % 64 == 0 and _dense(t)):
         return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t.clone(memory_format=torch.preserve_format)  # a dense layout keeps its strides
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlaps, in any dim order."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
