@@ -1,6 +1,7 @@
 #include "core/matrix_functions.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -107,9 +108,16 @@ Outputs with_fp64_retry(const Fn& fn, at::ScalarType dtype, const char* what,
                             first_error + ") and in float64 (" + retry_error + ")");
 }
 
+// Note [Refreshes ignore autocast]: a refresh computes in its own dtype on whatever thread runs
+// it. A pool job can run on the training thread (Note [Helping waiters]) inside the caller's
+// autocast region (a module's forward pre-hook installs what is ready), where at::mm would come
+// back in bfloat16 and LAPACK refuse it; every entry point turns autocast off for its thread.
+using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> eigh_descending(const at::Tensor& factor, at::ScalarType dtype) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   check_square("factor", factor);
   check_dtype(dtype);
   if (!all_finite(factor)) {
@@ -138,6 +146,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_descending(const at::Tensor& factor, at:
 std::tuple<at::Tensor, std::optional<at::Tensor>> qr_refresh(const at::Tensor& factor,
                                                              const at::Tensor& basis, bool sort,
                                                              at::ScalarType dtype) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   check_square("factor", factor);
   TORCH_CHECK_VALUE(basis.sizes() == factor.sizes(), "basis shape ", basis.sizes(),
                     " != factor shape ", factor.sizes());
@@ -165,6 +174,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> qr_refresh(const at::Tensor& f
 
 at::Tensor inverse_root(const at::Tensor& factor, double root, double epsilon,
                         at::ScalarType dtype) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   check_square("factor", factor);
   TORCH_CHECK_VALUE(root > 0, "root must be > 0, got ", root);
   TORCH_CHECK_VALUE(epsilon > 0, "epsilon must be > 0, got ", epsilon);
