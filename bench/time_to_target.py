@@ -98,17 +98,18 @@ FACTORS = (0.5, 1.0, 2.0, 4.0)
 # tiny, so better rates could lie below them; every grid keeps its four rates.
 # Muon and SOAP at frequency 1 (issue 49): on nano centred on the issue's constant-rate probe
 # (Muon best at 1e-2 of 5e-3/1e-2/2e-2, SOAP f=1 at 5e-3 of 2.5e-3/5e-3/1e-2), a grid x 1/2 ...
-# x 4 around half of it, so the probe's best sits inside; on tiny at nano's tuned rate (Muon
-# 5e-3, SOAP f=1 1e-2) times the 1/3 by which AdamW's and SOAP's tuned rates fall from nano to
-# tiny, rounded (Muon 2e-3, x 1/2 ... x 4; SOAP f=1 3e-3, x 1/2, 1, 2: three rates, for a tiny
-# run of SOAP refreshed at every step is the longest of the benchmark, GRID_FACTORS).
+# x 4 around half of it, so the probe's best sits inside. On tiny, Muon at nano's tuned rate
+# (5e-3) times the 1/3 by which AdamW's and SOAP's tuned rates fall from nano to tiny, rounded
+# (2e-3); SOAP f=1 at SOAP's tuned tiny rate (6e-3): its first grid there (3e-3 x 1/2, 1, 2)
+# chose its top rate in a tuning-only pre-run (2026-12-07: 1.5e-3: 2.545, 3e-3: 2.126, 6e-3:
+# 1.891), so it moved up to this one.
 BASE_LRS = {
     "nano": {"adamw": 3e-3, "soap": 1e-2, "kl-shampoo": 1e-2, "shampoo": 1.5e-3,
              "muon": 5e-3, "soap-f1": 5e-3},
     "tiny": {"adamw": 1e-3, "soap": 3e-3, "kl-shampoo": 5e-3, "shampoo": 1.5e-3,
-             "muon": 2e-3, "soap-f1": 3e-3},
+             "muon": 2e-3, "soap-f1": 6e-3},
 }  # fmt: skip
-GRID_FACTORS = {("tiny", "soap-f1"): (0.5, 1.0, 2.0)}  # else FACTORS
+GRID_FACTORS: dict[tuple[str, str], tuple[float, ...]] = {}  # (preset, name) -> factors
 GRIDS = {
     preset: {
         name: tuple(round(lr * f, 10) for f in GRID_FACTORS.get((preset, name), FACTORS))
