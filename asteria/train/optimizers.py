@@ -36,11 +36,12 @@ and with it SOAP f=1's nano losses by 1-2 %, which moved its choice from 1e-2 to
            soap-f1    2.5e-3: 2.527  5e-3: 2.103  1e-2: 1.957  2e-2: 1.915  (edge of the grid;
                       at c648f66 1e-2: 1.942, 2e-2: 1.959)
 
-Every chosen rate is inside its grid but SOAP f=1's on nano, at its top. Close rates trade places with the machine: on an Intel Xeon
-at 6c79fde SOAP's ``tiny`` pair was 3e-3: 2.196, 6e-3: 2.201 (round-off, see Note [Paired seeds]
-in bench/time_to_target.py). ``tiny`` was tuned at 120 steps (the demo runs 200, where
-the rates before this tuning were 1e-3, 3e-3, 1e-2, 3e-3). The best rate drops as the width
-doubles (nano d=128 -> tiny d=256), so one rate for both would handicap one optimizer on one
+Every chosen rate is inside its grid but SOAP f=1's on nano, at its top. Close rates trade places
+with the machine: on an Intel Xeon at 6c79fde SOAP's ``tiny`` pair was 3e-3: 2.196, 6e-3: 2.201
+(round-off, see Note [Paired seeds] in bench/time_to_target.py). ``tiny`` was tuned at 120 steps
+(the demo runs 200, where the rates before this tuning were 1e-3, 3e-3, 1e-2, 3e-3). The best rate
+drops as the width doubles (nano d=128 -> tiny d=256), so one rate for both would handicap one
+optimizer on one
 model. KL-Shampoo uses shampoo_beta 0.9, not the authors' 0.98 (see ``_kl_shampoo``): at 0.98 it
 stayed behind AdamW in 200 steps at every rate tried.
 """
