@@ -41,9 +41,8 @@ with the machine: on an Intel Xeon at 6c79fde SOAP's ``tiny`` pair was 3e-3: 2.1
 (round-off, see Note [Paired seeds] in bench/time_to_target.py). ``tiny`` was tuned at 120 steps
 (the demo runs 200, where the rates before this tuning were 1e-3, 3e-3, 1e-2, 3e-3). The best rate
 drops as the width doubles (nano d=128 -> tiny d=256), so one rate for both would handicap one
-optimizer on one
-model. KL-Shampoo uses shampoo_beta 0.9, not the authors' 0.98 (see ``_kl_shampoo``): at 0.98 it
-stayed behind AdamW in 200 steps at every rate tried.
+optimizer on one model. KL-Shampoo uses shampoo_beta 0.9, not the authors' 0.98 (see
+``_kl_shampoo``): at 0.98 it stayed behind AdamW in 200 steps at every rate tried.
 """
 
 from __future__ import annotations
