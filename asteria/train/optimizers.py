@@ -27,14 +27,15 @@ validation loss per rate, seed 0:
 
 Muon and SOAP at frequency 1 (issue 49, the same protocol on the embedded corpus, which under
 Python 3.11.7 is the corpus above to the byte; 2026-12-07: nano in the committed run at b6572a5,
-tiny in a ``--tune-only`` pre-run at c648f66, before 4648b91 changed SOAP's batched QR refresh
-and with it SOAP f=1's nano losses by 1-2 %, which moved its choice from 1e-2 to 2e-2):
+tiny in a ``--tune-only`` pre-run on ef69517's optimizers (with this issue's files), before
+762a317 and 4648b91 changed SOAP's batched install and QR refresh and with them SOAP f=1's nano
+losses by 1-2 %, which moved its choice from 1e-2 to 2e-2):
 
     tiny   muon       1e-3: 1.920  2e-3: 1.812  4e-3: 1.757  8e-3: 1.848
            soap-f1    3e-3: 2.126  6e-3: 1.891  1.2e-2: 1.858  2.4e-2: 1.935  (1.5e-3: 2.545)
     nano   muon       2.5e-3: 1.916  5e-3: 1.901  1e-2: 1.921  2e-2: 1.964
            soap-f1    2.5e-3: 2.527  5e-3: 2.103  1e-2: 1.957  2e-2: 1.915  (edge of the grid;
-                      at c648f66 1e-2: 1.942, 2e-2: 1.959)
+                      in the pre-run 1e-2: 1.942, 2e-2: 1.959)
 
 Every chosen rate is inside its grid but SOAP f=1's on nano, at its top. Close rates trade places
 with the machine: on an Intel Xeon at 6c79fde SOAP's ``tiny`` pair was 3e-3: 2.196, 6e-3: 2.201
