@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from asteria._C import OneLapackThread
-from asteria.optim.batched import SMALL_BMM, bmm, eigh_each, mm, qr_each
+from asteria.optim.batched import SMALL_BMM, bmm, eigh_each, index_select_each, mm, qr_each
 
 __all__ = [
     "MatrixFunctionError",
@@ -151,8 +151,8 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
 
     ``valid(*outputs)`` is the finiteness gate (``_finite`` unless the caller knows a cheaper
     exact one)."""
-    if on is not None and on.device.type == "cpu":
-        with OneLapackThread():
+    if on is not None:
+        with _one_thread(on):
             return _with_fp64_retry(fn, dtype, what, valid)
     first_error: str
     try:
@@ -275,11 +275,7 @@ def _qr_many(factors, bases, sort: bool, dtype: torch.dtype) -> list:
     if sort:
         est = (qt * power_t).sum(dim=2)
         perm = torch.argsort(est, dim=1, descending=True)
-        # the rows of each matrix in its order, as one index_select of rows (qr_refresh's gather;
-        # take_along_dim gathers element by element after a remainder: some ten times slower)
-        n = power_t.shape[1]
-        rows = perm + torch.arange(0, perm.shape[0] * n, n, device=perm.device).unsqueeze(1)
-        power_t = power_t.reshape(-1, n).index_select(0, rows.flatten()).view(power_t.shape)
+        power_t = index_select_each(power_t, 0, perm)  # qr_refresh's gather of rows
     q = qr_each(power_t.mT)  # one matrix at a time on the CPU (Note [Aligned operands])
     ok = torch.isfinite(q.sum(dim=(1, 2))).tolist()
     return [

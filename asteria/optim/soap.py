@@ -55,6 +55,7 @@ from asteria.optim.batched import (
     batched_mode_products,
     block_key,
     bmm,
+    index_select_each,
     mm,
     read_batches,
     shape_groups,
@@ -366,7 +367,7 @@ def _install_group(blocks: list[dict[str, Any]], results: list[list]) -> None:
     for i, res in enumerate(results[0]):
         if res is None:
             continue
-        v = _permute_each(v, i, [r[i][1] for r in results])
+        v = index_select_each(v, i, torch.stack([r[i][1] for r in results]).to(v.device))
         old_q = [b["bases"][i] for b in blocks]
         new_q = [r[i][0] for r in results]
         if old_q[0].shape[0] ** 2 < blocks[0]["exp_avg"].numel():  # d_i < numel / d_i
@@ -382,32 +383,17 @@ def _install_group(blocks: list[dict[str, Any]], results: list[list]) -> None:
     torch._foreach_copy_([b["exp_avg"] for b in blocks], list(m.unbind(0)))
 
 
-def _permute_each(v: torch.Tensor, i: int, perms: list[torch.Tensor]) -> torch.Tensor:
-    """``v[b].index_select(i, perms[b])`` for every block ``b`` of a stack ``v``, as one
-    ``index_select`` of whole rows: dim ``i`` moved next to the batch dim and merged with it, each
-    permutation offset by its block's rows. An exact gather, as ``index_select``; on the CPU some
-    ten times faster than ``take_along_dim``, which gathers element by element (and wraps every
-    index with a ``remainder`` first): measured 1.2 s of a 12.7 s refresh step of SOAP at
-    bench/optim_step.py's model (issue 47)."""
-    batch, d = v.shape[0], v.shape[i + 1]
-    offsets = torch.arange(0, batch * d, d, device=v.device).unsqueeze(1)
-    rows = (torch.stack(perms).to(v.device) + offsets).flatten()
-    moved = v.movedim(i + 1, 1).contiguous()  # a view of v where i == 0
-    picked = moved.reshape(batch * d, -1).index_select(0, rows).view(moved.shape)
-    return picked.movedim(1, i + 1)
-
-
 # Note [Batched installs]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # Natively the due blocks of a step are installed together (Note [Batched refreshes] in
 # refresher.py): per group of blocks whose moments and bases agree in shape, dtype and layout,
-# ``v``'s permutations are one ``index_select`` of rows per dim (``_permute_each``: an exact gather,
-# as each block's own ``index_select``), ``m``'s rotation is one ``bmm`` per dim for ``R = Q_old^T
-# Q_new`` or the back-and-forth ``batched_mode_products`` (Note [Batched steps] in batched.py:
-# ``bmm`` on operands in ``mm``'s layouts), and the results are copied into each block's own ``m``
-# and ``v`` (one ``_foreach_copy_`` each: state stays per block). On the CPU every block's state is
-# bitwise ``install_refresh``'s (tests/unit/test_batched_roots.py, test_batched_steps.py); blocks
-# whose products ``bmm`` would round otherwise (``block_key``) are installed alone. A runtime
+# ``v``'s permutations are one ``index_select`` of rows per dim (``batched.index_select_each``: an
+# exact gather, as each block's own ``index_select``), ``m``'s rotation is one ``bmm`` per dim for
+# ``R = Q_old^T Q_new`` or the back-and-forth ``batched_mode_products`` (Note [Batched steps] in
+# batched.py: ``bmm`` on operands in ``mm``'s layouts), and the results are copied into each block's
+# own ``m`` and ``v`` (one ``_foreach_copy_`` each: state stays per block). On the CPU every block's
+# state is bitwise ``install_refresh``'s (tests/unit/test_batched_roots.py, test_batched_steps.py);
+# blocks whose products ``bmm`` would round otherwise (``block_key``) are installed alone. A runtime
 # installs block by block (``install_refresh``), at the boundaries its schedule picks.
 
 
