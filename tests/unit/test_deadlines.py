@@ -13,6 +13,7 @@ thread ran the whole queue: a 0.5 s barrier took 5 s and never timed out. A futu
 
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -31,14 +32,20 @@ FILLER_DIM = 400  # an eigh of this size: ~0.05 s on the project's CPU, one thre
 SLACK_S = 0.35  # scheduling, the step's own work and one job past a misjudged fit
 
 
-def _fill(pool, n: int) -> tuple[list, float]:
+def _fill(pool, n: int, at_least_s: float = 0.0) -> tuple[list, float]:
     """``n`` slow jobs queued ahead of every refresh (deadline -1) on ``pool`` (a runtime's
-    ``asteria._C`` pool or an ``asteria.lowlevel.WorkerPool``), and one's duration."""
+    ``asteria._C`` pool or an ``asteria.lowlevel.WorkerPool``), more if ``n`` of them would take
+    less than ``at_least_s`` on one thread (a fast CPU drains 60 of them, with the pool's worker
+    and the helping training thread, before three barriers ran out), and one's duration."""
     a = torch.randn(FILLER_DIM, FILLER_DIM, generator=torch.Generator().manual_seed(0))
     factor = a @ a.T
-    t0 = time.perf_counter()
-    ll.eigh_descending(factor)
-    one = time.perf_counter() - t0
+    times = []
+    for _ in range(2):  # the first call pays LAPACK's warm-up
+        t0 = time.perf_counter()
+        ll.eigh_descending(factor)
+        times.append(time.perf_counter() - t0)
+    one = max(times)  # the bound on one job past a misjudged fit
+    n = max(n, math.ceil(at_least_s / min(times)))
     if isinstance(pool, ll.WorkerPool):
         return [pool.submit_eigh(f"filler{i}", factor, deadline=-1) for i in range(n)], one
     return [pool.submit_eigh(f"filler{i}", 0, -1, factor) for i in range(n)], one
@@ -71,7 +78,8 @@ def test_a_barrier_behind_slow_jobs_times_out_at_its_deadline(name, timeout_s, j
             opt.step()
         # helping: the refreshes queue behind more work than a barrier waits for; else every
         # refresh takes longer than that, and nothing is queued to help with
-        one = _fill(rt.pool, jobs)[1] if helping else 0.0
+        # (queued work for twice the three barriers, whatever the CPU's speed)
+        one = _fill(rt.pool, jobs, 6 * timeout_s)[1] if helping else 0.0
         timed_out = 0
         with slow_pool(0.0 if helping else 10 * timeout_s):
             for _ in range(3):
@@ -100,7 +108,8 @@ def test_the_issues_barrier_behind_sixty_jobs():
     with Runtime(None, opt, config) as rt:
         p.grad = torch.randn(32, 32)
         opt.step()
-        one = _fill(rt.pool, 60)[1]  # queued ahead of every refresh requested from now on
+        # queued ahead of every refresh requested from now on: 60, or more on a fast CPU
+        one = _fill(rt.pool, 60, 2 * 3 * 0.5 * 2)[1]
         raised = None
         for _ in range(3):
             p.grad = torch.randn(32, 32)
