@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asteria.optim.base import local_tensor
+from asteria.optim.tensors import local_tensor
 
 __all__ = ["load", "parts", "save"]
 

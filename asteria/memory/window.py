@@ -86,7 +86,6 @@ class BasesWindow:
         self._retired: list[tuple[Any, tuple]] = []
         self._clock = itertools.count(1)
         self.fills = self.hits = self.prefetches = self.prefetch_hits = self.part_hits = 0
-        self.spares = 0
         self.together = 0  # reads handed out together with the ones before (Note [Reads together])
         self.resize(slot_bytes)
 
@@ -180,25 +179,15 @@ class BasesWindow:
                 return views
         return None
 
-    def spare(self, srcs: Tensors) -> list[torch.Tensor | None]:
-        """Device copies of ``srcs`` in a buffer of their own, allocated now and freed with the
-        copies (one copy, one event): a read that the ring cannot hold together (Note [Reads
-        together]); the ring's slots are left as they are."""
-        self.finish()
-        buffer = self.copies.alloc(self.bytes_of(srcs))
-        views = _pack(buffer, srcs)
-        pairs = [(v, q) for v, q in zip(views, srcs) if q is not None]
-        # the buffer is the main stream's: the copy waits for its kernels issued so far
-        ready = self.copies.record()
-        event = self.copies.copy([v for v, _ in pairs], [q for _, q in pairs], [ready])
-        self._retired.append((event, tuple(srcs)))  # the host sources outlive the copy
-        self.copies.wait(event)
-        self.spares += 1
-        return views
-
     def holds(self, key: Hashable, srcs: Tensors) -> bool:
         """Whether a slot holds exactly ``srcs`` as ``key``'s (``use`` then hands it out)."""
         return self._holding(key, srcs) is not None
+
+    def last_used(self, key: Hashable, srcs: Tensors) -> int:
+        """When the slot that holds exactly ``srcs`` as ``key``'s was last handed out (a clock,
+        larger is later), 0 where none holds them."""
+        slot = self._holding(key, srcs)
+        return 0 if slot is None else slot.used
 
     def finish(self) -> None:
         """The blocks handed out since the last ``finish`` are no longer read by kernels issued
@@ -237,7 +226,6 @@ class BasesWindow:
             "prefetches": self.prefetches,
             "prefetch_hits": self.prefetch_hits,
             "part_hits": self.part_hits,
-            "spares": self.spares,
             "together": self.together,
         }
 

@@ -1,9 +1,12 @@
-"""Checks of the optimizers' inputs: hyperparameter ranges and finite gradients.
+"""Checks of the optimizers' inputs: hyperparameter ranges, parameters and finite gradients.
 
 Owns: ``check_range`` and its pair/optional variants (a ``ValueError`` that names the argument and
-the allowed range), and ``gradient_verdicts`` (Notes [Non-finite gradients] and [Overflowing
-gradients] in base.py: which gradients of a step have NaN or Inf values or would overflow the
-optimizer's statistics, one fused reduction per gradient, agreed over a DTensor's mesh).
+the allowed range), ``gradient_verdicts`` (Notes [Non-finite gradients] and [Overflowing
+gradients] in overflow.py: which gradients of a step have NaN or Inf values or would overflow the
+optimizer's statistics, one fused reduction per gradient, agreed over a DTensor's mesh), the
+parameters as torch.optim takes them (``param_list``, ``drop_duplicates``: Note [torch.optim
+conventions]) and a group's options as a step compares them (``options_of``: Note [Refused
+steps] in base.py).
 
 Must not: change anything it checks.
 """
@@ -15,6 +18,8 @@ from typing import Any
 
 import torch
 
+from asteria import _compat
+
 __all__ = [
     "NONFINITE",
     "OVERFLOW",
@@ -22,8 +27,11 @@ __all__ = [
     "check_lr",
     "check_range",
     "check_shampoo_beta",
+    "drop_duplicates",
     "finite_flags",
     "gradient_verdicts",
+    "options_of",
+    "param_list",
 ]
 
 
@@ -172,3 +180,100 @@ def _sharded_verdicts(
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         for i, v in zip(members, flags.tolist()):
             verdicts[i] = NONFINITE if v == 2.0 else OVERFLOW if v == 1.0 else None
+
+
+# Note [torch.optim conventions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# SOAP, KL-Shampoo and Shampoo keep every generic convention of ``torch.optim.Optimizer`` that
+# torch's own optimizer tests check (test/test_optim.py, TestOptimRenewed), and the project's
+# conformance suite checks the same on an ``OptimizerInfo`` per optimizer
+# (tests/unit/test_torch_conformance.py), natively and with a runtime attached:
+#   * params: tensors, parameter groups, or ``(name, tensor)`` pairs (``named_parameters()``),
+#     whose names go to the group's ``param_names`` and so into the ``state_dict``; what is not
+#     an ordered iterable of those is a ``TypeError`` in torch's words (a single tensor
+#     included), duplicates warn (and are kept once: Note [Duplicate
+#     parameters]) and a parameter in two groups is a ``ValueError``, as in torch;
+#     an empty list is one empty group that steps as a no-op (torch raises).
+#   * ``lr`` may be a 1-element floating-point tensor (checked before the parameters, as torch
+#     does, "Tensor lr must be 1-element"); schedulers fill it in place.
+#   * ``state_dict``: pre-hooks, then the dict, then post-hooks, whose result is what is
+#     returned; entries of ``state`` that are not a parameter's (a hook's) are kept as they
+#     are. ``load_state_dict``: pre-hooks on a shallow copy of what is given (a result
+#     replaces it), the groups (saved options; live ``param_names`` where the saved have none)
+#     and the state restored, then post-hooks. Saving is deterministic, loads into equal but
+#     not identical parameters, and survives ``torch.save`` / ``torch.load(weights_only=True)``.
+#   * ``copy.deepcopy`` and pickling keep every attribute but the hooks (as torch), the
+#     refresher (a copy steps natively; a runtime's refreshes in flight go along as a loaded
+#     checkpoint's would) and the layout cache (keyed by parameter identity, rebuilt).
+#   * Step pre/post hooks, global and per optimizer, run in torch's order (torch's own wrapper of
+#     ``step``).
+# Not offered: foreach, fused, capturable and differentiable (implementation flags of torch's
+# element-wise optimizers; a constructor given one raises TypeError), maximize, complex and
+# sparse parameters or gradients (a RuntimeError that names them).
+
+
+def param_list(name: str, params: Any) -> list:
+    """``params`` as a list; an empty one becomes one empty group (an optimizer with nothing to
+    do steps as a no-op, where ``torch.optim`` raises). What is not an ordered iterable is a
+    ``TypeError`` in torch's words (Note [torch.optim conventions])."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)} ({name}: a single tensor goes in a list)"
+        )
+    _compat.check_params_not_a_set(name, params)  # torch 2.15 warns: Note [Per-release differences]
+    try:
+        params = list(params)
+    except TypeError:
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {type(params).__name__} ({name})"
+        ) from None
+    return params if params else [{"params": []}]
+
+
+def options_of(group: dict[str, Any]) -> tuple:
+    """A group's options as ``_check_before_step`` compares them (a tensor by identity: a
+    scheduler fills a tensor ``lr`` in place, and reading it would wait for its device)."""
+    return tuple(
+        (k, id(v) if isinstance(v, torch.Tensor) else v)
+        for k, v in group.items()
+        if k not in ("params", "param_names")
+    )
+
+
+# Note [Refused steps]
+# ~~~~~~~~~~~~~~~~~~~~
+# A ``step()`` either runs to its end or raises before it changes anything (parameters,
+# ``opt.state``, a runtime's versions and refreshes in flight), for every input a caller can
+# hand it: a sparse or complex gradient (``_check_grad_kind``, in the first pass over the
+# parameters), a group option edited after construction to a value the constructor refuses
+# (``param_groups[0]["lr"] = -1``, ``"x"``, NaN, ``betas`` out of range, a frequency of 0 or 1.5,
+# a ``refresh_dtype`` of float16: each ran, silently wrong, or failed midway with a parameter
+# updated), and a parameter whose shape, dtype or blocking options no longer fit its state
+# (``p.data = torch.randn(5, 3)`` over a (4, 3) state, ``max_preconditioner_dim`` edited after
+# the first step: failed midway). ``_check_before_step`` checks them all first, with the
+# constructor's own checks, once per change of a group's options (a dict compare per group and
+# step otherwise). A non-finite gradient is not refused: its parameter skips the step (Note
+# [Non-finite gradients]). tests/unit/test_refusals.py draws the bad inputs with hypothesis and
+# compares a deep snapshot of everything observable before and after the refused step.
+
+
+def drop_duplicates(group: dict[str, Any]) -> None:
+    """A parameter listed twice in ``group`` kept once, at its first place (and its name).
+
+    Note [Duplicate parameters]: ``torch.optim`` warns of a parameter group with duplicate
+    parameters and carries on, stepping the parameter once per listing on one state. For a
+    Kronecker-factored optimizer that would add its statistics twice a step, and under a
+    runtime give one block two keys (the registry's bookkeeping of one block, twice: an
+    internal AssertionError). So, after torch's warning, the group keeps the first listing only:
+    the parameter trains as if listed once, natively and under a runtime alike
+    (tests/unit/test_layouts.py). ``state_dict`` then has one entry per distinct parameter."""
+    params = group["params"]
+    seen: set[int] = set()
+    keep = [i for i, p in enumerate(params) if not (id(p) in seen or seen.add(id(p)))]
+    if len(keep) == len(params):
+        return
+    group["params"] = [params[i] for i in keep]
+    if "param_names" in group:
+        group["param_names"] = [group["param_names"][i] for i in keep]

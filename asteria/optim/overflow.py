@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from asteria.optim.checks import OVERFLOW
-from asteria.optim.tensors import _ALIGNMENT, _is_placeholder, local_tensor, state_dtype
+from asteria.optim.checks import OVERFLOW, gradient_verdicts
+from asteria.optim.tensors import _is_placeholder, state_dtype
 
 #: Statistics are kept this far below the dtype's largest value: their EMAs and sums add two
 #: terms that are each below it (Note [Overflowing gradients]).
@@ -93,22 +93,45 @@ class GradientChecks:
             stacklevel=4,
         )
 
-    def _gradient_limit(self, p: torch.Tensor, group: dict[str, Any]) -> float:
-        """The largest gradient 2-norm whose update keeps every statistic of ``p`` finite
-        (Note [Overflowing gradients]): averages (EMAs) stay finite while each new term does,
-        and a term is at most ``gain * ||g||^2``; statistics that are sums need room for it."""
-        key = (p.dtype, p.shape, self._gain_options(group))
-        cached = self._summed_bounds.get(("limit", id(p)))
-        if cached is None or cached[0] != key:  # computed once per parameter and options
-            big = _float_max(state_dtype(p)) / _OVERFLOW_MARGIN
-            cached = (key, big, self._statistics_gain(p, group))
-            self._summed_bounds[("limit", id(p))] = cached
-        _, big, gain = cached
-        if self._sums_statistics(group):
-            summed = self._summed_bound(p, group)
-            if math.isfinite(summed):  # (a loaded non-finite sum fails its refreshes instead)
-                big -= summed
-        return math.sqrt(max(big, 0.0) / gain)
+    def _gradient_verdicts(self, todo: list[tuple]) -> tuple[list[str | None], list[float]]:
+        """``checks.gradient_verdicts`` of a step's gradients (``todo``: ``(pid, group, p)``)
+        against their limits (``_gradient_limit``, cached per parameter), and what the updated
+        ones add to their summed statistics' bounds; one frame for every parameter."""
+        bounds = self._summed_bounds
+        per_group: dict[int, tuple] = {}
+        limits, sums = [], []
+        for _, group, p in todo:
+            kept = per_group.get(id(group))
+            if kept is None:
+                kept = (self._gain_options(group), self._sums_statistics(group))
+                per_group[id(group)] = kept
+            cached = bounds.get(("limit", id(p)))
+            if cached is None or cached[0] != (p.dtype, p.shape, kept[0]):
+                cached = self._limit_of(p, group, (p.dtype, p.shape, kept[0]))
+            big, gain = cached[1], cached[2]
+            if kept[1]:
+                summed = bounds.get(id(p))
+                if summed is None:
+                    summed = self._summed_bound(p, group)
+                if math.isfinite(summed):  # (a loaded non-finite sum fails its refreshes)
+                    big -= summed
+                sums.append(p)
+            limits.append(math.sqrt(max(big, 0.0) / gain))
+        verdicts, norms = gradient_verdicts([p.grad for _, _, p in todo], limits)
+        if sums:  # a step of p with a gradient of 2-norm n adds at most gain * n^2 to each sum
+            for (_, _, p), verdict, norm in zip(todo, verdicts, norms):
+                if verdict is None and id(p) in bounds:
+                    bounds[id(p)] += bounds[("limit", id(p))][2] * norm * norm
+        return verdicts, norms
+
+    def _limit_of(self, p: torch.Tensor, group: dict[str, Any], key: tuple) -> tuple:
+        cached = (
+            key,
+            _float_max(state_dtype(p)) / _OVERFLOW_MARGIN,
+            self._statistics_gain(p, group),
+        )
+        self._summed_bounds[("limit", id(p))] = cached
+        return cached
 
     def _gain_options(self, group: dict[str, Any]) -> Any:
         """The group options ``_statistics_gain`` depends on (with the parameter's shape)."""
@@ -136,28 +159,3 @@ class GradientChecks:
             bound = 0.0 if fresh else self._largest_summed(p, state, group)
             self._summed_bounds[id(p)] = bound
         return bound
-
-    def _statistics_added(self, p: torch.Tensor, group: dict[str, Any], norm: float) -> None:
-        """A step of ``p`` with a gradient of 2-norm ``norm`` adds at most ``gain * norm^2`` to
-        each entry of its summed statistics."""
-        if self.skip_nonfinite_grads and self._sums_statistics(group):
-            bound = self._summed_bound(p, group)
-            cached = self._summed_bounds.get(("limit", id(p)))
-            gain = cached[2] if cached is not None else self._statistics_gain(p, group)
-            self._summed_bounds[id(p)] = bound + gain * norm * norm
-
-    def _checked_grad(self, p: torch.Tensor) -> torch.Tensor:
-        sharded = hasattr(p.grad, "to_local")
-        grad = local_tensor(p.grad)
-        self._check_grad_kind(grad)
-        dtype = state_dtype(p)
-        if grad.dtype != dtype or not grad.is_contiguous():
-            # (``Tensor.to`` returns a non-contiguous gradient itself when the dtype matches;
-            # its products would then be computed in another order than its copy's)
-            grad = torch.empty(grad.shape, dtype=dtype, device=grad.device).copy_(grad)
-        elif sharded and grad.data_ptr() % _ALIGNMENT:
-            # FSDP2's gradient shards are views at arbitrary offsets of its reduce buffer, and
-            # vectorized kernels may round differently on unaligned data: an aligned copy keeps
-            # the arithmetic that of a freshly allocated gradient (Note [Local shards]).
-            grad = grad.clone()
-        return grad

@@ -57,34 +57,20 @@ Must not: know about runtimes, pools or memory tiers.
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from asteria.optim.base import (
-    BlockEnd,
-    KroneckerOptimizer,
-    ParamsT,
-    RefreshJob,
-    RootRefresh,
-    Update,
-    block_views,
-    check_betas,
-    check_range,
-    state_dtype,
-)
+from asteria.optim.base import KroneckerOptimizer, ParamsT
 from asteria.optim.blocking import ParamLayout, make_layout
-from asteria.optim.kron import gram, mode_products
-from asteria.optim.shampoo_step import update_group
+from asteria.optim.checks import check_betas, check_range
+from asteria.optim.kernels import shampoo as kernel
+from asteria.optim.refresher import RefreshJob, RootRefresh
+from asteria.optim.tensors import state_dtype
 
 __all__ = ["Shampoo", "GRAFTINGS", "merge_small_dims_reversed"]
 
 GRAFTINGS = ("adam", "rmsprop", "adagrad", "sgd", "none")
-
-#: Meta adds this to the Shampoo direction's norm before the grafting ratio.
-GRAFTING_NORM_EPSILON = 1e-16
-
 
 # Note [Young factors] in asteria/runtime/schedule.py: a root that misses this share of its
 # factor's statistics or more is refreshed at its step (measured on nano, seeds 1-8: 1/4, the
@@ -97,17 +83,6 @@ def due_step(step: int, group: dict[str, Any]) -> int:
     """The refresh due at or after ``step``: the next multiple of the group's frequency."""
     f = group["precondition_frequency"]
     return -(-step // f) * f
-
-
-class _Urgency(NamedTuple):
-    """A parameter's urgency as ``_keep_urgency`` kept it."""
-
-    first: weakref.ref  # the parameter's first factor (a loaded state's are other tensors)
-    due_at: int | None  # the due step it was judged at; None while a root is missing
-    freq: int | None  # the group's frequency it was judged at
-    betas: tuple | None  # the group's betas it was judged at
-    urgent: bool
-    missing: tuple[int, int] | None  # (block, dim) of a missing root
 
 
 def new_mass_share(step: int, group: dict[str, Any]) -> float:
@@ -158,10 +133,10 @@ class Shampoo(KroneckerOptimizer):
         refresh_dtype: precision of the root computation.
     """
 
+    kernel = kernel
+    phases = ("statistics", "plan", "update")  # the roots of step t precondition step t
     bases_field = "roots"
-    reads_bases_through_refresher = True
     install_reads_bases = False
-    refresh_precedes_update = True
 
     def __init__(
         self,
@@ -200,8 +175,6 @@ class Shampoo(KroneckerOptimizer):
             refresh_dtype=refresh_dtype,
         )
         super().__init__(params, defaults)
-        #: id of a parameter's blocks -> its urgency, kept (``_keep_urgency``)
-        self._urgency: dict[int, _Urgency] = {}
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -245,19 +218,13 @@ class Shampoo(KroneckerOptimizer):
             view = tuple(d for d in shape if d != 1) or (1,)
         return make_layout(view, max_dim, squeeze=False, factor_1d=True)
 
-    @staticmethod
-    def _start(group: dict[str, Any]) -> int:
-        start = group["start_preconditioning_step"]
-        return group["precondition_frequency"] if start is None or start == -1 else start
-
-    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
+    def refresh_due(self, step: int, group: dict[str, Any]) -> bool:
         """Meta's ``perform_amortized_computation``: at the start, and at every multiple of the
         frequency after it."""
-        if "blocks" not in state:
-            return False
-        t = state["step"] + (1 if next_step else 0)
-        start = self._start(group)
-        return t > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))
+        start = kernel.start_step(group)
+        return step > 0 and (
+            step == start or (step > start and step % group["precondition_frequency"] == 0)
+        )
 
     # -- the algorithm ------------------------------------------------------------------------
 
@@ -278,7 +245,7 @@ class Shampoo(KroneckerOptimizer):
                 }
                 for spec in layout.blocks
             ]
-        self._update_param(pid, p, grad, group, state, layout)
+        return True  # the first step updates the parameter too
 
     def _state_template(self, p, group, layout) -> dict[str, Any]:
         dtype, device = state_dtype(p), p.device
@@ -296,110 +263,6 @@ class Shampoo(KroneckerOptimizer):
                 for spec in layout.blocks
             ]
         return state
-
-    def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
-        """The group's parameters at once (shampoo_step.py, Note [Batched steps] in
-        batched.py): the ops of ``_update_param``, each over many blocks. With momentum or a
-        tensor ``lr`` (step sizes that are tensors) each parameter runs ``_update_param``."""
-        if group["momentum"] > 0 or isinstance(group["lr"], torch.Tensor):
-            super()._update_params(group, updates)
-            return
-        update_group(self, group, updates)
-
-    def _update_param(self, pid, p, grad, group, state, layout) -> None:
-        beta1 = group["betas"][0]
-        lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
-        state["step"] += 1
-        t = state["step"]
-        exp_avg = state["exp_avg"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        bias_correction1 = 1 - beta1**t if group["use_bias_correction"] else 1.0
-        denom = self._grafting_denominator(state, grad, group, t)
-
-        blocks = state.get("blocks")
-        if blocks is not None:
-            due = self._due_now_or_ahead(state, group, blocks, t)
-            stats = self._update_factors
-            self._end_blocks(
-                group,
-                (
-                    BlockEnd((pid, bi), b, t, due, stats, (b, g, group, t))
-                    for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout)))
-                ),
-            )
-        preconditioning = blocks is not None and t >= self._start(group)
-
-        if not preconditioning and group["momentum"] == 0:
-            # The grafting method alone, in torch.optim.AdamW's exact operation order (Meta's
-            # W - lr (P + wd W) in exact arithmetic).
-            p.mul_(1 - lr * wd)
-            if denom is None:
-                p.add_(exp_avg, alpha=-lr / bias_correction1)
-            else:
-                p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-            return
-
-        m_hat = exp_avg / bias_correction1
-        graft = m_hat if denom is None else m_hat / denom
-        if preconditioning:
-            direction = torch.empty_like(m_hat)
-            for bi, (b, m_b, g_b, out) in enumerate(
-                zip(
-                    blocks,
-                    block_views(m_hat, layout),
-                    block_views(graft, layout),
-                    block_views(direction, layout),
-                )
-            ):
-                roots = self._refresher.bases((pid, bi), b)  # b["roots"], or device copies
-                if all(r is None for r in roots):
-                    out.copy_(g_b)  # no roots yet: the grafting direction, as before the start
-                    continue
-                pre = mode_products(m_b, roots, transpose=False)
-                if grafting != "none":
-                    norm = torch.linalg.vector_norm(pre) + GRAFTING_NORM_EPSILON
-                    pre = pre * (torch.linalg.vector_norm(g_b) / norm)
-                out.copy_(pre)
-        else:
-            direction = graft
-        if group["momentum"] > 0:
-            if wd > 0:
-                direction = direction + wd * p  # Meta: the decay goes through the momentum
-            buf = state["momentum_buffer"]
-            buf.mul_(group["momentum"]).add_(direction)
-            p.add_(buf, alpha=-lr)
-            return
-        p.mul_(1 - lr * wd)
-        p.add_(direction, alpha=-lr)
-
-    @staticmethod
-    def _grafting_denominator(state, grad, group, t: int) -> torch.Tensor | None:
-        grafting = group["grafting"]
-        if grafting in ("sgd", "none"):
-            return None
-        v = state["exp_avg_sq"]
-        eps = group["grafting_epsilon"]
-        if grafting == "adagrad":
-            v.addcmul_(grad, grad, value=1.0)
-            return v.sqrt().add_(eps)
-        b2 = group["grafting_beta2"]
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        if grafting == "rmsprop":
-            return v.sqrt().add_(eps)
-        return (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)
-
-    @staticmethod
-    def _update_factors(
-        block: dict[str, Any], g: torch.Tensor, group: dict[str, Any], t: int
-    ) -> None:
-        """Step ``t``'s factor update. With ``b2 < 1`` and ``use_bias_correction`` the factors
-        are kept divided by ``c_t = 1 - b2^t`` (what Meta divides them by before each root):
-        ``L_t / c_t = (b2 c_{t-1}) / c_t * L_{t-1} / c_{t-1} + (1 - b2) / c_t * G G^T``."""
-        scale, weight = factor_scales(group, t)
-        for i, f in enumerate(block["factors"]):
-            if scale != 1.0:
-                f.mul_(scale)
-            f.add_(gram(g, i), alpha=weight)
 
     # Note [Damping stale roots]: a root of L_s used at a later step t amplifies the directions
     # of the gradients since s that L_s lacks by up to epsilon^{-1/(2k)} (1e3 for a matrix at
@@ -428,52 +291,6 @@ class Shampoo(KroneckerOptimizer):
     # tiny +1.2% -> +0.2%, nano +0.3% -> +0.0%.
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
-
-    def _due_now_or_ahead(
-        self, state: dict[str, Any], group: dict[str, Any], blocks: list[dict], t: int
-    ) -> bool:
-        """Whether a parameter's blocks request a refresh at step ``t``: a runtime may request
-        the refresh of step t + lead now (Note [Refresh lead]), and the first roots, or those
-        of rank-deficient factors, of step t itself (Notes [First roots] and [Rank-deficient
-        factors] in asteria/runtime/schedule.py)."""
-        r = self._refresher
-        if r.first_lead == r.lead:  # native mode, or no waits: urgency cannot change the lead
-            return self._refresh_due(state, group, next_step=r.lead > 0)
-        kept = self._urgency.get(id(blocks))  # inline: read per parameter and step
-        if kept is None or kept.first() is not blocks[0]["factors"][0]:
-            kept = self._keep_urgency(group, blocks, t)
-        elif kept.missing is None:  # every root exists: the answer of the due step and betas
-            f = group["precondition_frequency"]  # due_step(t) is due_at, inline (no call)
-            if not (kept.freq == f and kept.due_at - f < t <= kept.due_at) or (
-                kept.betas != group["betas"]
-            ):
-                kept = self._keep_urgency(group, blocks, t)
-        elif blocks[kept.missing[0]]["roots"][kept.missing[1]] is not None:  # it arrived
-            kept = self._keep_urgency(group, blocks, t)
-        lead = r.first_lead if kept.urgent else r.lead
-        return self._refresh_due(state, group, next_step=lead > 0)
-
-    def _keep_urgency(self, group: dict[str, Any], blocks: list[dict], t: int) -> _Urgency:
-        """Whether a block of a parameter has no roots yet or is ``refresh_urgent`` at ``t``,
-        kept (``_due_now_or_ahead`` reads it back): asked per block at every step, it was host
-        work per block and step (issue 37). Without some root the parameter is urgent until
-        that root arrives; with every root, the answer holds over the interval
-        (``refresh_urgent``) at the group's betas. The entry is the parameter's first factor's
-        (a loaded state's blocks are other tensors) and holds no tensor alive (``_Urgency``)."""
-        first = weakref.ref(blocks[0]["factors"][0])
-        if len(self._urgency) > 64 + 4 * len(self.state):  # entries of states loaded over
-            self._urgency.clear()
-        for bi, b in enumerate(blocks):
-            for ri, root in enumerate(b["roots"]):
-                if root is None:  # the first roots (Note [First roots] in schedule.py)
-                    kept = _Urgency(first, None, None, None, True, (bi, ri))
-                    self._urgency[id(blocks)] = kept
-                    return kept
-        urgent = any(self.refresh_urgent(b, t, group) for b in blocks)
-        f = group["precondition_frequency"]
-        kept = _Urgency(first, due_step(t, group), f, group["betas"], urgent, None)
-        self._urgency[id(blocks)] = kept
-        return kept
 
     def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
         """While a late root of ``block`` costs the most, judged at the refresh due at or after
@@ -510,18 +327,6 @@ class Shampoo(KroneckerOptimizer):
         block["roots"] = [
             r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
         ]
-
-
-def factor_scales(group: dict[str, Any], t: int) -> tuple[float, float]:
-    """Step ``t``'s ``(scale, weight)`` of the factor update ``L <- scale L + weight G G^T``
-    (``Shampoo._update_factors``)."""
-    beta2 = group["betas"][1]
-    if beta2 == 1.0:
-        return 1.0, 1.0
-    if group["use_bias_correction"]:
-        c_prev, c = 1 - beta2 ** (t - 1), 1 - beta2**t
-        return beta2 * c_prev / c, (1 - beta2) / c
-    return beta2, 1 - beta2
 
 
 def merge_small_dims_reversed(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from asteria.optim.tensors import local_tensor
+
 __all__ = [
     "check_nested",
     "check_tensor",
@@ -24,6 +26,7 @@ __all__ = [
     "group_from_portable",
     "portable_group",
     "refuse_sharded_state_dict_api",
+    "state_init_probe",
 ]
 
 
@@ -224,3 +227,27 @@ def refuse_sharded_state_dict_api(opt: torch.optim.Optimizer, caller: Any) -> No
                     "carry it. Save and load the model and optimizer with asteria.checkpoint "
                     "(docs/runtime.md, Checkpoints)"
                 )
+
+
+def state_init_probe(groups: list[dict[str, Any]], todo: list[tuple]) -> bool:
+    """Whether this first step is ``torch.distributed.checkpoint.state_dict``'s probe, which
+    makes placeholders instead of a step.
+
+    Note [State-initialisation probe]: ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+    (and the trainers built on them: torchtitan, OLMo-core) make an optimizer with no state create
+    it, by calling ``step()`` with every gradient zero and every ``lr`` 0, and then rely on its
+    structure: DCP loads a checkpoint into the tensors of that state (in place: their shapes,
+    dtypes and layouts), and a flattened state is unflattened by the keys of the live state. For
+    Adam the step is harmless; for SOAP and KL-Shampoo the first step initialises the eigenbases
+    from the first gradient (the authors' rule), so zeros would leave bases of zero statistics and
+    shift every later step by one. A first step (no state yet) whose gradients are all exactly
+    zero with every ``lr`` 0 (a real first step never has both) therefore makes *placeholders*:
+    each parameter's state as ``_state_template`` describes it, in zeros, with ``"step"`` set to
+    ``PLACEHOLDER_STEP``. A placeholder counts as no state: the next real step initialises the
+    parameter as a first step does, ``blocks()`` and ``is_refresh_step()`` pass over it, and
+    loading a checkpoint replaces it. A checkpoint taken before the first step holds placeholders,
+    which load back as placeholders.
+    """
+    if any(float(g["lr"]) != 0.0 for g in groups):
+        return False
+    return all(not bool(local_tensor(p.grad).any()) for _, _, p in todo)

@@ -3,8 +3,8 @@
 
 Owns: ``StateIO``, the part of ``KroneckerOptimizer`` (base.py) that saves, checks and loads its
 state (the flat form is state_format.py's), and what a copy or a pickle keeps.
-Must not: step, or reach into a runtime beyond its ``Refresher`` methods (``state_dict``,
-``check_state_dict``, ``load_state_dict``, ``state_replaced``).
+Must not: step, or reach into a refresher beyond its ``Refresher`` methods (``state_dict``,
+``check_state_dict``, ``load_state_dict``, ``state_replaced``, ``sync``).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ RUNTIME_STATE_KEY = "asteria_runtime"
 _NOT_COPIED = frozenset(
     {
         "_refresher",
+        "_native",
         "_layouts",
         "_summed_bounds",
         "_checked_options",
@@ -98,7 +99,7 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
+def blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
     """``KroneckerOptimizer.blocks`` of ``groups`` and ``states`` (the live ones, or those a
     load is about to install): ``(key, parameter, block state, group)``; the block's step is
     its parameter state's ``"step"``."""
@@ -113,11 +114,9 @@ def _blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
 
 
 def _refresher_state(refresher: Any) -> dict[str, Any] | None:
-    """The refresher's refreshes in flight, or None when it has none (or is native)."""
-    if isinstance(refresher, NativeRefresher):
-        return None
+    """The refresher's refreshes in flight, or None when it has none."""
     state = refresher.state_dict()
-    return state if state.get("pending") else None
+    return state if state and state.get("pending") else None
 
 
 class StateIO:
@@ -134,8 +133,9 @@ class StateIO:
         refresher (a copy steps natively) and the layouts (cached by parameter identity)."""
         self._refresher.sync()
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
-        if not isinstance(self._refresher, NativeRefresher):
-            state["_resumed_refreshes"] = _refresher_state(self._refresher)
+        in_flight = _refresher_state(self._refresher)
+        if in_flight is not None:
+            state["_resumed_refreshes"] = in_flight
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -149,7 +149,8 @@ class StateIO:
         self._layouts = {}
         self._summed_bounds = {}
         self._checked_options, self._state_keys = {}, {}  # by identity: made again
-        self._refresher = NativeRefresher(self)
+        self._native = NativeRefresher(self)
+        self._refresher = self._native
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim``'s ``state_dict``, after any deferred statistics update has run, in the
@@ -218,12 +219,7 @@ class StateIO:
         # Note [Transactional loads]: everything is checked before anything changes
         groups, state = self._loaded_state(state_dict)
         in_flight = state_dict.get(RUNTIME_STATE_KEY)
-        native = isinstance(self._refresher, NativeRefresher)
-        if not native:
-            self._check_layouts_kept(groups)
-            if in_flight is not None:  # checked against the state about to be loaded
-                blocks = {k: (b, state[p]["step"]) for k, p, b, _ in _blocks_of(groups, state)}
-                self._refresher.check_state_dict(in_flight, blocks)
+        self._refresher.check_state_dict(in_flight, groups, state)  # against what is loaded
         self.param_groups, self.state = groups, state
         self._layouts.clear()  # layouts under the saved options were cached on the way
         self._state_keys.clear()  # the loaded state was checked against the parameters
@@ -236,11 +232,8 @@ class StateIO:
         # what was in flight for the state just replaced no longer fits it
         self._refresher.state_replaced()
         self._resumed_refreshes = None
-        if in_flight is not None:
-            if native:
-                self._resumed_refreshes = in_flight  # for the runtime attached next
-            else:
-                self._refresher.load_state_dict(in_flight)
+        if in_flight is not None:  # native mode keeps it for the runtime attached next
+            self._refresher.load_state_dict(in_flight)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -332,7 +325,7 @@ class StateIO:
                 f"strings, one per parameter, got {names!r}"
             )
 
-    def _check_layouts_kept(self, groups: list[dict[str, Any]]) -> None:
+    def check_layouts_kept(self, groups: list[dict[str, Any]]) -> None:
         """With a runtime attached, a load must keep every parameter's blocks (the runtime's
         placement, registry and bases were made for them at attach time)."""
         for live, group in zip(self.param_groups, groups):

@@ -62,7 +62,7 @@ def no_autocast() -> Iterator[None]:
 # the statistics lane, the device-stream executor) never inherit it, autocast being per thread.
 
 
-#: Bytes: gradient shards not aligned to this are copied before use (``_checked_grad``).
+#: Bytes: gradient shards not aligned to this are copied before use (``KroneckerOptimizer._step``).
 _ALIGNMENT = 64
 
 

@@ -8,8 +8,8 @@ the statistics lane runs, the pool workers' priority, the snapshot strategy (sna
 the bases strategy (bases.py), which share the device's one copy stream
 (``asteria.memory.copies``), and the parameters' names in messages; and the making of the
 runtime's parts from these choices (``build``: the registry, schedule, coherence, spill tier,
-pool and executors, statistics lane and gradient guards, bases, pacer, refreshes, block
-boundaries and module signals, returned as one ``Parts``), undone in full when an attach is
+pool and executors, statistics lane and gradient guards, bases, pacer, refreshes, plan and
+module signals, returned as one ``Parts``), undone in full when an attach is
 refused (``Parts.undo``).
 
 Note [Test overrides at build]: the test hooks of ``asteria.runtime.testing`` (a slowed pool, a
@@ -43,17 +43,18 @@ from asteria.memory.copies import Copies, copies_for
 from asteria.memory.host import StagingRing
 from asteria.memory.tiers import Arch, BlockSizes, Placement, plan
 from asteria.memory.window import WINDOW_BLOCKS, BasesWindow
-from asteria.optim.base import BlockKey, KroneckerOptimizer
+from asteria.optim.base import KroneckerOptimizer
 from asteria.optim.matrix_functions import MatrixFunctionError
+from asteria.optim.refresher import BlockKey
 from asteria.runtime import state
 from asteria.runtime.bases import BasesAccess, DeviceBases, MappedBases
-from asteria.runtime.boundary import Boundaries
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import Coherence
 from asteria.runtime.hooks import GradientGuards, ModuleSignals
 from asteria.runtime.lane import StatisticsLane
 from asteria.runtime.placement import Executors, StreamExecutor
-from asteria.runtime.refreshes import Refreshes, block_state
+from asteria.runtime.plan import Plan
+from asteria.runtime.refreshes import Refreshes
 from asteria.runtime.registry import Registry
 from asteria.runtime.schedule import InstallCosts, Pacer, Schedule
 from asteria.runtime.snapshots import LaneSnapshots, Snapshots, StagedSnapshots
@@ -245,7 +246,7 @@ def _placement(
         nvme=config.nvme_path is not None,
         placement=config.placement,
         staging_bytes=staging,
-        bases_window=optimizer.reads_bases_through_refresher,
+        bases_window=True,
         window_blocks=window_blocks(),
         bases_device_bytes=int(config.device_bases_fraction * _free_device_bytes(device, arch)),
     )
@@ -306,6 +307,7 @@ def choose_bases(
     install_flops: Callable[[BlockKey, dict | None], float],
     block_name: Callable[[BlockKey], str],
     copies: Callable[[], Copies],
+    lock: Any,
 ) -> BasesAccess:
     """The bases strategy of the placement's ``bases_access``."""
     access = placement.bases_access
@@ -335,7 +337,7 @@ def choose_bases(
             )
         window.resize(need)
 
-    return WindowBases(optimizer, window, fit)
+    return WindowBases(optimizer, window, fit, lock)
 
 
 def executors(
@@ -405,7 +407,7 @@ class Parts:
     bases: BasesAccess | None = None
     pacer: Pacer | None = None
     refreshes: Refreshes | None = None
-    boundaries: Boundaries | None = None
+    plan: Plan | None = None
     finalizer: Any = None  # weakref.finalize: stops the pool when the runtime goes uncollected
     testing: Any = None  # the test hooks where imported (Note [Test overrides at build])
 
@@ -515,10 +517,12 @@ def _make_threads(
         # lane still reads (Note [Gradient guards] in hooks.py)
         p.lane = StatisticsLane(p.block_name, c.barrier_timeout_s)
         p.grad_guards = GradientGuards(params_of(optimizer), p.lane, always=p.coherence is not None)
-    costs = InstallCosts(optimizer.install_cost, functools.partial(block_state, optimizer))
+    costs = InstallCosts(optimizer.install_cost, functools.partial(_block_state, optimizer))
     # one copy stream (least priority), made once, for the window and the staged snapshots
     copies = functools.cache(functools.partial(copy_stream, optimizer))
-    p.bases = choose_bases(optimizer, c, choices.placement, p.lane, costs, p.block_name, copies)
+    p.bases = choose_bases(
+        optimizer, c, choices.placement, p.lane, costs, p.block_name, copies, runtime._lock
+    )
     thread_cost = _free if p.bases.installs_off_thread else costs
     p.pacer = Pacer(c.pace_installs, c.staleness, p.registry.entries, thread_cost)
     p.refreshes = Refreshes(
@@ -535,7 +539,7 @@ def _make_threads(
         errors=(_C.MatrixFunctionError, MatrixFunctionError),
         timeout_error=_C.FutureTimeoutError,
     )
-    p.boundaries = Boundaries(p.schedule, p.refreshes, p.registry, p.pacer, p.bases.field)
+    p.plan = Plan(p.schedule, p.refreshes, p.registry, p.pacer)
 
 
 def connect(
@@ -606,6 +610,11 @@ def _weak_signal(runtime: Any) -> Any:
             method(param_ids, event)
 
     return signal
+
+
+def _block_state(optimizer: KroneckerOptimizer, key: BlockKey) -> dict:
+    """The state of ``optimizer``'s block ``key``."""
+    return optimizer.state[params_of(optimizer)[key[0]]]["blocks"][key[1]]
 
 
 def _free(key: BlockKey, block: dict | None = None) -> float:

@@ -2,8 +2,8 @@
 
 Owns: where a block's bases (SOAP's and KL-Shampoo's eigenbases, Shampoo's inverse roots) live
 while the runtime is attached, how an install puts new ones there, and what the optimizer reads
-(``Refresher.bases``). ``attach.choose_bases`` picks one from the tier policy's
-``bases_access``:
+(``Refresher.pieces``: the pieces a step's shape groups are read in, and their bases).
+``attach.choose_bases`` picks one from the tier policy's ``bases_access``:
 
 * ``DeviceBases`` (``direct``): in the block's own tensors, on the parameters' device, as in
   native mode. On CPU with the statistics lane, an install that computes (SOAP's rotation of
@@ -12,8 +12,8 @@ while the runtime is attached, how an install puts new ones there, and what the 
 * ``MappedBases`` (``mapped``, unified-memory GPUs): in pinned host memory, read by the device
   through mapped views (``asteria.memory.device_view``);
 * ``WindowBases`` (``window``, discrete GPUs; window_bases.py): in pinned host memory; the
-  optimizer reads device copies from a ring of buffers filled just before use, the next block's
-  copy overlapping the current block's kernels (Note [Bases window] in
+  optimizer reads device copies from a ring of buffers filled just before use, the next piece's
+  copy overlapping the current piece's kernels (Note [Bases window] in
   asteria/memory/window.py).
 
 Every strategy hands back, at ``close()``, the bases as native mode keeps them (on the
@@ -48,7 +48,9 @@ import torch
 
 from asteria.memory.host import device_view, host_copy
 from asteria.memory.window import view_like
-from asteria.optim.base import BlockKey, KroneckerOptimizer
+from asteria.optim.base import KroneckerOptimizer
+from asteria.optim.groups import BlockGroup, keys_of
+from asteria.optim.refresher import BlockKey, Piece
 from asteria.runtime.lane import StatisticsLane
 
 __all__ = ["BasesAccess", "DeviceBases", "MappedBases", "all_made", "to_device_many"]
@@ -57,8 +59,6 @@ __all__ = ["BasesAccess", "DeviceBases", "MappedBases", "all_made", "to_device_m
 class BasesAccess:
     """The interface of every strategy (see module docstring)."""
 
-    #: Whether what ``read`` returns stays valid until the step ends (``Refresher.bases_stable``).
-    stable = True
     #: Whether an install that computes runs off the training thread (it then costs the step
     #: nothing: Note [Paced installs] in schedule.py).
     installs_off_thread = False
@@ -67,36 +67,27 @@ class BasesAccess:
         self.optimizer = optimizer
         self.field = optimizer.bases_field
 
-    def read(self, key: BlockKey, block: dict) -> list:
-        """What the update that follows reads as ``block``'s bases (``Refresher.bases``)."""
-        return block[self.field]
+    def pieces(self, groups: list[BlockGroup], passes: int = 1) -> list[Piece]:
+        """``Refresher.pieces``: the step's groups as one piece, read from the blocks."""
+        return [Piece(groups, self._read)]
 
-    def settle(self, key: BlockKey) -> None:
+    def _read(self, piece: Piece) -> list:
+        field = self.field
+        return [[b[field] for b in g.blocks] for g in piece.groups]
+
+    def settle(self, key: BlockKey, block: dict) -> None:
         """Wait for ``key``'s install if one runs elsewhere (before a request reads the basis)."""
 
-    #: Bytes of bases ``read_many`` can hand out at once (``Refresher.bases_room``; None: no
-    #: limit).
-    room: int | None = None
-
-    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
-        """What the update that follows reads as each block's bases, valid together until the
-        next ``read``/``read_many`` or the step's end (``Refresher.bases_many``)."""
-        return [self.read(k, b) for k, b in zip(keys, blocks)]
-
-    def install(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        """``install_refresh`` of ``results`` into ``block``, where this strategy keeps bases."""
-        self.install_many([(key, block, results)])
-
     def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
-        """``install`` of each ``(key, block, results)``, the results moved to the device in
-        grouped copies (``to_device_many``)."""
-        moved = to_device_many([r for _, _, r in items], [b for _, b, _ in items])
-        for (key, block, _), results in zip(items, moved):
-            self._install_one(key, block, results)
+        """``install_refresh`` of each ``(key, block, results)``, the results moved to the
+        device in grouped copies (``to_device_many``), the blocks installed together
+        (``install_refresh_many``: SOAP's per shape group)."""
+        blocks = [b for _, b, _ in items]
+        moved = to_device_many([r for _, _, r in items], blocks)
+        self._install([k for k, _, _ in items], blocks, moved)
 
-    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        """``install_refresh`` of ``results`` (on the block's device already)."""
-        self.optimizer.install_refresh(block, results)
+    def _install(self, keys: list[BlockKey], blocks: list[dict], results: list) -> None:
+        self.optimizer.install_refresh_many(blocks, results)
 
     def state_replaced(self) -> None:
         """The optimizer loaded a state: its blocks' bases are new (Note [Bases made by a
@@ -135,38 +126,39 @@ class DeviceBases(BasesAccess):
         install_flops: Callable[[BlockKey, dict | None], float] | None = None,
     ) -> None:
         super().__init__(optimizer)
-        # installs go to the lane for optimizers that read their bases (and the state installs
-        # rewrite) only after ``Refresher.bases``
-        self._lane = lane if optimizer.reads_bases_through_refresher else None
+        # installs that compute go to the lane: the update reads the bases (and the state an
+        # install rewrites) only through ``Refresher.pieces``, which waits for them
+        self._lane = lane
         self._flops = install_flops
         self.installs_off_thread = self._lane is not None
         self._queued: set[BlockKey] = set()  # blocks with an install queued on the lane
 
-    def read(self, key: BlockKey, block: dict) -> list:
-        if self._queued:
-            self.settle(key)  # the update reads the bases, then m and v
-        return block[self.field]
+    def _read(self, piece: Piece) -> list:
+        queued = self._queued
+        if queued:  # the update reads the bases, then m and v: their installs first
+            for key in keys_of(piece.groups):
+                if key in queued:
+                    self.settle(key, None)
+        return super()._read(piece)
 
-    def settle(self, key: BlockKey) -> None:
+    def settle(self, key: BlockKey, block: dict | None) -> None:
         if key in self._queued:
             self._queued.discard(key)
             self._lane.wait(key)
 
-    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
-        if self._queued:
-            for key in keys:
-                self.settle(key)
-        field = self.field
-        return [b[field] for b in blocks]
-
-    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        if self._lane is not None and self._flops(key, block) > 0:
-            # an install that computes (SOAP's rotation of m) runs on the statistics lane; the
-            # block's next read of its state waits for it (``settle``)
-            self._lane.submit(key, _install_weakly, weakref.ref(self.optimizer), block, results)
-            self._queued.add(key)
+    def _install(self, keys: list[BlockKey], blocks: list[dict], results: list) -> None:
+        if self._lane is None:
+            self.optimizer.install_refresh_many(blocks, results)
             return
-        self.optimizer.install_refresh(block, results)
+        opt = weakref.ref(self.optimizer)
+        for key, block, result in zip(keys, blocks, results):
+            if self._flops(key, block) > 0:
+                # an install that computes (SOAP's rotation of m) runs on the statistics lane;
+                # the block's next read of its state waits for it (``settle``)
+                self._lane.submit(key, _install_weakly, opt, block, result)
+                self._queued.add(key)
+            else:
+                self.optimizer.install_refresh(block, result)
 
 
 def _install_weakly(opt: weakref.ref, block: dict, results: list[Any]) -> None:
@@ -184,9 +176,10 @@ class MappedBases(BasesAccess):
         self._mapped: set[int] = set()  # data_ptr of bases read through mapped views
         self._unmapped_may_exist = True  # Note [Bases made by a step]
 
-    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        super()._install_one(key, block, results)
-        self._map(block)
+    def _install(self, keys: list[BlockKey], blocks: list[dict], results: list) -> None:
+        super()._install(keys, blocks, results)
+        for block in blocks:
+            self._map(block)
 
     def step_end(self) -> None:
         if not self._unmapped_may_exist:

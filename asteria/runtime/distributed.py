@@ -58,7 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asteria.optim.base import BlockKey, KroneckerOptimizer, local_tensor
+from asteria.optim.base import KroneckerOptimizer
+from asteria.optim.refresher import BlockKey
+from asteria.optim.tensors import local_tensor
 from asteria.runtime.registry import StalenessTimeoutError
 
 __all__ = [

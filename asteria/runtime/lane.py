@@ -76,18 +76,52 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-__all__ = ["LaneWork", "StatisticsLane", "StatisticsLaneError"]
+__all__ = ["LaneWork", "StatisticsLane", "StatisticsLaneError", "halves", "run_statistics"]
 
 
 def _no_grad_call(fn: Callable[..., None], args: tuple) -> None:
     with torch.no_grad():  # grad mode is per thread
         fn(*args)
+
+
+def _nothing() -> None:
+    """The statistics of a block whose group's first block updated them all."""
+
+
+def run_statistics(keys: Sequence[Hashable], fn: Callable, args: tuple, wrap: Any) -> None:
+    """``fn(*args)``, the statistics of blocks ``keys``; under a test's wrapper
+    (``testing.wrapped_statistics``) ``wrap(keys[0], fn, *args)``, then ``wrap(key, _nothing)``
+    for each other key, as if each block updated its own. An error is raised with
+    ``failed_keys``: the keys whose statistics it leaves undone."""
+    at = 0
+    try:
+        if wrap is None:
+            fn(*args)
+            return
+        for at, key in enumerate(keys):
+            if at == 0:
+                wrap(key, fn, *args)
+            else:
+                wrap(key, _nothing)
+    except Exception as err:
+        err.failed_keys = list(keys) if wrap is None or at == 0 else [keys[at]]
+        raise
+
+
+def halves(items: list, costs: list[float]) -> tuple[list[int], list[int]]:
+    """The indices of ``items`` in two parts of about equal cost (largest first, each to the
+    cheaper part so far), each in its original order."""
+    side, load = [0] * len(items), [0.0, 0.0]
+    for i in sorted(range(len(items)), key=costs.__getitem__, reverse=True):
+        side[i] = 0 if load[0] <= load[1] else 1
+        load[side[i]] += costs[i]
+    return [i for i, s in enumerate(side) if s == 0], [i for i, s in enumerate(side) if s == 1]
 
 
 class StatisticsLaneError(RuntimeError):
@@ -139,14 +173,24 @@ class StatisticsLane:
         self._reported: set[Hashable] = set()  # blocks whose error a wait has raised
         self._name_of = name_of
         self._lock = threading.Lock()
+        self._count = 0  # submissions so far (a future's ``seq``: the lane runs in its order)
         self.submitted = 0
         self.wait_s = 0.0
 
     def submit(self, key: Hashable, fn: Callable[..., None], *args: Any) -> Future:
         """Queue ``fn(*args)`` after everything submitted before it."""
-        future = self._executor.submit(self._run, key, fn, args)
+        return self.submit_many((key,), fn, args, None)
+
+    def submit_many(
+        self, keys: Sequence[Hashable], fn: Callable[..., None], args: tuple, wrap: Any
+    ) -> Future:
+        """Queue ``run_statistics(keys, fn, args, wrap)`` after everything submitted before it;
+        ``wait(key)`` of any of ``keys`` waits for it."""
+        future = self._executor.submit(self._run, keys, fn, args, wrap)
+        self._count += 1
+        future.seq = self._count
         with self._lock:
-            self._last[key] = future
+            self._last.update(dict.fromkeys(keys, future))
         self.submitted += 1
         return future
 
@@ -176,17 +220,22 @@ class StatisticsLane:
         finally:
             self.wait_s += time.perf_counter() - t0
 
-    def _run(self, key: Hashable, fn: Callable[..., None], args: tuple) -> None:
-        """On the lane: ``fn(*args)``, unless an earlier update of ``key`` failed (then nothing
-        of ``key`` runs any more, and every wait for it raises that first error)."""
-        if key in self._errors:
-            raise self._errors[key]
+    def _run(self, keys: Sequence[Hashable], fn: Callable, args: tuple, wrap: Any) -> None:
+        """On the lane: ``run_statistics(keys, fn, args, wrap)``, unless an earlier update of
+        one of ``keys`` failed (then nothing of it runs any more, and every wait for it raises
+        that first error)."""
+        errors = self._errors
+        if errors:
+            for key in keys:
+                if key in errors:
+                    raise errors[key]
         try:
             with torch.no_grad():  # grad mode is per thread; the step's no_grad stays there
-                fn(*args)
+                run_statistics(keys, fn, args, wrap)
         except Exception as err:
             with self._lock:
-                self._errors.setdefault(key, err)
+                for key in err.failed_keys:
+                    errors.setdefault(key, err)
             raise
 
     def pending(self) -> bool:
@@ -206,6 +255,24 @@ class StatisticsLane:
             self._forget(key, future)
             raise
         self._forget(key, future)
+
+    def wait_many(self, keys: Sequence[Hashable]) -> None:
+        """``wait(key)`` of every key of ``keys``: the lane runs in submission order, so one
+        wait for the last of their work, then each failed key's error."""
+        last = self._last
+        with self._lock:
+            found = [(key, last[key]) for key in keys if key in last]
+        if not found:
+            return
+        newest = max(found, key=_seq)
+        self.wait(newest[0])
+        for key, future in found:
+            if key in self._errors:
+                self.wait(key)
+            if last.get(key) is future:
+                with self._lock:
+                    if last.get(key) is future:
+                        del last[key]
 
     def _forget(self, key: Hashable, future: Future) -> None:
         with self._lock:
@@ -275,6 +342,14 @@ class StatisticsLane:
             ) from err
         finally:
             self.wait_s += time.perf_counter() - t0
+
+
+def _seq(item: tuple) -> int:
+    return item[1].seq
+
+
+def _seq(item: tuple) -> int:
+    return item[1].seq
 
 
 # Note [Lane deadlines]

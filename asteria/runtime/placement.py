@@ -1,10 +1,9 @@
 """Where a refresh runs: the executors, and the rule that places each job on one of them.
 
-Owns: ``Executors``, what the runtime's refreshes and snapshots submit to (it has the C++ pool's
-``submit_qr_refresh`` / ``submit_inverse_root``, so a ``RefreshJob`` submits to it as to the
-pool), which places each job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh
-placement]); the moving averages of the jobs' measured durations per executor, kind and size
-(``Durations``); each executor's backlog; the room the executors have for more work (what
+Owns: ``Submission`` (a job with its name, version, deadline and inputs: what every executor
+takes), ``Executors``, what the runtime's refreshes and snapshots submit to, which places each
+job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh placement]); the moving
+averages of the jobs' measured durations per executor, kind and size (``Durations``); each executor's backlog; the room the executors have for more work (what
 continuous refresh asks, Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one
 thread running jobs with torch, in deadline order, on its own least-priority CUDA stream, or on
 the CPU (the stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
@@ -13,13 +12,12 @@ Must not: decide when a refresh is requested or installed (schedule.py), install
 a job computes (the optimizer's ``RefreshJob`` does; both executors run the same functions: the
 C++ twins on the pool, asteria.optim.matrix_functions on the stream).
 
-Note [One submission path]: a refresh's job reaches the executors once, as the optimizer made
-it: ``snapshots.pool_submit`` hands it to ``Executors.submit_job`` with its inputs (or their
-snapshots), which places it and submits it to the pool (``job.submit``: the C++ call) or the
-stream. Before, the job submitted itself to the executors as to a pool
-(``submit_qr_refresh``), which built the same job again from the arguments and submitted that:
-two more calls and a validation of the inputs per job. ``submit_qr_refresh`` and
-``submit_inverse_root`` stay for callers that hold a pool's interface only.
+Note [One submission path]: a refresh's job is made once, by the optimizer's ``refresh_jobs``,
+and reaches an executor once: the refresh's request wraps it in a ``Submission`` with its name,
+version and deadline, the snapshot strategy puts the inputs it copied in (snapshots.py), and
+``snapshots.pool_submit`` hands it to ``Executors.submit``, which places it and submits it to the
+pool (``job.submit``: the C++ call, which copies the inputs) or the stream (which copies them
+and runs ``job.compute`` on the copies). No job is made again on the way.
 
 Note [Refresh placement]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -51,7 +49,6 @@ install reads them after the thread has seen the stream finish.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import threading
@@ -62,9 +59,22 @@ from typing import Any
 
 import torch
 
-from asteria.optim.refresher import QRRefresh, RefreshJob, RootRefresh
+from asteria.optim.refresher import RefreshJob
 
-__all__ = ["Durations", "Executors", "StreamExecutor"]
+__all__ = ["Durations", "Executors", "StreamExecutor", "Submission"]
+
+
+class Submission:
+    """A refresh's job on its way to an executor: ``name`` (block and dim), ``version`` (the
+    request step), ``deadline``, and the inputs to compute from, ``factor`` and ``basis`` (the
+    job's own tensors, or their snapshot)."""
+
+    __slots__ = ("job", "name", "version", "deadline", "factor", "basis")
+
+    def __init__(self, job: RefreshJob, name: str, version: int, deadline: int) -> None:
+        self.job, self.name, self.version, self.deadline = job, name, version, deadline
+        self.factor, self.basis = job.factor, job.basis
+
 
 #: Weight of the newest measurement in the moving averages.
 EMA = 0.3
@@ -165,7 +175,7 @@ class StreamExecutor:
             # the inputs' copies: a stream of their own, so that a submission never waits
             # behind a refresh running on the first one
             self._copies = torch.cuda.Stream(device=device, priority=low)
-        self._queue: list[tuple[int, int, RefreshJob, _StreamFuture]] = []
+        self._queue: list[tuple[int, int, Submission, _StreamFuture]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -173,13 +183,15 @@ class StreamExecutor:
         self._thread = threading.Thread(target=self._run, name="asteria-device-stream", daemon=True)
         self._thread.start()
 
-    def submit(self, job: RefreshJob, deadline: int) -> _StreamFuture:
-        job = _copied(job, self.device, self._copies, self._stream)
+    def submit(self, sub: Submission) -> _StreamFuture:
+        """``sub``'s job on copies of its inputs (made now: a slot or snapshot may be reused
+        once this returns)."""
+        sub.factor, sub.basis = self._copy(sub.factor), self._copy(sub.basis)
         future = _StreamFuture(self._timeout_error)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the device stream executor is shut down")
-            heapq.heappush(self._queue, (deadline, next(self._seq), job, future))
+            heapq.heappush(self._queue, (sub.deadline, next(self._seq), sub, future))
             self.counts["submitted"] += 1
             self._cv.notify()
         return future
@@ -191,17 +203,17 @@ class StreamExecutor:
                     self._cv.wait()
                 if self._closed:
                     return
-                _, _, job, future = heapq.heappop(self._queue)
+                _, _, sub, future = heapq.heappop(self._queue)
             future.started_at = time.monotonic()
             try:
                 if self._stream is None:
-                    future._value = job.run()
+                    future._value = sub.job.compute(sub.factor, sub.basis)
                 else:
                     # the job's inputs were copied on the copies stream, not waited for at
-                    # submission (_copied): the refresh stream waits for them on the device
+                    # submission (``_copy``): the refresh stream waits for them on the device
                     self._stream.wait_stream(self._copies)
                     with torch.cuda.stream(self._stream):
-                        future._value = job.run()
+                        future._value = sub.job.compute(sub.factor, sub.basis)
                     self._stream.synchronize()
                 self.counts["completed"] += 1
             except BaseException as err:  # the caller's result() raises it
@@ -209,6 +221,31 @@ class StreamExecutor:
                 self.counts["failed"] += 1
             future.finished_at = time.monotonic()
             future._event.set()
+
+    def _copy(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A copy of ``t``: on the CPU, or on the device through the copies stream (a device
+        input after the caller's stream's writes to it, and before its later ones; the refresh
+        stream waits for the copies before the job runs, and they are marked as used by it).
+        Only a host input is waited for here, by the host."""
+        if t is None:
+            return None
+        if self.device is None:
+            return t.detach().clone()
+        copies = self._copies
+        current = torch.cuda.current_stream(t.device) if t.is_cuda else None
+        if current is not None:
+            copies.wait_stream(current)  # after the training stream's writes to it
+        with torch.cuda.stream(copies):
+            out = t.to(self.device, copy=True, non_blocking=True)
+        if current is not None:
+            # the training stream rewrites the factor in place from the next step on: its later
+            # work waits for the copy on the device, and the host goes on (a host wait here
+            # would drain the training stream at every device-placed submission)
+            current.wait_stream(copies)
+        else:
+            copies.synchronize()  # a host source may be rewritten once submit returns
+        out.record_stream(self._stream)
+        return out
 
     def backlog(self) -> int:
         with self._cv:
@@ -227,41 +264,6 @@ class StreamExecutor:
             self._cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
-
-
-def _copied(
-    job: RefreshJob, device: torch.device | None, copies: Any = None, stream: Any = None
-) -> RefreshJob:
-    """``job`` on copies of its inputs: on the CPU, or on ``device`` through the ``copies``
-    stream (a device input after the caller's stream's writes to it, and before its later ones;
-    the refresh's ``stream`` waits for the copies before the job runs, and the copies are
-    marked as used by it). Only a host input is waited for here, by the host."""
-
-    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if device is None:
-            return t.detach().clone()
-        current = torch.cuda.current_stream(t.device) if t.is_cuda else None
-        if current is not None:
-            copies.wait_stream(current)  # after the training stream's writes to it
-        with torch.cuda.stream(copies):
-            out = t.to(device, copy=True, non_blocking=True)
-        if current is not None:
-            # the training stream rewrites the factor in place from the next step on: its later
-            # work waits for the copy on the device, and the host goes on (a host wait here
-            # would drain the training stream at every device-placed submission)
-            current.wait_stream(copies)
-        else:
-            copies.synchronize()  # a host source may be rewritten once submit returns
-        out.record_stream(stream)
-        return out
-
-    if isinstance(job, QRRefresh):
-        return QRRefresh(copy(job.factor), copy(job.basis), sort=job.sort, dtype=job.dtype)
-    if isinstance(job, RootRefresh):
-        return RootRefresh(copy(job.factor), root=job.root, epsilon=job.epsilon, dtype=job.dtype)
-    raise TypeError(f"no device-stream form of {type(job).__name__}")
 
 
 class Executors:
@@ -298,35 +300,13 @@ class Executors:
         self._last_step: float | None = None
         self._reserved_s = 0.0
 
-    # -- the pool's interface (RefreshJob.submit) ----------------------------------------------
-
-    def submit_qr_refresh(
-        self, name, version, deadline, factor, basis, sort=True, dtype=torch.float32
-    ):
-        job = QRRefresh(factor, basis, sort=sort, dtype=dtype)
-        return self.submit_job(job, name, version, deadline, factor, basis)
-
-    def submit_inverse_root(
-        self, name, version, deadline, factor, root, epsilon=1e-12, dtype=torch.float32
-    ):
-        job = RootRefresh(factor, root=root, epsilon=epsilon, dtype=dtype)
-        return self.submit_job(job, name, version, deadline, factor, None)
-
-    def submit_job(
-        self,
-        job: RefreshJob,
-        name: str,
-        version: int,
-        deadline: int,
-        factor: torch.Tensor,
-        basis: torch.Tensor | None,
-    ) -> Any:
-        """The one submission path (``snapshots.pool_submit``): ``job`` on ``factor`` and
-        ``basis`` (its inputs, or their snapshots), placed and submitted as handed, not rebuilt
-        (Note [One submission path])."""
+    def submit(self, sub: Submission) -> Any:
+        """The one submission path (``snapshots.pool_submit``): ``sub`` placed and submitted,
+        its job as the optimizer made it (Note [One submission path])."""
         self._harvest()
-        kind, size = job.kind, int(factor.shape[0])
-        where = self._place(kind, size, deadline - version)
+        job = sub.job
+        kind, size = job.kind, int(sub.factor.shape[0])
+        where = self._place(kind, size, sub.deadline - sub.version)
         if where == "pool":
             # Note [Versions after a load]: the C++ pool refuses a version older than the one
             # it holds queued for the block (a caller's mistake, in general). A load into a live
@@ -334,18 +314,17 @@ class Executors:
             # earlier steps while a dropped job may still be queued: such a submission goes in
             # at the queued version, so it supersedes (cancels) the dropped job instead of being
             # refused. The deadline, which orders the queue, stays the request's.
-            version = self._versions[name] = max(version, self._versions.get(name, version))
-            future = job.submit(self.pool, name, version, deadline, factor, basis)
+            name = sub.name
+            sub.version = self._versions[name] = max(sub.version, self._versions.get(name, 0))
+            future = job.submit(self.pool, sub)
             if self._delayed is not None:
                 future = self._delayed(future, self._timeout_error)
         else:
-            if job.factor is not factor or job.basis is not basis:  # the stream runs the job
-                job = dataclasses.replace(job, factor=factor, basis=basis)  # on the snapshots
-            future = self.stream.submit(job, deadline)
+            future = self.stream.submit(sub)
         predicted = self.durations.predict(where, kind, size)
         self._outstanding[where].append((future, kind, size, predicted))
         self.jobs[where] += 1
-        block, _, dim = name.rpartition(".dim")
+        block, _, dim = sub.name.rpartition(".dim")
         self.ran_on[block] = where
         if dim.isdigit():
             self.block_jobs.setdefault(block, {})[int(dim)] = (kind, size)

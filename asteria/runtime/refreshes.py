@@ -23,31 +23,21 @@ from typing import Any
 
 import torch
 
-from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
+from asteria.optim.base import KroneckerOptimizer
 from asteria.optim.matrix_functions import MatrixFunctionError
+from asteria.optim.refresher import BlockKey, RefreshFailedError
 from asteria.optim.tensors import no_autocast
 from asteria.runtime.bases import BasesAccess
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import CRASHED, FAILED, OK, Coherence
 from asteria.runtime.lane import StatisticsLaneError
-from asteria.runtime.registry import (
-    BlockEntry,
-    PendingRefresh,
-    RefreshFailedError,
-    Registry,
-    StalenessTimeoutError,
-)
+from asteria.runtime.placement import Submission
+from asteria.runtime.registry import BlockEntry, PendingRefresh, Registry, StalenessTimeoutError
 from asteria.runtime.schedule import Pacer
 from asteria.runtime.snapshots import Snapshots, pool_submit
 from asteria.runtime.spill import SpillTier
 
-__all__ = ["Refreshes", "Restored", "block_state"]
-
-
-def block_state(optimizer: KroneckerOptimizer, key: BlockKey) -> dict:
-    """The state of ``optimizer``'s block ``key``."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return optimizer.state[params[key[0]]]["blocks"][key[1]]
+__all__ = ["Refreshes"]
 
 
 class Refreshes:
@@ -90,14 +80,17 @@ class Refreshes:
         self.wait_s = 0.0
         #: the longest job this thread ran while helping (Note [Helping within the deadline])
         self.longest_helped_s = 0.0
-        #: where set (``Boundaries.flush``), the start of the barrier the step's deferred
+        #: where set (``Plan.install_waited``), the start of the barrier a plan's waited-for
         #: installs share: their waits together take at most ``barrier_timeout_s``
         self.barrier_since: float | None = None
         #: a barrier of this step timed out: later ones in the step do not wait (the facade
-        #: resets it at ``step_begin``; Note [All-or-nothing steps] in boundary.py)
+        #: resets it at ``begin``; Note [All-or-nothing steps] in plan.py)
         self.timed_out = False
         self._params: list[torch.Tensor] = []
         self._groups_seen = -1
+        #: steps later than its parameter's a refresh installed between steps counts as
+        #: installed at (Note [Staleness bound] in registry.py)
+        self.late = int(optimizer.refresh_precedes_update)
 
     # -- where a block is --------------------------------------------------------------------
 
@@ -112,8 +105,12 @@ class Refreshes:
     def current_step(self, key: BlockKey) -> int:
         return int(self.optimizer.state[self.params()[key[0]]]["step"])
 
-    def block_state(self, key: BlockKey) -> dict:
-        return self.optimizer.state[self.params()[key[0]]]["blocks"][key[1]]
+    def block_state(self, key: BlockKey) -> dict | None:
+        """The state of block ``key`` (None: its parameter has no such block, or no state)."""
+        params = self.params()
+        state = self.optimizer.state.get(params[key[0]]) if key[0] < len(params) else None
+        blocks = None if state is None else state.get("blocks")
+        return None if blocks is None or key[1] >= len(blocks) else blocks[key[1]]
 
     def group_of(self, key: BlockKey) -> dict:
         """The parameter group of block ``key``'s parameter."""
@@ -134,85 +131,58 @@ class Refreshes:
     # -- requests and submissions --------------------------------------------------------------
 
     def request(self, key: BlockKey, e: BlockEntry, block: dict, group: dict, step: int) -> None:
-        """Request ``key``'s refresh at ``step`` (version ``step``, deadline ``step + S``)."""
-        self.bases.settle(key)  # the job's input basis is the one its result replaces
+        """Request ``key``'s refresh at ``step`` (version ``step``, deadline ``step + S``): the
+        optimizer's jobs, made once (Note [One submission path] in placement.py), snapshotted
+        and submitted through the snapshot strategy."""
+        self.bases.settle(key, block)  # the job input basis is the one its result replaces
         jobs = self.optimizer.refresh_jobs(block, group)
-        if all(job is None for job in jobs):
+        if jobs.count(None) == len(jobs):
             return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-        # Note [Interrupted steps] (boundary.py): the refresh is in flight once every job is
+        # Note [Interrupted steps] (plan.py): the refresh is in flight once every job is
         # submitted; one interrupted on the way leaves none (its submitted jobs run unread)
-        pending = PendingRefresh(
-            requested=step,
-            futures=[None] * len(jobs),
-            jobs=[None if j is None else j.without_tensors() for j in jobs],
-            group=group,
-        )
+        pending = PendingRefresh(step, [None] * len(jobs), jobs=jobs, group=group)
         coherence = self.coherence
         if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
             pending.owner = coherence.owner(key)
             e.pending = pending
             return  # the owner computes it; this rank receives it at the deadline
         if self.spill is not None:
-            pending.snapshots = self.spill.inputs_record(e.name, step, len(jobs))
-        keep = pending.snapshots is not None
+            pending.inputs = self.spill.inputs_record(e.name, step, len(jobs))
         deadline = step + self.config.staleness
-        snapshots = self.snapshots
-        for dim, job in enumerate(jobs):
-            if job is None:
-                continue
-            ticket = snapshots.take(key, dim, f"{e.name}.dim{dim}", step, deadline, job, keep)
-            if snapshots.deferred:
-                pending.copies.append((dim, job, ticket))
-            else:
-                pending.futures[dim] = self._submit_snapshot(e, pending, dim, job, ticket)
+        name = e.name
+        subs = [
+            None if j is None else Submission(j, f"{name}.dim{d}", step, deadline)
+            for d, j in enumerate(jobs)
+        ]
+        ticket = self.snapshots.take(key, subs, pending.inputs is not None)
+        if self.snapshots.deferred:
+            pending.copies.append(ticket)
+        else:
+            self._submit(pending, ticket)
         e.pending = pending
 
-    def _submit_snapshot(
-        self, e: BlockEntry, pending: PendingRefresh, dim: int, job: RefreshJob, ticket: Any
-    ) -> Any:
-        future, factor, basis = self.snapshots.finish(ticket)
-        return self.submit(e, dim, job, factor, basis, pending=pending, future=future)
-
-    def submit(
-        self,
-        e: BlockEntry,
-        dim: int,
-        job: RefreshJob,
-        factor: torch.Tensor | None,
-        basis: torch.Tensor | None,
-        pending: PendingRefresh | None = None,
-        future: Any = None,
-        recompute: bool = False,
-    ) -> Any:
-        """One job on the pool (it copies its inputs): version = request step, deadline t + S,
-        or the bookkeeping of one the snapshot strategy submitted (``future``). A spilled block's
-        inputs are written to the spill store too (an exact recompute), unless this job is that
-        recompute."""
-        pending = e.pending if pending is None else pending
-        if pending.snapshots is not None and not recompute:
-            self.spill.keep_inputs(pending, dim, factor, basis)
-        self.submitted += 1
-        if future is not None:
-            return future
-        version = pending.requested
-        deadline = version + self.config.staleness
-        return pool_submit(self.pool, f"{e.name}.dim{dim}", version, deadline, job, factor, basis)
+    def _submit(self, pending: PendingRefresh, ticket: Any) -> None:
+        """The submission of a finished snapshot (a spilled block's inputs kept too: an exact
+        recompute)."""
+        futures, subs = self.snapshots.finish(ticket)
+        for dim, sub in enumerate(subs):
+            if sub is None:
+                continue
+            if pending.inputs is not None:
+                self.spill.keep_inputs(pending, dim, sub.factor, sub.basis)
+            pending.futures[dim] = pool_submit(self.pool, sub) if futures is None else futures[dim]
+            self.submitted += 1
 
     def collect(self, e: BlockEntry, wait: bool) -> None:
-        """Submit the jobs whose snapshots have landed (all of them when ``wait``)."""
-        remaining = []
-        snapshots = self.snapshots
-        for dim, job, ticket in e.pending.copies:
-            if not wait and not snapshots.ready(ticket):
-                remaining.append((dim, job, ticket))
-                continue
-            e.pending.futures[dim] = self._submit_snapshot(e, e.pending, dim, job, ticket)
-        e.pending.copies = remaining
+        """Submit ``e``'s refresh if its snapshot has landed (when ``wait``, once it has)."""
+        pending = e.pending
+        if wait or self.snapshots.ready(pending.copies[0]):
+            self._submit(pending, pending.copies.pop())
 
     def step_end(self) -> None:
         """Submit what landed this step; spill and page in (the spill tier)."""
-        for e in self.registry.entries.values():
-            if e.pending is not None and e.pending.copies:
+        for e in list(self.registry.in_flight.values()):
+            if e.pending.copies:
                 self.collect(e, wait=False)
         if self.spill is not None:
             entries = self.registry.entries
@@ -321,12 +291,16 @@ class Refreshes:
             block = self.block_state(key) if block is None else block
             jobs = self.optimizer.refresh_jobs(block, pending.group)
             inputs = [None if j is None else (j.factor, j.basis) for j in jobs]
-        futures = [
-            None
-            if job is None or inp is None
-            else self.submit(e, dim, job, inp[0], inp[1], pending=pending, recompute=True)
-            for dim, (job, inp) in enumerate(zip(pending.jobs, inputs))
-        ]
+        version, deadline = pending.requested, pending.requested + self.config.staleness
+        futures = []
+        for dim, (job, inp) in enumerate(zip(pending.jobs, inputs)):
+            if job is None or inp is None:
+                futures.append(None)
+                continue
+            sub = Submission(job, f"{e.name}.dim{dim}", version, deadline)
+            sub.factor, sub.basis = inp
+            futures.append(pool_submit(self.pool, sub))
+            self.submitted += 1
         t0 = time.perf_counter()
         results = [
             None if f is None else f.result(timeout_s=self.config.barrier_timeout_s)
@@ -340,62 +314,54 @@ class Refreshes:
     def install_now(
         self, key: BlockKey, e: BlockEntry, step: int, block: dict, replicated: bool
     ) -> None:
-        """Install ``e``'s refresh in flight at this boundary, waiting for it: on every rank at
-        once for a replicated block (Note [Distributed coherence] in distributed.py)."""
+        """Install ``e``'s refresh in flight at this step, waiting for it: on every rank at once
+        for a replicated block (Note [Distributed coherence] in distributed.py)."""
         if replicated:
             self.sync_replicated(key, e, step, block)
         else:
             self.wait(e, step)
-            self.install(key, e, step, block)
+            self.install_many([(key, e, step, block)])
 
-    def install(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None = None) -> None:
-        """Install ``e``'s (finished) refresh as installed at ``step``, or count its failure.
-        The refresh stays in flight until its results are installed, so that one interrupted on
-        the way is installed again (Note [Interrupted steps] in boundary.py)."""
-        pending = e.pending
-        results = self._results_or_failure(key, e, block)
-        if results is None:
-            return  # keep the previous version
-        if block is None:
-            block = self.block_state(key)
-        self.install_results(key, e, pending, block, step, results)
-        self.pacer.charge(key, block, step)
+    def install_many(self, batch: list[tuple], charge: bool = True) -> None:
+        """The one install path: the finished refreshes of ``batch`` (``(key, entry, installed
+        at, block state or None)``) read (a failure counted and skipped, keeping the previous
+        version; a crash raises ``RefreshFailedError``), installed through one call of the bases
+        strategy (its grouped copies: Note [Grouped install copies] in bases.py) with the
+        caller's autocast off (a signal installs inside the model's forward: Note [Autocast]),
+        recorded, and charged to the pacer (``charge``: not charged already). A refresh stays in
+        flight until its results are installed, so that one interrupted on the way is installed
+        again (Note [Interrupted steps] in plan.py)."""
+        ready = []
+        for key, e, step, block in batch:
+            pending = e.pending
+            block = self.block_state(key) if block is None else block
+            try:
+                results = self.results(key, e, pending, block)
+            except self.errors as err:
+                e.pending = None
+                self.count_failure(e, "", str(err), cause=err)
+                continue  # keep the previous version
+            except Exception as err:
+                e.pending = None
+                self.failed += 1
+                raise RefreshFailedError(
+                    f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) "
+                    f"failed in a worker: {err}"
+                ) from err
+            ready.append((key, e, pending, block, step, results))
+        self._installed(ready, charge)
 
-    def _results_or_failure(self, key: BlockKey, e: BlockEntry, block: dict | None) -> Any:
-        """``e``'s finished refresh's results, or None for a counted failure (the refresh is
-        then no longer in flight); a crash raises ``RefreshFailedError``."""
-        pending = e.pending
-        try:
-            return self.results(key, e, pending, block)
-        except self.errors as err:
-            e.pending = None
-            self.count_failure(e, "", str(err), cause=err)
-            return None
-        except Exception as err:
-            e.pending = None
-            self.failed += 1
-            raise RefreshFailedError(
-                f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
-                f"in a worker: {err}"
-            ) from err
-
-    def install_results(
-        self,
-        key: BlockKey,
-        e: BlockEntry,
-        pending: PendingRefresh,
-        block: dict,
-        step: int,
-        results: list[Any],
-    ) -> None:
-        """Install ``results`` (of ``pending``) into ``block``, as installed at ``step``: with
-        the caller's autocast off, since a signal installs inside the model's forward (Note
-        [Autocast])."""
+    def _installed(self, ready: list[tuple], charge: bool) -> None:
+        if not ready:
+            return
         with no_autocast():
-            self.bases.install(key, block, results)
-        if e.pending is pending:
-            e.pending = None
-        self.registry.record_install(e, pending.requested, step)
+            self.bases.install_many([(key, block, res) for key, _, _, block, _, res in ready])
+        for key, e, pending, block, step, _ in ready:
+            if e.pending is pending:
+                e.pending = None
+            self.registry.record_install(e, pending.requested, step)
+            if charge:
+                self.pacer.charge(key, block, step)
 
     def sync_replicated(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None) -> None:
         """Install replicated block ``key``'s refresh in flight at ``step`` on every rank of its
@@ -435,7 +401,7 @@ class Refreshes:
                 f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
                 f"in a worker of its owner rank {owner}" + (f": {error}" if error else "")
             )
-        self.install_results(key, e, pending, block, step, results)
+        self._installed([(key, e, pending, block, step, results)], True)
         e.synced_step = step
 
     def count_failure(
@@ -458,8 +424,10 @@ class Refreshes:
         """Forget ``e``'s refresh in flight: its unfinished jobs count as cancelled, its spilled
         data is discarded. A job still waiting for its snapshot was never submitted: it counts
         as cancelled too."""
-        self.cancelled += sum(f is not None and not f.done() for f in e.pending.futures)
-        self.cancelled += len(e.pending.copies)
+        pending = e.pending
+        self.cancelled += sum(f is not None and not f.done() for f in pending.futures)
+        if pending.copies:  # (the snapshot's jobs were never submitted)
+            self.cancelled += len(pending.jobs) - pending.jobs.count(None)
         if self.spill is not None:
             self.spill.discard(e.pending)
         e.pending = None
@@ -487,15 +455,15 @@ class Refreshes:
             except StatisticsLaneError:  # raised by a step already (close() waited for the lane)
                 self.drop(e)
                 continue
-            self.install(key, e, self.current_step(key))
+            self.install_many([(key, e, self.current_step(key), None)])
 
     def install_ready(self, signalled: frozenset[int]) -> int:
         """A step's module signal (Note [One install batch per step] in runtime.py): install,
         in one batch, the finished refreshes in flight of parameters in ``signalled`` that the
         pacing allows now; the number installed. It looks only at the refreshes in flight
         (Note [In-flight index] in registry.py), never at every block."""
-        late = int(self.optimizer.refresh_precedes_update)
-        batch: list[tuple[BlockKey, BlockEntry, int]] = []
+        late = self.late
+        batch: list[tuple] = []
         for key, e in list(self.registry.in_flight.items()):
             if key[0] not in signalled:
                 continue
@@ -508,59 +476,18 @@ class Refreshes:
                 # between steps `step` and `step + 1`; Shampoo, which refreshes before its
                 # update, would have used it in step `step` already. Charged now, so that the
                 # batch stays within the pacer's allowance.
-                self.pacer.charge(key, self.block_state(key), step + late)
-                batch.append((key, e, step + late))
+                block = self.block_state(key)
+                self.pacer.charge(key, block, step + late)
+                batch.append((key, e, step + late, block))
         if batch:
-            self.install_batch(batch)
+            self.install_many(batch, charge=False)
         return len(batch)
-
-    def install_batch(self, batch: list[tuple[BlockKey, BlockEntry, int]]) -> None:
-        """Install the finished refreshes of ``batch`` (``(key, entry, installed at)``, charged
-        to the pacer already) through one call of the bases strategy (its grouped copies:
-        ``BasesAccess.install_many``); a failed one is counted and skipped, as ``install``
-        does."""
-        ready = []
-        for key, e, step in batch:
-            pending = e.pending
-            block = self.block_state(key)
-            results = self._results_or_failure(key, e, block)
-            if results is not None:
-                ready.append((key, e, pending, block, step, results))
-        if not ready:
-            return
-        with no_autocast():
-            self.bases.install_many([(key, block, res) for key, _, _, block, _, res in ready])
-        for _, e, pending, _, step, _ in ready:
-            if e.pending is pending:
-                e.pending = None
-            self.registry.record_install(e, pending.requested, step)
 
     def drop_all(self) -> None:
         """Forget everything still in flight (close, after ``install_in_flight`` or without)."""
         for e in self.registry.entries.values():
             if e.pending is not None:
                 self.drop(e)
-
-
-class Restored:
-    """A refresh result restored from a checkpoint: a future that has already resolved."""
-
-    def __init__(self, value: Any = None, error: str | None = None) -> None:
-        self._value, self._error = value, error
-
-    def done(self) -> bool:
-        return True
-
-    def cancelled(self) -> bool:
-        return False
-
-    def result(self, timeout_s: float | None = None) -> Any:
-        if self._error is not None:
-            raise MatrixFunctionError(self._error)
-        return self._value
-
-    def run_ahead(self) -> bool:
-        return False  # resolved already
 
 
 def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> Any:
@@ -577,8 +504,8 @@ def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> 
 
 # Note [Helping within the deadline]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A barrier waits at most ``barrier_timeout_s`` (a step's deferred installs, Note [Deferred
-# installs] in boundary.py, share one such wait), and the error names the block, the step and
+# A barrier waits at most ``barrier_timeout_s`` (a plan's waited-for installs, Note [One plan
+# per step] in plan.py, share one such wait), and the error names the block, the step and
 # the knob (``StalenessTimeoutError``). The training thread helps while it waits (Note [Helping
 # waiters] in csrc/core/worker_pool.cpp): it runs the jobs queued before the one it waits for. A
 # job once started runs to its end, so helping without a limit kept a barrier behind 60 slow

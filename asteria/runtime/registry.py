@@ -37,12 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from asteria.optim.refresher import RefreshFailedError
+
 __all__ = [
     "BlockEntry",
     "RefreshFuture",
     "BlockView",
     "PendingRefresh",
     "Registry",
+    "Resolved",
     "StalenessTimeoutError",
     "RefreshFailedError",
 ]
@@ -52,16 +55,12 @@ class StalenessTimeoutError(RuntimeError):
     """A step waited at the barrier for longer than ``barrier_timeout_s``."""
 
 
-class RefreshFailedError(RuntimeError):
-    """A block's refresh failed ``max_consecutive_failures`` times in a row, or crashed."""
-
-
 @runtime_checkable
 class RefreshFuture(Protocol):
     """Note [One future protocol]: what a refresh in flight holds per dim, whoever computes
-    it: the C++ pool's ``asteria._C.Future``, the device stream's (placement.py), a refusal at
-    submission (snapshots.py), a result restored from a checkpoint (refreshes.py), a test's
-    slowed future (testing.py). The runtime polls them only through ``PendingRefresh.done``,
+    it: the C++ pool's ``asteria._C.Future``, the device stream's (placement.py), ``Resolved``
+    (a refusal at submission, a result restored from a checkpoint), a test's slowed future
+    (testing.py). The runtime polls them only through ``PendingRefresh.done``,
     reads them only through ``PendingRefresh.results``, and waits for them only at the barrier
     (``Refreshes.wait``, in slices so that Ctrl-C is seen, after running the jobs queued up to
     them: ``run_ahead``) and in a recompute; nothing else
@@ -87,17 +86,43 @@ class RefreshFuture(Protocol):
         ...
 
 
+class Resolved:
+    """A future that has resolved already: its ``value``, or its ``error`` (an exception, or the
+    message of a refresh failure restored from a checkpoint) raised by ``result``."""
+
+    def __init__(self, value: Any = None, error: BaseException | str | None = None) -> None:
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        if isinstance(self._error, str):
+            from asteria.optim.matrix_functions import MatrixFunctionError
+
+            raise MatrixFunctionError(self._error)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def run_ahead(self) -> bool:
+        return False
+
+
 @dataclass
 class PendingRefresh:
     """A refresh in flight: requested at ``requested`` (its version), one future per dim."""
 
     requested: int
     futures: list[RefreshFuture | None]  # None: a dim without a factor
-    copies: list[Any] = field(default_factory=list)  # snapshots in flight (CUDA, lane)
-    jobs: list[Any] = field(default_factory=list)  # per dim: the job's options (no tensors)
+    copies: list[Any] = field(default_factory=list)  # its snapshot in flight (CUDA, lane)
+    jobs: list[Any] = field(default_factory=list)  # per dim: the job (None: no factor)
     group: dict | None = None  # the parameter group (a recompute needs it)
     spilled: Any = None  # a spill.SpilledRefresh once the results went to the spill store
-    snapshots: Any = None  # a spill.Snapshots: the job inputs, for an exact recompute
+    inputs: Any = None  # a spill.SpilledRefresh of the job inputs, for an exact recompute
     owner: int | None = None  # distributed: the rank computing it (None: this rank)
 
     def done(self) -> bool:

@@ -260,7 +260,7 @@ class Schedule:
         self.continuous = continuous and budget >= 1
         #: Note [Staggered refresh] (never at B = 0, nor where installs are at fixed steps)
         self.staggered = staggered and budget >= 1 and not fixed and not self.continuous
-        self._phases: dict[str, int] = {}  # block -> its slot, (step + lead) % frequency
+        self.phases: dict[str, int] = {}  # block -> its slot, (step + lead) % frequency
         self._slot_load: dict[int, list[float]] = {}  # frequency -> refresh cost per slot
         self.coalesced = 0  # due requests folded into the refresh in flight
         self.urgent_waits = 0  # installs waited for at their request (Note [Rank-deficient...])
@@ -269,7 +269,7 @@ class Schedule:
         self.age_histogram: defaultdict[int, int] = defaultdict(int)
         self._picked: set[Any] = set()  # blocks granted room this step (continuous)
         # per block: the last install step seen, and the intervals between installs
-        self._installs: dict[str, tuple[int, int]] = {}  # name -> (installs seen, step)
+        self.installs_seen: dict[str, tuple[int, int]] = {}  # name -> (installs, step)
         self.intervals: dict[str, list[int]] = {}  # name -> [count, sum, max]
 
     def bound(self, frequency: int) -> int:
@@ -317,9 +317,9 @@ class Schedule:
         gap = step - last  # requests every ``frequency`` steps, each block at its own slot
         if frequency <= 1:
             return gap >= frequency
-        slot = self._phases.get(e.name)
+        slot = self.phases.get(e.name)
         if slot is None:
-            slot = self._phases[e.name] = self._assign(frequency, cost(), last)
+            slot = self.phases[e.name] = self._assign(frequency, cost(), last)
         if gap >= frequency:
             return True  # due, as under interval refresh (coalesced if still in flight)
         # early, onto its slot: only where nothing is in flight or it is ready to install
@@ -374,13 +374,13 @@ class Schedule:
         """Measure the age of the basis ``entry``'s block reads in ``step``."""
         if entry.version is None:
             return  # no basis yet (Shampoo before its first roots)
-        seen = self._installs.get(entry.name)
+        seen = self.installs_seen.get(entry.name)
         if seen is None or seen[0] != entry.installs:
             if seen is not None and seen[0] > 0:  # steps since the block's previous install
                 gap = entry.installed_step - seen[1]
                 c = self.intervals.setdefault(entry.name, [0, 0, 0])
                 c[0], c[1], c[2] = c[0] + 1, c[1] + gap, max(c[2], gap)
-            self._installs[entry.name] = (entry.installs, entry.installed_step)
+            self.installs_seen[entry.name] = (entry.installs, entry.installed_step)
         age = step - entry.version
         entry.age = age
         if age > entry.max_age:  # (per block and step: only what changed is written)

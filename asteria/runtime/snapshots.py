@@ -15,11 +15,12 @@ runtime attaches (``attach.choose_snapshots``) from where the parameters live:
   (Note [Staged snapshots]); the copies and their fences are ``asteria.memory.staging.snapshot``,
   the staging path ``asteria.lowlevel`` offers too.
 
-A strategy turns a job into a *ticket* (``take``); ``ready(ticket)`` says whether the snapshot
-can be submitted without waiting, and ``finish(ticket)`` waits for it and returns either the
-future of a job it already submitted (the lane's) or the host tensors the pool is to copy. The
-runtime keeps tickets in ``PendingRefresh.copies`` while they are ``deferred`` and never looks
-inside one.
+A strategy turns a block's submissions (placement.py's ``Submission``, one per dim) into a
+*ticket* (``take``); ``ready(ticket)`` says whether the snapshot can be submitted without
+waiting, and ``finish(ticket)`` waits for it and returns the futures of jobs it submitted
+already (the lane's) or None, and the submissions with the inputs it copied (what the pool is
+to copy, and what a spilled block keeps). The runtime keeps a ticket in ``PendingRefresh.copies``
+while it is ``deferred`` and never looks inside one.
 
 Note [Staged snapshots]: the ring has one slot per tensor a refresh of the attach-time blocks
 copies (a factor, and the basis a QR refresh starts from), each as large as the largest, so a
@@ -43,7 +44,7 @@ tests/unit/test_shutdown.py).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -51,58 +52,28 @@ from asteria._ext import load_extension
 from asteria.memory.copies import Copies
 from asteria.memory.host import StagingRing
 from asteria.memory.staging import Snapshot, snapshot
-from asteria.optim.base import RefreshJob
 from asteria.optim.matrix_functions import check_matrix
 from asteria.runtime.lane import StatisticsLane
+from asteria.runtime.placement import Submission
+from asteria.runtime.registry import Resolved
 
 __all__ = ["DirectSnapshots", "LaneSnapshots", "Snapshots", "StagedSnapshots", "pool_submit"]
 
-#: What ``finish`` returns: a future already submitted (or None), and the inputs to submit.
-Finished = tuple[Any, torch.Tensor | None, torch.Tensor | None]
+Subs = list[Submission | None]  # a block's submissions, per dim (None: no factor)
 
 
-def pool_submit(
-    pool: Any,
-    name: str,
-    version: int,
-    deadline: int,
-    job: RefreshJob,
-    factor: torch.Tensor,
-    basis: torch.Tensor | None,
-) -> Any:
-    """One job on ``pool`` (the runtime's ``placement.Executors``, which copies ``factor`` and
-    ``basis`` at submission, or an ``asteria._C.WorkerPool``). A complex or non-square input
-    is refused here (the pool would drop an imaginary part): the job's future raises the
-    ``ValueError``, which reaches the step as a crashed refresh of the block."""
+def pool_submit(pool: Any, sub: Submission) -> Any:
+    """``sub`` on ``pool`` (the runtime's ``placement.Executors``, which copies the inputs at
+    submission). A complex or non-square input is refused here (the pool would drop an
+    imaginary part): the future raises the ``ValueError``, which reaches the step as a crashed
+    refresh of the block."""
     try:
-        check_matrix(f"{name}: factor", factor)
-        if basis is not None:
-            check_matrix(f"{name}: basis", basis)
+        check_matrix(f"{sub.name}: factor", sub.factor)
+        if sub.basis is not None:
+            check_matrix(f"{sub.name}: basis", sub.basis)
     except ValueError as err:
-        return Refused(err)
-    submit = getattr(pool, "submit_job", None)  # Note [One submission path] in placement.py
-    if submit is not None:
-        return submit(job, name, version, deadline, factor, basis)
-    return job.submit(pool, name, version, deadline, factor, basis)
-
-
-class Refused:
-    """The future of a job refused at submission: done, its result raises the refusal."""
-
-    def __init__(self, error: BaseException) -> None:
-        self._error = error
-
-    def done(self) -> bool:
-        return True
-
-    def cancelled(self) -> bool:
-        return False
-
-    def result(self, timeout_s: float | None = None) -> Any:
-        raise self._error
-
-    def run_ahead(self) -> bool:
-        return False  # resolved already
+        return Resolved(error=err)
+    return pool.submit(sub)
 
 
 class Snapshots:
@@ -113,27 +84,18 @@ class Snapshots:
     #: Whether a ticket waits in ``PendingRefresh.copies`` (else it is finished at once).
     deferred = False
 
-    def take(
-        self,
-        key: Hashable,
-        dim: int,
-        name: str,
-        version: int,
-        deadline: int,
-        job: RefreshJob,
-        keep: bool,
-    ) -> Any:
-        """Start the snapshot of ``job``'s inputs (dim ``dim`` of block ``key``); ``keep``:
-        the inputs are also wanted as host tensors afterwards (a spilled block's)."""
-        return job.factor, job.basis
+    def take(self, key: Hashable, subs: Subs, keep: bool) -> Any:
+        """Start the snapshot of the inputs of block ``key``'s ``subs``; ``keep``: the inputs
+        are also wanted as host tensors afterwards (a spilled block's)."""
+        return subs
 
     def ready(self, ticket: Any) -> bool:
         return True
 
-    def finish(self, ticket: Any) -> Finished:
-        """Wait for the snapshot (raising its error); the future or the inputs to submit."""
-        factor, basis = ticket
-        return None, factor, basis
+    def finish(self, ticket: Any) -> tuple[list | None, Subs]:
+        """Wait for the snapshot (raising its error); the futures of the jobs it submitted (or
+        None), and the submissions with their inputs."""
+        return None, ticket
 
     def staging_bytes(self) -> int:
         """Host memory the strategy holds for snapshots (``memory_report``'s staging)."""
@@ -163,32 +125,29 @@ class LaneSnapshots(Snapshots):
         self._lane = lane
         self._pool = pool
 
-    def take(self, key, dim, name, version, deadline, job, keep):
-        # the factors are what this step's statistics, still on the lane, write: the job is
-        # submitted from the lane, behind them (what the lane runs holds the pool and the job
-        # only, no reference to the runtime or the optimizer)
-        return self._lane.call(key, _lane_submit, self._pool, name, version, deadline, job, keep)
+    def take(self, key, subs, keep):
+        # the factors are what this step's statistics, still on the lane, write: the jobs are
+        # submitted from the lane, behind them (what the lane runs holds the pool and the
+        # submissions only, no reference to the runtime or the optimizer)
+        return self._lane.call(key, _lane_submit, self._pool, subs, keep), subs
 
     def ready(self, ticket: Any) -> bool:
-        return ticket.query()
+        return ticket[0].query()
 
-    def finish(self, ticket: Any) -> Finished:
-        ticket.synchronize()  # a failed statistics update of the block before it raises here
-        future, kept = ticket.value
-        factor, basis = kept if kept is not None else (None, None)
-        return future, factor, basis
+    def finish(self, ticket: Any) -> tuple[list | None, Subs]:
+        ticket[0].synchronize()  # a failed statistics update of the block before it raises here
+        return ticket[0].value, ticket[1]
 
 
-def _lane_submit(
-    pool: Any, name: str, version: int, deadline: int, job: RefreshJob, keep: bool
-) -> tuple[Any, tuple | None]:
-    """On the statistics lane, behind the block's statistics: submit the job (the pool copies
-    the factor and basis as they are now), and keep copies of them for a spilled block
+def _lane_submit(pool: Any, subs: Subs, keep: bool) -> list[Any]:
+    """On the statistics lane, behind the block's statistics: submit the jobs (the pool copies
+    the factors and bases as they are now), the inputs kept as copies for a spilled block
     (``keep``)."""
-    kept = None
-    if keep:
-        kept = (job.factor.clone(), None if job.basis is None else job.basis.clone())
-    return pool_submit(pool, name, version, deadline, job, job.factor, job.basis), kept
+    for sub in subs:
+        if keep and sub is not None:
+            sub.factor = sub.factor.clone()
+            sub.basis = None if sub.basis is None else sub.basis.clone()
+    return [None if sub is None else pool_submit(pool, sub) for sub in subs]
 
 
 class StagedSnapshots(Snapshots):
@@ -206,18 +165,24 @@ class StagedSnapshots(Snapshots):
         self.unstaged = 0
         self._timeout = load_extension().WaitTimeoutError
 
-    def take(self, key, dim, name, version, deadline, job, keep):
-        srcs = [t for t in (job.factor, job.basis) if t is not None]
+    def take(self, key, subs, keep):
+        srcs = [
+            t for sub in subs if sub is not None for t in (sub.factor, sub.basis) if t is not None
+        ]
         snap = self._snapshot(srcs)
         if snap is None:  # the pool reads the basis on the host: a window's copy of it first
             self._copies.host_sync()  # (Note [Host writes] in asteria/memory/copies.py)
             self.unstaged += len(srcs)
-            return _Staged(None, job.factor, job.basis)
+            return None, subs
         snap.release()  # the slots are free again once the copies landed and the views are gone
         self._issued.append(snap)
         self.staged += len(srcs)
-        dsts = snap.tensors
-        return _Staged(snap, dsts[0], dsts[1] if len(dsts) > 1 else None)
+        copied = iter(snap.tensors)
+        for sub in subs:  # the submissions read the snapshot, in the order of ``srcs``
+            if sub is not None:
+                sub.factor = next(copied)
+                sub.basis = None if sub.basis is None else next(copied)
+        return snap, subs
 
     def _snapshot(self, srcs: list[torch.Tensor]) -> Snapshot | None:
         """The copies of ``srcs`` into free slots (``asteria.memory.staging``, Note [Snapshot
@@ -231,12 +196,12 @@ class StagedSnapshots(Snapshots):
             return None
 
     def ready(self, ticket: Any) -> bool:
-        return ticket.snap is None or ticket.snap.ready()
+        return ticket[0] is None or ticket[0].ready()
 
-    def finish(self, ticket: Any) -> Finished:
-        if ticket.snap is not None:
-            ticket.snap.wait()  # (landed already unless waited for)
-        return None, ticket.factor, ticket.basis
+    def finish(self, ticket: Any) -> tuple[list | None, Subs]:
+        if ticket[0] is not None:
+            ticket[0].wait()  # (landed already unless waited for)
+        return None, ticket[1]
 
     def step_begin(self) -> None:
         for snap in self._issued:
@@ -261,11 +226,3 @@ class StagedSnapshots(Snapshots):
         self._issued.clear()
         self._copies.synchronize()
         self._ring = None
-
-
-class _Staged(NamedTuple):
-    """A snapshot in flight (None: not staged) and the host tensors to submit."""
-
-    snap: Snapshot | None
-    factor: torch.Tensor | None
-    basis: torch.Tensor | None

@@ -320,7 +320,7 @@ class SpillTier:
 
     def keep_inputs(self, pending: Any, dim: int, factor: Any, basis: Any) -> None:
         """Write dim ``dim``'s inputs of ``pending`` (copies of live state) to the store."""
-        self.spiller.add(pending.snapshots, dim, (factor, basis), clone=True)
+        self.spiller.add(pending.inputs, dim, (factor, basis), clone=True)
         self.spiller.counts["snapshots"] += 1
 
     # -- results waiting for their install --------------------------------------------------
@@ -349,8 +349,8 @@ class SpillTier:
         current step of its block."""
         due = []
         for p, step in pending:
-            if p.snapshots is not None:
-                self.spiller.poll(p.snapshots)
+            if p.inputs is not None:
+                self.spiller.poll(p.inputs)
             if p.spilled is None:
                 continue
             self.spiller.poll(p.spilled)
@@ -360,14 +360,14 @@ class SpillTier:
 
     def settle(self, pending: Any) -> None:
         """Wait until every write of ``pending``'s records is settled (tests, benchmarks)."""
-        for rec in (pending.spilled, pending.snapshots):
+        for rec in (pending.spilled, pending.inputs):
             if rec is not None:
                 self.spiller.poll(rec, wait=True)
 
     def discard(self, pending: Any) -> None:
         """Forget what ``pending`` keeps in the store."""
         self.spiller.discard(pending.spilled)
-        self.spiller.discard(pending.snapshots)
+        self.spiller.discard(pending.inputs)
 
     # -- reading back ------------------------------------------------------------------------
 
@@ -385,16 +385,16 @@ class SpillTier:
         if pending.spilled is None:
             results = pending.results()
             if consume:
-                self.spiller.discard(pending.snapshots)
+                self.spiller.discard(pending.inputs)
             return results
         try:
             return self.spiller.load(pending.spilled)
         except SpillLost as err:
             inputs = None
             source = "the current factors (its inputs were lost too)"
-            if pending.snapshots is not None:
+            if pending.inputs is not None:
                 try:
-                    inputs = self.spiller.load(pending.snapshots)
+                    inputs = self.spiller.load(pending.inputs)
                     source = "its spilled inputs (same result)"
                 except SpillLost:
                     inputs = None
@@ -417,12 +417,12 @@ class SpillTier:
         """By kind (``results``, ``snapshots``): what ``pending``'s records hold in host memory."""
         return {
             kind: [] if rec is None else rec.host_tensors()
-            for kind, rec in (("results", pending.spilled), ("snapshots", pending.snapshots))
+            for kind, rec in (("results", pending.spilled), ("snapshots", pending.inputs))
         }
 
     def stored_bytes(self, pending: Any) -> dict[str, tuple[int, int]]:
         """By kind: (bytes in the store, bytes paged back into host memory ahead of use)."""
         return {
             kind: (self.spiller.nvme_bytes(rec), self.spiller.paged_bytes(rec))
-            for kind, rec in (("results", pending.spilled), ("snapshots", pending.snapshots))
+            for kind, rec in (("results", pending.spilled), ("snapshots", pending.inputs))
         }

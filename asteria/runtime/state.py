@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from asteria.optim.base import RefreshJob
-from asteria.runtime.refreshes import Refreshes, Restored
-from asteria.runtime.registry import PendingRefresh
+from asteria.optim.refresher import RefreshJob
+from asteria.runtime.refreshes import Refreshes
+from asteria.runtime.registry import PendingRefresh, Resolved
 
 __all__ = ["FORMAT", "load", "save"]
 
@@ -149,7 +149,7 @@ def check(
         if owner is not None:
             futures: list[Any] = [None] * len(jobs)
         elif error is not None:
-            futures = [Restored(error=error)]
+            futures = [Resolved(error=error)]
         else:
             futures = _checked_results(item.get("results"), jobs, factors, where)
         out.append(
@@ -180,7 +180,7 @@ def _checked_jobs(item: dict, dims: int, where: str) -> list[Any]:
 
 
 def _checked_results(results: Any, jobs: list[Any], factors: list[Any], where: str) -> list[Any]:
-    """Restored futures of the saved results: one per dim, each a ``d x d`` floating-point
+    """Resolved futures of the saved results: one per dim, each a ``d x d`` floating-point
     matrix (and a permutation of ``d`` where the job sorts) for a factor of dim ``d``."""
     if not isinstance(results, (list, tuple)) or len(results) != len(factors):
         got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
@@ -216,5 +216,5 @@ def _checked_results(results: Any, jobs: list[Any], factors: list[Any], where: s
             or tuple(perm.shape) != (d,)
         ):
             raise ValueError(f"{where}: results[{dim}] needs a permutation of {d} (int64)")
-        futures.append(Restored(r))
+        futures.append(Resolved(r))
     return futures

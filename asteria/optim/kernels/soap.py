@@ -1,0 +1,205 @@
+"""SOAP's step over shape groups: Adam in the eigenbasis, the factor statistics.
+
+Owns: the arithmetic of SOAP's steps 3-6 for a parameter group's blocks (soap.py says which
+blocks and what the refresh is): ``g`` into the bases (``into``), Adam's moments in the
+eigenbasis with every elementwise op over every block at once (``between``), the ratio back
+(``back``) and applied (``after``); in one call where a batch is one piece (``whole``); the
+factor EMAs (``statistics``: one ``bmm`` per shape group and factored dim). Note [Fused
+elementwise steps].
+
+Must not: decide which blocks step or refresh, or where the bases come from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asteria._C import soap_accumulate
+from asteria.optim.batched import batched_gram, batched_mode_products, stack
+from asteria.optim.groups import BlockGroup, build
+from asteria.optim.kernels import Work, shampoo_beta
+from asteria.optim.kron import gram, mode_products
+
+__all__ = ["after", "back", "begin", "between", "end", "into", "passes", "statistics", "whole"]
+
+#: The update reads the bases twice: into the eigenbasis, and back (Note [Two passes]).
+passes = 2
+
+
+def begin(hp: dict[str, Any], updates: list[Any]) -> Work:
+    """Every parameter's step counted; its blocks in shape groups, each with its step size
+    (``scale``); a parameter of several blocks under ``normalize_grads`` tagged (the authors
+    normalize its whole update)."""
+    beta1, beta2 = hp["betas"]
+    tags = []
+    for u in updates:
+        u.state["step"] += 1
+        tags.append(hp["normalize_grads"] and len(u.state["blocks"]) > 1)
+    grads, weights = [u.grad for u in updates], [u.p for u in updates]
+    groups = build(updates, {"grad": grads, "weight": weights}, "bases", tags)
+    for g in groups:
+        t, step_size = g.step, hp["lr"]
+        if hp["correct_bias"]:
+            step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+        g.scale = step_size
+    return Work(groups, [g for g in groups if g.factored], updates)
+
+
+def whole(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
+    """Steps 3-4 for a batch whose bases are read at once: ``into``, ``between``, ``back``,
+    ``after``."""
+    into(groups, bases, hp)
+    between(None, groups, hp)
+    back(groups, bases, hp)
+    after(None, groups, hp)
+
+
+def into(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
+    """The gradients in the eigenbasis (``g.tmp``)."""
+    for g, qs in zip(groups, bases):
+        g.tmp = _rotate(g, qs, g.views["grad"], True)
+
+
+def between(work: Work | None, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
+    """Adam's moments in the eigenbasis from the rotated gradients, each op over every block at
+    once; ``g.tmp`` becomes ``m / (sqrt(v) + eps)``."""
+    beta1, beta2 = hp["betas"]
+    exp_avg = [b["exp_avg"] for g in groups for b in g.blocks]
+    exp_avg_sq = [b["exp_avg_sq"] for g in groups for b in g.blocks]
+    g_rot = [t for g in groups for t in g.tmp]
+    torch._foreach_mul_(exp_avg, beta1)
+    torch._foreach_add_(exp_avg, g_rot, alpha=1 - beta1)
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_add_(exp_avg_sq, torch._foreach_pow(g_rot, 2), alpha=1 - beta2)
+    del g_rot
+    denom = torch._foreach_sqrt(exp_avg_sq)
+    torch._foreach_add_(denom, hp["eps"])
+    ratio = torch._foreach_div(exp_avg, denom)
+    at = 0
+    for g in groups:
+        g.tmp = ratio[at : at + len(g)]
+        at += len(g)
+
+
+def back(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
+    """The ratios back from the eigenbasis (``g.tmp``), each divided by ``1e-30 +`` its RMS under
+    ``normalize_grads`` (a tagged group's by its parameter's, in ``after``)."""
+    normalize = hp["normalize_grads"]
+    for g, qs in zip(groups, bases):
+        g.tmp = _rotate(g, qs, g.tmp, False, normalize and not g.tag)
+
+
+def after(work: Work | None, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
+    """``W <- W - step_size * update`` per block, one op per step size; a tagged parameter's
+    blocks divided by the RMS of its whole update first (the authors' ``normalize_grads``)."""
+    by_size: dict[float, tuple[list, list]] = {}
+    tagged = []
+    for g in groups:
+        if g.tag:
+            tagged.extend(zip(g.keys, g.views["weight"], g.tmp, [g.scale] * len(g)))
+            continue
+        weights, updates = by_size.setdefault(g.scale, ([], []))
+        weights.extend(g.views["weight"])
+        updates.extend(g.tmp)
+        g.tmp = None
+    for step_size, (weights, updates) in by_size.items():
+        torch._foreach_add_(weights, updates, alpha=-step_size)
+    if tagged:
+        _apply_normalized(sorted(tagged, key=_first))
+
+
+def _first(item: tuple) -> Any:
+    return item[0]
+
+
+def _apply_normalized(parts: list[tuple]) -> None:
+    """Per parameter (``parts``: its blocks' ``(key, weight, update, step_size)`` in block
+    order), every block divided by ``1e-30 + RMS`` of the parameter's whole update."""
+    by_param: dict[int, list[tuple]] = {}
+    for part in parts:
+        by_param.setdefault(part[0][0], []).append(part)
+    for blocks in by_param.values():
+        numel = sum([u.numel() for _, _, u, _ in blocks])
+        rms = (torch.stack([u.square().sum() for _, _, u, _ in blocks]).sum() / numel) ** 0.5
+        for _, w, u, step_size in blocks:
+            w.add_(u / (1e-30 + rms), alpha=-step_size)
+
+
+def end(work: Work, hp: dict[str, Any]) -> None:
+    """Decoupled weight decay, after the update."""
+    if hp["weight_decay"] > 0.0:
+        ps = [u.p for u in work.updates]
+        torch._foreach_add_(ps, ps, alpha=-hp["lr"] * hp["weight_decay"])
+
+
+def _rotate(
+    g: BlockGroup, bases: list, xs: list[torch.Tensor], transpose: bool, normalize: bool = False
+) -> list[torch.Tensor]:
+    """``mode_products(x, bases, transpose)`` of every block of ``g`` (stacked; a group of one:
+    the per-block products); with ``normalize``, each divided by ``1e-30 +`` its RMS."""
+    qs = bases[0]
+    if len(g) == 1:
+        y = mode_products(xs[0], qs, transpose)
+        return [y / (1e-30 + torch.mean(y**2) ** 0.5) if normalize else y]
+    if qs.count(None) == len(qs) and not normalize:
+        return list(xs)
+    mats = [None if q is None else stack([b[d] for b in bases]) for d, q in enumerate(qs)]
+    y = batched_mode_products(stack(xs), mats, transpose)
+    if normalize:
+        dims = tuple(range(1, y.dim()))
+        y = y / (1e-30 + torch.mean(y**2, dim=dims, keepdim=True) ** 0.5)
+    return list(y.unbind(0))
+
+
+def statistics(groups: list[BlockGroup], hp: dict[str, Any]) -> None:
+    """The factor EMAs of the factored ``groups``: ``F_i <- lerp(F_i, G_(i) G_(i)^T, 1 - beta)``,
+    a group's Gram matrices of a dim in one ``bmm`` and its EMAs in one foreach op; a block
+    alone in one C++ call (matrices) or its own ops."""
+    beta = shampoo_beta(hp)
+    for g in groups:
+        grads = g.views["grad"]
+        if len(g) == 1:
+            fs = g.blocks[0]["factors"]
+            if grads[0].dim() == 2:
+                soap_accumulate(fs, grads[0], beta)
+            else:
+                accumulate_factors(fs, grads[0], beta)
+            continue
+        stacked = stack(grads)
+        for i, f in enumerate(g.blocks[0]["factors"]):
+            if f is not None:
+                grams = batched_gram(stacked, i)
+                factors = [b["factors"][i] for b in g.blocks]
+                torch._foreach_lerp_(factors, list(grams.unbind(0)), 1 - beta)
+
+
+def accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, beta: float) -> None:
+    """One step of a block's factor EMAs: ``F_i <- beta F_i + (1 - beta) G_(i) G_(i)^T``."""
+    for i, f in enumerate(factors):
+        if f is not None:
+            f.lerp_(gram(g, i), 1 - beta)
+
+
+# Note [Fused elementwise steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# SOAP's step is some twenty small ops per block, and on small blocks their dispatch costs more
+# than their arithmetic. So the step runs over a batch of blocks, not one block at a time: the
+# products with the bases once per shape group (stacked, ``bmm``: Note [Batched steps] in
+# groups.py), each elementwise op over every block of the batch in one ``torch._foreach_*`` call
+# (on CUDA a few multi-tensor kernel launches per op instead of one per block), and the factor
+# statistics one ``bmm`` per shape group and factored dim. The arithmetic per block is
+# unchanged: on the CPU parameters and state are bitwise those of the per-block ops of the
+# authors' formulation (tests/unit/test_fused_steps.py). On the ``tiny`` LM's 47 blocks an
+# ordinary step went from 715 ATen ops to 74 (bench/optim_step.py --count).
+
+# Note [Two passes]
+# ~~~~~~~~~~~~~~~~~
+# Only the products need the bases; the elementwise ops need none. Where a refresher hands out a
+# batch's bases in several pieces (each valid until the next is read), the pieces are read twice:
+# the products into the bases in the refresher's order (``into``), every elementwise op once
+# over the whole batch (``between``), then the products back in the reverse order (``back``),
+# the last piece's bases still valid (a step of P0 P1 P2 reads P0 P1 P2 P1 P0), and the weights
+# updated once (``after``): the ops of one piece's ``whole``, bitwise, on the CPU
+# (tests/unit/test_two_passes.py).

@@ -1,0 +1,369 @@
+"""The plan of a step: every refresh decision of a parameter group's blocks at their step.
+
+Owns: ``Plan``, what ``Runtime.plan`` carries out once per parameter group and step over its
+shape groups (Note [One plan per step]): which blocks are due (the optimizer's schedule, the
+staggered slot or continuous room of schedule.py, the refresh lead and the urgency of Notes
+[Refresh lead], [First roots] and [Rank-deficient factors], decided here and nowhere else),
+which refresh in flight is installed (at its deadline, when ready and a due request waits for
+it, when the pacer allows it), which due request is coalesced into the refresh in flight, which
+is requested, and which the step waits for (``B = 0``, first roots, urgent ones: requested
+first, then helped and waited for together, then installed); the age of the basis each block's
+update reads; the error kept for the step's end (Note [All-or-nothing steps]); the decisions a
+step that raised skipped, finished before anything else changes (Note [Interrupted steps]);
+the blocks a continuous refresh may request; the reset of every block at a load.
+
+Must not: submit, wait or install itself (refreshes.py does), know how a snapshot is taken or
+where a basis lives, or take the runtime's lock (the facade holds it around every call).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from asteria.optim.groups import BlockGroup
+from asteria.optim.refresher import BlockKey, RefreshFailedError
+from asteria.runtime.refreshes import Refreshes
+from asteria.runtime.registry import Registry, StalenessTimeoutError
+from asteria.runtime.schedule import Pacer, Schedule
+
+__all__ = ["Plan"]
+
+
+class Plan:
+    """The step plans of one runtime (see module docstring).
+
+    ``error``: an exception of a step's decisions, raised at the step's end (Note
+    [All-or-nothing steps]); ``in_step``: whether a step began and has not ended; ``waiting``:
+    the waited-for refreshes of a plan not installed yet (an interrupted one's)."""
+
+    def __init__(
+        self, schedule: Schedule, refreshes: Refreshes, registry: Registry, pacer: Pacer
+    ) -> None:
+        self.schedule = schedule
+        self.refreshes = refreshes
+        self.registry = registry
+        self.pacer = pacer
+        self.optimizer = refreshes.optimizer
+        self.bases_field = refreshes.optimizer.bases_field
+        self.error: BaseException | None = None
+        self.in_step = False
+        #: per block: (refresh due, frequency, betas, refresh_urgent's answer): ``urgent``
+        self._urgency: dict[BlockKey, tuple] = {}
+        #: the blocks seen without a basis (no version) since the last reset: nothing but an
+        #: install (a version) or a load (``reset``) gives them one (Note [One plan per step])
+        self._bare: set[BlockKey] = set()
+        self.waiting: list[tuple] = []  # (key, entry, step, block, frequency), in plan order
+        s = schedule
+        #: the lead of a refresh and of a block's urgent one (Notes [Refresh lead], [First roots])
+        self.lead, self.first_lead = s.lead, 0 if s.wait_first else s.lead
+
+    def begin(self) -> None:
+        """A step begins (after :meth:`finish_interrupted`)."""
+        self.in_step = True
+        self.error = None
+
+    def end(self) -> None:
+        """The step ended: raise the first error of its plans (Note [All-or-nothing steps]:
+        the step was applied in full)."""
+        self.in_step = False
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    # -- one plan ----------------------------------------------------------------------------
+
+    def step(self, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
+        """Note [One plan per step]: the decisions of every block of ``groups`` at its step."""
+        schedule, entries, opt = self.schedule, self.registry.entries, self.optimizer
+        freq, lead, first_lead = hp["precondition_frequency"], self.lead, self.first_lead
+        staggered = schedule.staggered and self.refreshes.coherence is None
+        decide_all = schedule.continuous or (schedule.staggered and not staggered)
+        phases, bound = schedule.phases, schedule.bound(freq)
+        installs_seen, hist, bare = schedule.installs_seen, schedule.age_histogram, self._bare
+        for g in groups:
+            step = g.step
+            due_ahead = opt.refresh_due(step + lead, hp)
+            due_now = due_ahead if lead == first_lead else opt.refresh_due(step, hp)
+            if due_now or due_ahead or decide_all:  # every block decides
+                for key, block in zip(g.keys, g.blocks):
+                    self.decide(key, block, hp, step, due_ahead, due_now)
+                continue
+            slot = step % freq
+            for key, block in zip(g.keys, g.blocks):
+                e = entries.get(key)
+                if e is None or e.owed or e.pending is not None:
+                    self.decide(key, block, hp, step, False, False)
+                    continue
+                version = e.version
+                if version is None:  # no basis: only an install gives it one
+                    if key in bare:
+                        e.boundary_step = step
+                        continue
+                    self.decide(key, block, hp, step, False, False)
+                    continue
+                if staggered and (
+                    step - version >= freq
+                    or (step - version >= 1 and phases.get(e.name, slot) == slot)
+                ):
+                    self.decide(key, block, hp, step, False, False)  # its slot or interval
+                    continue
+                seen = installs_seen.get(e.name)
+                if seen is None or seen[0] != e.installs:
+                    schedule.record_age(e, step, freq)  # (an install since: its interval)
+                else:  # the age of a quiet block: ``Schedule.record_age``, inline
+                    age = step - version
+                    e.age = age
+                    if age > e.max_age:
+                        e.max_age = age
+                    if e.bound != bound:
+                        e.bound = bound
+                    hist[age] += 1
+                e.boundary_step = step
+        if self.waiting:
+            self.install_waited()
+
+    def decide(
+        self,
+        key: BlockKey,
+        block: dict,
+        hp: dict,
+        step: int,
+        due_ahead: bool,
+        due_now: bool,
+        forced: bool = False,
+    ) -> None:
+        """Note [Staleness contract] (schedule.py) for one block at ``step``: install what is due,
+        then request or coalesce; a refresh the step waits for is installed by
+        ``install_waited`` (after every request of the plan); measure the age of the basis this
+        step's update reads. ``forced``: a skipped decision of an interrupted step, due."""
+        schedule, refreshes = self.schedule, self.refreshes
+        freq = hp["precondition_frequency"]
+        e = refreshes.entry(key)
+        replicated = refreshes.coherence is not None and refreshes.replicated(key)
+        exact = schedule.fixed or replicated
+        urgent = False
+        if forced:
+            due = True
+        elif self.lead == self.first_lead:
+            due = due_ahead
+        else:  # Notes [First roots], [Rank-deficient factors]: as natively, at its step
+            urgent = (due_now or due_ahead) and self.urgent(key, block, step, hp)
+            due = due_now if urgent or not _has_bases(block, self.bases_field) else due_ahead
+        if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
+            if e.version is not None and (
+                schedule.continuous or (schedule.staggered and not exact)
+            ):
+                cost = lambda: _refresh_cost(block)  # noqa: E731 (asked once per block)
+                due = schedule.due(e, step, freq, due, exact, cost)
+        elif due and e.pending is not None:
+            self._install(key, e, step, block, replicated)  # older than this step's request
+        if e.version is None:
+            has_bases = _has_bases(block, self.bases_field)
+            if has_bases:
+                e.version = schedule.initial_version(step, freq)  # a basis made before us
+            else:
+                self._bare.add(key)  # until a refresh installs
+        else:
+            has_bases = True  # (what ``waits_for`` reads it for: a first refresh)
+        wait = due and schedule.wait_first and schedule.waits_for(e, due, has_bases, urgent)
+        schedule.urgent_waits += wait and urgent and e.version is not None
+        if not schedule.precedes_update:
+            schedule.record_age(e, step, freq)  # the update of this step read it already
+        if e.pending is not None and schedule.install_now(
+            e.pending, step, due or e.owed, exact, self.pacer, key
+        ):
+            self._install(key, e, step, block, replicated)
+        elif e.pending is not None and schedule.fixed and not replicated:
+            refreshes.maybe_spill(e)  # a finished refresh waiting for its install step
+        if due and e.pending is not None:
+            if not e.owed:
+                schedule.coalesced += 1
+            e.owed = True  # requested where the refresh in flight is installed
+        elif (
+            due
+            or (e.owed and e.pending is None)
+            or (not urgent and schedule.continuous and schedule.wants(key, e, exact))
+        ):
+            e.owed = False
+            refreshes.request(key, e, block, hp, step)
+            if e.pending is not None and (schedule.budget == 0 or wait):
+                if not replicated:  # waited for with the plan's others (``install_waited``)
+                    self.waiting.append((key, e, step, block, freq))
+                    e.boundary_step = step
+                    return
+                self._install(key, e, step, block, replicated)
+        if schedule.precedes_update:
+            schedule.record_age(e, step, freq)  # installed above, read by this step
+        e.boundary_step = step
+
+    def install_waited(self) -> None:
+        """Install the refreshes the plan waits for, in plan order, after running the jobs
+        queued up to the last of them on this thread (``Refreshes.help``), so that the workers
+        and the training thread compute them together, within one barrier (Note [Helping
+        within the deadline] in refreshes.py). One left by an interruption stays for the next
+        step's ``finish_interrupted``."""
+        waiting = self.waiting
+        refreshes, schedule = self.refreshes, self.schedule
+        since = time.perf_counter()
+        refreshes.help(waiting[-1][1], since + refreshes.config.barrier_timeout_s)
+        refreshes.barrier_since = since
+        try:
+            while waiting:
+                key, e, step, block, freq = waiting[0]
+                if e.pending is not None:
+                    self._install(key, e, step, block, False)
+                if schedule.precedes_update:
+                    schedule.record_age(e, step, freq)  # installed above, read by this step
+                del waiting[0]
+        finally:
+            refreshes.barrier_since = None
+
+    def urgent(self, key: BlockKey, block: dict, step: int, hp: dict) -> bool:
+        """``optimizer.refresh_urgent(block, step, hp)``, kept for the block's refresh interval:
+        its answer depends on the block's shapes, the refresh due at or after ``step`` and the
+        group's betas and frequency only."""
+        freq = hp["precondition_frequency"]
+        due_at = -(-step // freq) * freq
+        seen = self._urgency.get(key)
+        if seen is not None and seen[:3] == (due_at, freq, hp.get("betas")):
+            return seen[3]
+        urgent = self.optimizer.refresh_urgent(block, step, hp)
+        self._urgency[key] = (due_at, freq, hp.get("betas"), urgent)
+        return urgent
+
+    def _install(self, key: BlockKey, e: Any, step: int, block: dict, replicated: bool) -> None:
+        """Install ``e``'s refresh in flight; a refresh failure past the limit or a barrier
+        timeout is kept for the step's end, so that every block of the step is updated (Note
+        [All-or-nothing steps]). A timed-out refresh is dropped: the block keeps its basis."""
+        try:
+            self.refreshes.install_now(key, e, step, block, replicated)
+        except (RefreshFailedError, StalenessTimeoutError) as err:
+            if isinstance(err, StalenessTimeoutError) and e.pending is not None:
+                owed = e.owed
+                self.refreshes.drop(e)
+                e.owed = owed
+            if self.error is None:
+                self.error = err
+
+    # -- around the steps ------------------------------------------------------------------------
+
+    def candidates(self) -> list[tuple[int, BlockKey]]:
+        """The blocks a continuous refresh may request this step, with the version they will
+        have: none in flight, or a finished one (installed at their next decision)."""
+        out = []
+        for key, e in self.registry.entries.items():
+            p = e.pending
+            if e.version is not None and (p is None or (p.owner is None and p.done())):
+                out.append((e.version if p is None else p.requested, key))
+        return out
+
+    def finish_interrupted(self) -> None:
+        """Note [Interrupted steps]: after a step that raised before its end (a KeyboardInterrupt,
+        an error of the model's code in a closure-less step, ...), finish what its skipped
+        decisions owed: each runs now, at the block's step, as a due one (a refresh at its
+        deadline installed, a new one requested or coalesced)."""
+        coherence = self.refreshes.coherence
+        if coherence is not None and coherence.replicates:
+            if self.in_step:  # Note [A fault on one rank] in distributed.py: no repair
+                coherence.fail(
+                    f"rank {coherence.rank}'s step stopped before its end (an exception or a "
+                    "KeyboardInterrupt inside optimizer.step()), with its replicated blocks' "
+                    "syncs left out of step with the other ranks'"
+                )
+            coherence.check()
+        if self.waiting:  # installs of a step interrupted before its update read them
+            self.install_waited()
+        if not self.in_step:
+            return
+        refreshes = self.refreshes
+        for key, e in sorted(self.registry.entries.items()):
+            step = refreshes.current_step(key)
+            if step > e.boundary_step:  # its decision of that step did not run to its end
+                hp = refreshes.group_of(key)
+                self.decide(key, refreshes.block_state(key), hp, step, True, True, forced=True)
+        if self.waiting:
+            self.install_waited()
+        self.end()
+
+    def reset(self) -> None:
+        """The optimizer loaded a state: no step is under way, and every block's version is
+        taken from the loaded state at its next decision (Note [Transactional loads] in
+        asteria/optim/state_io.py)."""
+        self.in_step, self.error = False, None
+        self.waiting.clear()
+        self._urgency.clear()
+        self._bare.clear()
+        for e in self.registry.entries.values():
+            e.version, e.owed, e.consecutive_failures = None, False, 0
+            e.boundary_step = -1
+
+
+def _has_bases(block: dict, field: str) -> bool:
+    bases = block.get(field, ())
+    return bases.count(None) != len(bases)
+
+
+def _refresh_cost(block: dict) -> float:
+    """About what a block's refresh costs: an eigendecomposition (or root) of each factor,
+    ``d^3`` for a ``d x d`` one (Note [Staggered refresh] in schedule.py)."""
+    return float(sum(f.shape[0] ** 3 for f in block.get("factors", ()) if f is not None))
+
+
+# Note [One plan per step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The runtime decides a step's refreshes once per parameter group, over its shape groups
+# (``Plan.step``, from ``Runtime.plan``), not in a callback per block: most blocks of a step
+# decide nothing (not due, nothing in flight or owed), and for them the plan only measures the
+# age of the basis the step reads, in this frame, with no Python call (the staggered slot, the
+# interval and the age are compared inline). A block decides (``decide``) where its group's
+# step is due under the optimizer's schedule or the lead, where it has a refresh in flight or
+# owes a request, where its staggered slot or interval comes, under continuous refresh, and
+# before its first basis. The refreshes a step waits for (``B = 0``, first roots, urgent ones:
+# Notes [First roots], [Rank-deficient factors] in schedule.py) are all requested first and
+# installed together (``install_waited``), after the training thread has run the jobs queued up
+# to the last of them (Note [Helping waiters] in csrc/core/worker_pool.cpp): the workers and the
+# training thread compute a step's spike together, as the same results, versions and ages as
+# installing at once (tests/unit/test_deferred_installs.py). A replicated block installs at its
+# decision (its install is a collective, in an order every rank shares). The decisions are the
+# staleness contract's (tests/unit/test_staleness_contract.py, test_properties.py); the calls,
+# tests/unit/test_seam.py.
+
+# Note [All-or-nothing steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What an exception inside ``optimizer.step()`` leaves, with a runtime attached:
+#   * a refresh failing ``max_consecutive_failures`` times in a row (or crashing in a worker), a
+#     barrier timeout: the step runs to its end, every parameter updated with the bases it has
+#     (a timed-out refresh is dropped, the block keeps its basis and requests again at its next
+#     due decision; later barriers of that step do not wait), and ``end`` raises the first such
+#     error: the step is complete, the next ``step()`` is an ordinary one. Native mode does the
+#     same for refresh failures (Note [Refresh failures] in asteria/optim/refresher.py);
+#   * a block whose statistics failed on the lane: every later ``step()`` raises
+#     ``StatisticsLaneError`` at its start, before it changes anything (``StatisticsLane.check``);
+#     the step that was running when the lane failed stops at the failed block's first wait;
+#   * anything else (a KeyboardInterrupt, an error of a split update): the step stops where it
+#     was, some parameters updated and some not, and the next step is a complete one (Note
+#     [Interrupted steps]). A rollback of every parameter and state tensor would cost a copy of
+#     all of them at every step, to undo what the user chose to interrupt.
+# The runtime's own invariants are checked where its state changes (``Registry.record_install``:
+# an install outside ``[t, t + B]`` is a bug of the runtime, an AssertionError the tests find);
+# no fault of the user's or of the machine reaches one. tests/unit/test_all_or_nothing_steps.py
+# has every fault of issue 22 (hypothesis over optimizer x runtime x fault x the step and the
+# point at which it strikes), each ending in a clear error with the state unchanged, or in a run
+# that keeps the staleness contract, with no thread left after ``close()``.
+
+# Note [Interrupted steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A step that raised before its end (``Plan.in_step`` still set) may have updated a block
+# without running its decision, where a refresh at its deadline was due to be installed: left
+# so, the next decision would install it a step past its budget. Every block's entry keeps the
+# step whose decision last ran to its end (``boundary_step``); before the next step changes
+# anything (and before ``state_dict``, ``close``, or a module signal installs), the facade calls
+# ``Plan.finish_interrupted``, which finishes the skipped decisions: a refresh whose deadline is
+# the block's step is installed there (waiting for it, as the decision would have), and a
+# refresh is requested (or coalesced into the one in flight) as if that decision were due: the
+# request it may have owed, from the same step, so that the age of the basis stays within its
+# bound. Requests and installs are atomic against interruption: a refresh is in flight once all
+# its jobs are submitted, and stays in flight until its results are installed (refreshes.py), so
+# an interrupted one is installed again, never twice, and never half. A statistics lane wait
+# that is interrupted keeps its work for the next wait.
