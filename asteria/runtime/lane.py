@@ -191,7 +191,7 @@ class StatisticsLane:
         future.seq = self._count
         with self._lock:
             self._last.update(dict.fromkeys(keys, future))
-        self.submitted += 1
+        self.submitted += len(keys)  # (block updates)
         return future
 
     def call(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> LaneWork:

@@ -55,8 +55,10 @@ class Plan:
         self._bare: set[BlockKey] = set()
         self.waiting: list[tuple] = []  # (key, entry, step, block, frequency), in plan order
         s = schedule
-        #: the lead of a refresh and of a block's urgent one (Notes [Refresh lead], [First roots])
-        self.lead, self.first_lead = s.lead, 0 if s.wait_first else s.lead
+        #: the lead of a refresh and of a block's urgent one (Notes [Refresh lead], [First
+        #: roots]): only an optimizer whose update reads its own step's refresh requests ahead
+        lead = s.lead if s.precedes_update else 0
+        self.lead, self.first_lead = lead, 0 if s.wait_first else lead
 
     def begin(self) -> None:
         """A step begins (after :meth:`finish_interrupted`)."""

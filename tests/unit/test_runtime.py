@@ -767,16 +767,16 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
     are bitwise those of native mode. An error in the lane's half reaches the step as is."""
     import threading
 
-    import asteria.optim.soap as soap_module
+    from asteria.optim.kernels import soap as soap_module
 
     calls: list[tuple[str, int]] = []
-    real = soap_module._update_batched
+    real = soap_module.whole
 
-    def spy(blocks, *args):
-        calls.append((threading.current_thread().name, sum(c.grad.numel() for c, _ in blocks)))
-        real(blocks, *args)
+    def spy(groups, *args):
+        calls.append((threading.current_thread().name, sum(g.numel * len(g) for g in groups)))
+        real(groups, *args)
 
-    monkeypatch.setattr(soap_module, "_update_batched", spy)
+    monkeypatch.setattr(soap_module, "whole", spy)
     problem = StochasticQuartic([(12, 10), (6, 6), (5, 6), (4, 3, 2), (7,)], 40, torch.float32)
     native = problem.run(lambda ps: SOAP(ps, precondition_frequency=5))
     assert len(calls) == 39  # the first step initializes the bases and does not update
@@ -791,12 +791,12 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
         else:
             assert not lane and len(mine) == 39
 
-    def broken(blocks, *args):
+    def broken(groups, *args):
         if threading.current_thread().name.startswith("asteria-statistics"):
             raise ValueError("broken on the lane")
-        real(blocks, *args)
+        real(groups, *args)
 
-    monkeypatch.setattr(soap_module, "_update_batched", broken)
+    monkeypatch.setattr(soap_module, "whole", broken)
     with pytest.raises(ValueError, match="broken on the lane"):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
 
@@ -806,16 +806,16 @@ def test_kl_shampoo_update_is_split_with_the_statistics_lane(runtimes, monkeypat
     bitwise native at S = 0, and split = unsplit with refreshes in flight."""
     import threading
 
-    import asteria.optim.kl_shampoo as kl_module
+    from asteria.optim.kernels import kl_shampoo as kl_module
 
     calls: list[tuple[str, int]] = []
-    real = kl_module._update_blocks
+    real = kl_module.whole
 
-    def spy(blocks, *args):
-        calls.append((threading.current_thread().name, len(blocks)))
-        real(blocks, *args)
+    def spy(groups, *args):
+        calls.append((threading.current_thread().name, sum(len(g) for g in groups)))
+        real(groups, *args)
 
-    monkeypatch.setattr(kl_module, "_update_blocks", spy)
+    monkeypatch.setattr(kl_module, "whole", spy)
     problem = StochasticQuartic(SHAPES, 40, torch.float32)
     native = problem.run(lambda ps: KLShampoo(ps, precondition_frequency=5))
     assert [n for _, n in calls] == [3] * 39  # one call per step, the three matrix blocks
