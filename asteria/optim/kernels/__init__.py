@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from asteria.optim.groups import BlockGroup
+from asteria.optim.groups import BlockGroup, build
 
-__all__ = ["Work", "shampoo_beta"]
+__all__ = ["Kernel", "Work", "shampoo_beta"]
 
 
 class Work(NamedTuple):
@@ -34,3 +34,36 @@ def shampoo_beta(hp: dict[str, Any]) -> float:
     """The group's factor EMA coefficient: ``shampoo_beta``, or ``betas[1]`` when unset/negative."""
     sb = hp["shampoo_beta"]
     return hp["betas"][1] if sb is None or sb < 0 else sb
+
+
+class Kernel:
+    """A kernel of one's own (docs/extending.md): the defaults of one that reads the bases once
+    (``passes`` 1) and updates a piece whole (``whole``, also ``into`` where the bases come in
+    several pieces); ``begin`` counts every parameter's step and puts its blocks in shape groups
+    with views of the gradient (``"grad"``) and of the parameter (``"weight"``)."""
+
+    passes = 1
+    bases_field = "bases"
+
+    def begin(self, hp: dict[str, Any], updates: list[Any]) -> Work:
+        for u in updates:
+            u.state["step"] += 1
+        views = {"grad": [u.grad for u in updates], "weight": [u.p for u in updates]}
+        groups = build(updates, views, self.bases_field)
+        return Work(groups, [g for g in groups if g.factored], updates)
+
+    def statistics(self, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
+        """The factor statistics of the step's factored groups."""
+
+    def whole(self, groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
+        """The update of a piece's groups with their ``bases`` (per group and block)."""
+        raise NotImplementedError
+
+    def into(self, groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
+        self.whole(groups, bases, hp)
+
+    def between(self, work: Work, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
+        pass
+
+    def end(self, work: Work, hp: dict[str, Any]) -> None:
+        pass

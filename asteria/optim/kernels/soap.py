@@ -28,15 +28,24 @@ __all__ = ["after", "back", "begin", "between", "end", "into", "passes", "statis
 passes = 2
 
 
+class _Normalized:
+    """The blocks' updates of the parameters of several blocks under ``normalize_grads``,
+    applied at ``end`` (the authors normalize a parameter's whole update, which batches may
+    hold parts of): the tag of their groups."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple] = []
+
+
 def begin(hp: dict[str, Any], updates: list[Any]) -> Work:
     """Every parameter's step counted; its blocks in shape groups, each with its step size
     (``scale``); a parameter of several blocks under ``normalize_grads`` tagged (the authors
-    normalize its whole update)."""
+    normalize its whole update: ``end``)."""
     beta1, beta2 = hp["betas"]
-    tags = []
+    normalized, tags = _Normalized(), []
     for u in updates:
         u.state["step"] += 1
-        tags.append(hp["normalize_grads"] and len(u.state["blocks"]) > 1)
+        tags.append(normalized if hp["normalize_grads"] and len(u.state["blocks"]) > 1 else None)
     grads, weights = [u.grad for u in updates], [u.p for u in updates]
     groups = build(updates, {"grad": grads, "weight": weights}, "bases", tags)
     for g in groups:
@@ -44,7 +53,7 @@ def begin(hp: dict[str, Any], updates: list[Any]) -> Work:
         if hp["correct_bias"]:
             step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
         g.scale = step_size
-    return Work(groups, [g for g in groups if g.factored], updates)
+    return Work(groups, [g for g in groups if g.factored], updates, normalized)
 
 
 def whole(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
@@ -88,17 +97,17 @@ def back(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
     ``normalize_grads`` (a tagged group's by its parameter's, in ``after``)."""
     normalize = hp["normalize_grads"]
     for g, qs in zip(groups, bases):
-        g.tmp = _rotate(g, qs, g.tmp, False, normalize and not g.tag)
+        g.tmp = _rotate(g, qs, g.tmp, False, normalize and g.tag is None)
 
 
 def after(work: Work | None, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
     """``W <- W - step_size * update`` per block, one op per step size; a tagged parameter's
-    blocks divided by the RMS of its whole update first (the authors' ``normalize_grads``)."""
+    blocks kept for ``end``."""
     by_size: dict[float, tuple[list, list]] = {}
-    tagged = []
     for g in groups:
-        if g.tag:
-            tagged.extend(zip(g.keys, g.views["weight"], g.tmp, [g.scale] * len(g)))
+        if g.tag is not None:
+            g.tag.parts.extend(zip(g.keys, g.views["weight"], g.tmp, [g.scale] * len(g)))
+            g.tmp = None
             continue
         weights, updates = by_size.setdefault(g.scale, ([], []))
         weights.extend(g.views["weight"])
@@ -106,8 +115,6 @@ def after(work: Work | None, groups: list[BlockGroup], hp: dict[str, Any]) -> No
         g.tmp = None
     for step_size, (weights, updates) in by_size.items():
         torch._foreach_add_(weights, updates, alpha=-step_size)
-    if tagged:
-        _apply_normalized(sorted(tagged, key=_first))
 
 
 def _first(item: tuple) -> Any:
@@ -128,7 +135,10 @@ def _apply_normalized(parts: list[tuple]) -> None:
 
 
 def end(work: Work, hp: dict[str, Any]) -> None:
-    """Decoupled weight decay, after the update."""
+    """The tagged parameters' updates, each divided by the RMS of the whole (the authors'
+    ``normalize_grads``); then decoupled weight decay."""
+    if work.extra.parts:
+        _apply_normalized(sorted(work.extra.parts, key=_first))
     if hp["weight_decay"] > 0.0:
         ps = [u.p for u in work.updates]
         torch._foreach_add_(ps, ps, alpha=-hp["lr"] * hp["weight_decay"])
