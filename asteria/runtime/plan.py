@@ -144,13 +144,13 @@ class Plan:
         e = refreshes.entry(key)
         replicated = refreshes.coherence is not None and refreshes.replicated(key)
         exact = schedule.fixed or replicated
-        urgent = False
+        # Notes [First roots], [Rank-deficient factors]: as natively, at its step
+        urgent = schedule.wait_first and self.urgent(key, block, step, hp)
         if forced:
             due = True
         elif self.lead == self.first_lead:
             due = due_ahead
-        else:  # Notes [First roots], [Rank-deficient factors]: as natively, at its step
-            urgent = (due_now or due_ahead) and self.urgent(key, block, step, hp)
+        else:
             due = due_now if urgent or not _has_bases(block, self.bases_field) else due_ahead
         if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
             if e.version is not None and (

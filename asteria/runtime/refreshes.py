@@ -177,7 +177,8 @@ class Refreshes:
         """Submit ``e``'s refresh if its snapshot has landed (when ``wait``, once it has)."""
         pending = e.pending
         if wait or self.snapshots.ready(pending.copies[0]):
-            self._submit(pending, pending.copies.pop())
+            self._submit(pending, pending.copies[0])
+            pending.copies.clear()  # (an interrupted submission is made again, whole)
 
     def step_end(self) -> None:
         """Submit what landed this step; spill and page in (the spill tier)."""

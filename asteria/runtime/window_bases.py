@@ -142,7 +142,8 @@ class WindowBases(BasesAccess):
             out = []
             for j, run in enumerate(piece.runs):
                 key, srcs = self._key(run), self._srcs(run)
-                fit = lambda need, key=key: self._fit(key, need, self.window)  # noqa: E731
+                first = run[0].keys[0]  # (the block a message names)
+                fit = lambda need, first=first: self._fit(first, need, self.window)  # noqa: E731
                 last = j == len(piece.runs) - 1
                 views = self.window.use(key, srcs, upcoming if last else None, j > 0, fit)
                 at = 0
@@ -197,7 +198,7 @@ class WindowBases(BasesAccess):
             keys = tuple([items[i][0] for i in piece])
             key = keys if len(keys) > 1 else keys[0]
             flat = [q for i in piece for q in hosted[i]]
-            fit = lambda need, key=key: self._fit(key, need, self.window)  # noqa: E731
+            fit = lambda need, first=keys[0]: self._fit(first, need, self.window)  # noqa: E731
             views = self.window.use(key, flat, None, False, fit)
             at = 0
             for i in piece:  # the views are valid until the next fill: install the piece now

@@ -222,17 +222,17 @@ def test_an_interrupted_lane_wait_keeps_the_work():
 
 #: Where a KeyboardInterrupt may strike: the entry of these calls, counted over one step.
 _INTERRUPTIBLE = [
-    (Runtime, "block_boundary"),
+    (Runtime, "plan"),
     (Runtime, "accumulate"),
-    (Runtime, "bases"),
-    (Runtime, "block_begin"),
-    (Runtime, "step_end"),
+    (Runtime, "pieces"),
+    (Runtime, "run"),
+    (Runtime, "end"),
     (refreshes_module.Refreshes, "wait"),
-    (refreshes_module.Refreshes, "install"),
-    (refreshes_module.Refreshes, "install_results"),
+    (refreshes_module.Refreshes, "install_many"),
+    (refreshes_module.Refreshes, "_installed"),
     (refreshes_module.Refreshes, "request"),
     (StatisticsLane, "wait"),
-    (NativeRefresher, "block_boundary"),
+    (NativeRefresher, "plan"),
 ]
 
 
@@ -240,7 +240,7 @@ _INTERRUPTIBLE = [
 def _interrupt_at(call: int, opt_class):
     """Raise KeyboardInterrupt at the entry of the ``call``-th interruptible call."""
     targets = _INTERRUPTIBLE + [
-        (opt_class, "_update_params"),
+        (opt_class, "_run_group"),
         (opt_class, "install_refresh"),
         (opt_class, "refresh_jobs"),
     ]

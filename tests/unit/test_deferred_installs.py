@@ -1,4 +1,4 @@
-"""Note [Deferred installs] (asteria/runtime/boundary.py) and Note [Helping waiters]
+"""Note [One plan per step] (asteria/runtime/plan.py) and Note [Helping waiters]
 (csrc/core/worker_pool.cpp): the refreshes a Shampoo step waits for at once are all requested
 before the first of them is installed, the training thread computes some of them itself, and
 the step's results are those of installing each at its boundary: bitwise native at ``S = 0``
@@ -89,7 +89,7 @@ def test_waited_refreshes_train_bitwise_native(
     with arch, Runtime(None, opt, config) as rt:
         left: list[int] = []
         got = _train(
-            params, opt, horizon, frequency, lambda t: left.append(len(rt._boundaries.deferred))
+            params, opt, horizon, frequency, lambda t: left.append(len(rt._plan.waiting))
         )
         stats = rt.stats()
         access = rt.memory_report()["placement"]["bases_access"]
@@ -162,11 +162,11 @@ def test_an_interrupted_install_is_finished_at_its_step(nth, staleness, frequenc
                     opt.step()
                 except KeyboardInterrupt:
                     interrupted_at = t + 1
-                    left = list(rt._boundaries.deferred)
+                    left = list(rt._plan.waiting)
         finally:
             Refreshes.install_now = original
         stats = rt.stats()
-        assert not rt._boundaries.deferred
+        assert not rt._plan.waiting
     if interrupted_at is not None:  # (an install at a boundary leaves nothing deferred)
         assert all(step == interrupted_at for _, _, step, _, _ in left)
     assert stats["basis_age"]["max"] <= stats["basis_age"]["bound"]
