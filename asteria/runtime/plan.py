@@ -83,19 +83,31 @@ class Plan:
         decide_all = schedule.continuous or (schedule.staggered and not staggered)
         phases, bound = schedule.phases, schedule.bound(freq)
         installs_seen, hist, bare = schedule.installs_seen, schedule.age_histogram, self._bare
+        urgency, betas, field = self._urgency, hp.get("betas"), self.bases_field
         for g in groups:
             step = g.step
             due_ahead = opt.refresh_due(step + lead, hp)
             due_now = due_ahead if lead == first_lead else opt.refresh_due(step, hp)
-            if due_now or due_ahead or decide_all:  # every block decides
+            if decide_all or (due_now and due_ahead):  # every block decides
                 for key, block in zip(g.keys, g.blocks):
                     self.decide(key, block, hp, step, due_ahead, due_now)
                 continue
-            slot = step % freq
+            mixed = due_now != due_ahead  # the lead or a block's urgency decides (``decide``)
+            due_at, slot = -(-step // freq) * freq, step % freq
             for key, block in zip(g.keys, g.blocks):
                 e = entries.get(key)
-                if e is None or e.owed or e.pending is not None:
-                    self.decide(key, block, hp, step, False, False)
+                due = due_ahead
+                if mixed:
+                    bases = block[field]
+                    seen = urgency.get(key)
+                    if bases.count(None) == len(bases):
+                        due = due_now  # (a first refresh: no lead)
+                    elif seen is not None and seen[0] == due_at and seen[1:3] == (freq, betas):
+                        due = due_now if seen[3] else due_ahead  # (kept for the interval)
+                    else:
+                        due = due_now if self.urgent(key, block, step, hp) else due_ahead
+                if due or e is None or e.owed or e.pending is not None:
+                    self.decide(key, block, hp, step, due_ahead, due_now)
                     continue
                 version = e.version
                 if version is None:  # no basis: only an install gives it one
