@@ -16,7 +16,6 @@ runtime that may take refreshes off the critical path. Subclasses say ``kernel``
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -26,20 +25,8 @@ from torch.optim import Optimizer
 
 from asteria import _compat
 from asteria.optim import groups as grouping
-from asteria.optim.blocking import (
-    FACTOR_BUDGET_DIM,
-    FACTOR_BUDGET_RATIO,
-    FactorBudgetWarning,
-    ParamLayout,
-    without_factors,
-)
-from asteria.optim.checks import (
-    check_lr,
-    check_range,
-    drop_duplicates,
-    options_of,
-    param_list,
-)
+from asteria.optim.blocking import ParamLayout, warn_over_budget, without_factors
+from asteria.optim.checks import check_lr, check_range, drop_duplicates, param_list
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.optim.overflow import GradientChecks
 from asteria.optim.refresher import BlockKey, NativeRefresher, Refresher, RefreshJob, Update
@@ -52,7 +39,6 @@ from asteria.optim.tensors import (
     _promoted,
     local_tensor,
     no_autocast,
-    state_dtype,
 )
 
 __all__ = ["KroneckerOptimizer", "ParamsT"]
@@ -455,55 +441,6 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                     k.back(piece.groups, piece.bases(), hp)
                 k.after(work, done, hp)
 
-    def _check_before_step(self, todo: list[tuple[int, dict[str, Any], torch.Tensor]]) -> dict:
-        """Note [Refused steps] in checks.py: what a step would fail on midway, refused before it
-        changes anything: a group's options edited since they were last checked
-        (``param_groups[i]["lr"] = -1``: the constructor's checks, ``_validate_group``), and a
-        parameter whose shape, dtype or blocking options changed under its state (``p.data =
-        ...`` of another shape, ``max_preconditioner_dim`` edited after the first step). Returns
-        each group's options (by identity)."""
-        name = type(self).__name__
-        seen_options: dict[int, tuple] = {}
-        for pid, group, p in todo:
-            options = seen_options.get(id(group))
-            if options is None:
-                options = seen_options[id(group)] = self._checked_group(group)
-            state = self.state.get(p)
-            if not state or state.get("step") == PLACEHOLDER_STEP:
-                continue
-            quick = (p.shape, p.dtype, options)
-            kept = self._state_keys.get(id(p))
-            if kept is not None and kept[0] == quick:
-                continue
-            now = (self._layout_key(local_tensor(p), group), state_dtype(p))
-            seen = now if kept is None else kept[1]
-            if seen != now:
-                what = self.param_names.get(pid, f"param{pid}")
-                raise ValueError(
-                    f"{name}.step: parameter '{what}' (index {pid}) has state for shape, "
-                    f"blocking options and state dtype {seen}, but is now {now}: its state does "
-                    "not fit it. Nothing was updated; to change a parameter's shape, dtype or "
-                    "blocking after its first step, make a new optimizer (or clear its state: "
-                    "del opt.state[p])"
-                )
-            self._state_keys[id(p)] = (quick, now)
-        return seen_options
-
-    def _checked_group(self, group: dict[str, Any]) -> tuple:
-        """``group``'s options, checked with the constructor's checks where they changed."""
-        options = options_of(group)
-        if self._checked_options.get(id(group)) != options:
-            try:
-                self._validate_group(group)
-            except (ValueError, TypeError, KeyError) as err:
-                index = next(i for i, g in enumerate(self.param_groups) if g is group)
-                raise ValueError(
-                    f"{type(self).__name__}.step: param_groups[{index}] was changed to a value "
-                    f"the optimizer does not take: {err}; nothing was updated"
-                ) from None
-            self._checked_options[id(group)] = options
-        return options
-
     def _first_step(self, pid, p, grad, group, state, layout) -> bool:
         """``_init_param`` (whether the parameter also steps now); a matrix function that fails
         there (the first eigenbases) names the parameter (Note [Overflowing gradients]: a step's
@@ -562,42 +499,14 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                 layout = without_factors(layout)  # Note [Factor budget] in blocking.py
             cached = (key, quick, layout)
             if layout.over_budget and not self._budget_warned:
-                self._warn_over_budget(p, local, layout, group)
+                self._budget_warned = True  # Note [Factor budget] in blocking.py: once
+                flat = [q for g in self.param_groups for q in g["params"]]
+                pid = next((i for i, q in enumerate(flat) if q is p), None)
+                name = "?" if pid is None else self.param_names.get(pid, f"param{pid}")
+                opt_name, some = type(self).__name__, self.factors_some_dims
+                warn_over_budget(opt_name, name, local, layout, group, some)
         self._layouts[id(p)] = (key, quick, cached[2])
         return cached[2]
-
-    def _warn_over_budget(
-        self, p: torch.Tensor, local: torch.Tensor, layout: ParamLayout, group: dict[str, Any]
-    ) -> None:
-        """Note [Factor budget] in blocking.py: once per optimizer, the first parameter a dim of
-        which is left without a factor."""
-        self._budget_warned = True
-        flat = [q for g in self.param_groups for q in g["params"]]
-        pid = next((i for i, q in enumerate(flat) if q is p), None)
-        name = "?" if pid is None else self.param_names.get(pid, f"param{pid}")
-        dims = ", ".join(
-            f"dim {i} ({layout.view_shape[i]}: a factor of up to "
-            f"{min(layout.view_shape[i], group['max_preconditioner_dim'])} wide)"
-            for i in layout.over_budget
-        )
-        where = (
-            f"along {dims}"
-            if self.factors_some_dims
-            else f"(every dim: {type(self).__name__} factors all dims of a block or none) for "
-            f"{dims}"
-        )
-        warnings.warn(
-            f"{type(self).__name__}: parameter '{name}' of shape {tuple(local.shape)} (viewed as "
-            f"{layout.view_shape}) is left unpreconditioned {where}, as the SOAP authors "
-            f"leave a dim above max_precond_dim: the factor would be wider than "
-            f"{FACTOR_BUDGET_DIM} and hold more than {FACTOR_BUDGET_RATIO} times the elements of "
-            "the block it preconditions (Note [Factor budget] in asteria/optim/blocking.py: "
-            "about 90 s a refresh and 400 MB at 10000 wide on a CPU). To precondition it, "
-            "reshape the parameter so that no dim is much longer than the others. Shown once "
-            "per optimizer.",
-            FactorBudgetWarning,
-            stacklevel=4,
-        )
 
     def _layout_key(self, p: torch.Tensor, group: dict[str, Any]) -> tuple:
         return (tuple(p.shape), group["max_preconditioner_dim"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "make_layout",
     "merge_small_dims",
     "over_budget",
+    "warn_over_budget",
     "without_factors",
 ]
 
@@ -185,3 +187,30 @@ def make_layout(
         for idx in itertools.product(*per_dim)
     )
     return ParamLayout(view_shape=view, blocks=blocks, over_budget=over)
+
+
+def warn_over_budget(
+    optimizer: str, name: str, p: torch.Tensor, layout: ParamLayout, group: dict, some_dims: bool
+) -> None:
+    """Note [Factor budget]: the warning, once per optimizer, for the first parameter (``name``,
+    ``p`` its local tensor) a dim of which is left without a factor (every dim where the
+    optimizer factors all dims of a block or none: ``some_dims`` False)."""
+    dims = ", ".join(
+        f"dim {i} ({layout.view_shape[i]}: a factor of up to "
+        f"{min(layout.view_shape[i], group['max_preconditioner_dim'])} wide)"
+        for i in layout.over_budget
+    )
+    every = f"(every dim: {optimizer} factors all dims of a block or none) for {dims}"
+    where = f"along {dims}" if some_dims else every
+    warnings.warn(
+        f"{optimizer}: parameter '{name}' of shape {tuple(p.shape)} (viewed as "
+        f"{layout.view_shape}) is left unpreconditioned {where}, as the SOAP authors "
+        f"leave a dim above max_precond_dim: the factor would be wider than "
+        f"{FACTOR_BUDGET_DIM} and hold more than {FACTOR_BUDGET_RATIO} times the elements of "
+        "the block it preconditions (Note [Factor budget] in asteria/optim/blocking.py: "
+        "about 90 s a refresh and 400 MB at 10000 wide on a CPU). To precondition it, "
+        "reshape the parameter so that no dim is much longer than the others. Shown once "
+        "per optimizer.",
+        FactorBudgetWarning,
+        stacklevel=4,
+    )

@@ -1,7 +1,8 @@
-"""The gradient checks of a step: non-finite gradients and gradients that would overflow the
-optimizer's statistics, each skipping its parameter for the step.
+"""The checks of a step before it changes anything: refused inputs, non-finite gradients and
+gradients that would overflow the optimizer's statistics.
 
-Owns: ``GradientChecks``, the part of ``KroneckerOptimizer`` (base.py) that decides, before any
+Owns: ``GradientChecks``, the part of ``KroneckerOptimizer`` (base.py) that refuses a step whose
+groups or parameters no longer fit (Note [Refused steps] in checks.py) and decides, before any
 update, which parameters a step skips, counts the skips and warns once.
 
 Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
@@ -43,8 +44,8 @@ from typing import Any
 
 import torch
 
-from asteria.optim.checks import OVERFLOW, gradient_verdicts
-from asteria.optim.tensors import _is_placeholder, state_dtype
+from asteria.optim.checks import OVERFLOW, gradient_verdicts, options_of
+from asteria.optim.tensors import PLACEHOLDER_STEP, _is_placeholder, local_tensor, state_dtype
 
 #: Statistics are kept this far below the dtype's largest value: their EMAs and sums add two
 #: terms that are each below it (Note [Overflowing gradients]).
@@ -60,6 +61,55 @@ class GradientChecks:
     """The gradient checks of ``KroneckerOptimizer`` (a mixin of it: the attributes it reads,
     ``skip_nonfinite_grads``, ``nonfinite_grads``, ``param_names`` and ``_summed_bounds``,
     are set in its ``__init__``)."""
+
+    def _check_before_step(self, todo: list[tuple[int, dict[str, Any], torch.Tensor]]) -> dict:
+        """Note [Refused steps] in checks.py: what a step would fail on midway, refused before it
+        changes anything: a group's options edited since they were last checked
+        (``param_groups[i]["lr"] = -1``: the constructor's checks, ``_validate_group``), and a
+        parameter whose shape, dtype or blocking options changed under its state (``p.data =
+        ...`` of another shape, ``max_preconditioner_dim`` edited after the first step). Returns
+        each group's options (by identity)."""
+        name = type(self).__name__
+        seen_options: dict[int, tuple] = {}
+        for pid, group, p in todo:
+            options = seen_options.get(id(group))
+            if options is None:
+                options = seen_options[id(group)] = self._checked_group(group)
+            state = self.state.get(p)
+            if not state or state.get("step") == PLACEHOLDER_STEP:
+                continue
+            quick = (p.shape, p.dtype, options)
+            kept = self._state_keys.get(id(p))
+            if kept is not None and kept[0] == quick:
+                continue
+            now = (self._layout_key(local_tensor(p), group), state_dtype(p))
+            seen = now if kept is None else kept[1]
+            if seen != now:
+                what = self.param_names.get(pid, f"param{pid}")
+                raise ValueError(
+                    f"{name}.step: parameter '{what}' (index {pid}) has state for shape, "
+                    f"blocking options and state dtype {seen}, but is now {now}: its state does "
+                    "not fit it. Nothing was updated; to change a parameter's shape, dtype or "
+                    "blocking after its first step, make a new optimizer (or clear its state: "
+                    "del opt.state[p])"
+                )
+            self._state_keys[id(p)] = (quick, now)
+        return seen_options
+
+    def _checked_group(self, group: dict[str, Any]) -> tuple:
+        """``group``'s options, checked with the constructor's checks where they changed."""
+        options = options_of(group)
+        if self._checked_options.get(id(group)) != options:
+            try:
+                self._validate_group(group)
+            except (ValueError, TypeError, KeyError) as err:
+                index = next(i for i, g in enumerate(self.param_groups) if g is group)
+                raise ValueError(
+                    f"{type(self).__name__}.step: param_groups[{index}] was changed to a value "
+                    f"the optimizer does not take: {err}; nothing was updated"
+                ) from None
+            self._checked_options[id(group)] = options
+        return options
 
     def _check_grad_kind(self, grad: torch.Tensor) -> None:
         if grad.is_sparse:

@@ -3,7 +3,7 @@
 Owns: where a block's bases (SOAP's and KL-Shampoo's eigenbases, Shampoo's inverse roots) live
 while the runtime is attached, how an install puts new ones there, and what the optimizer reads
 (``Refresher.pieces``: the pieces a step's shape groups are read in, and their bases).
-``attach.choose_bases`` picks one from the tier policy's ``bases_access``:
+``parts.choose_bases`` picks one from the tier policy's ``bases_access``:
 
 * ``DeviceBases`` (``direct``): in the block's own tensors, on the parameters' device, as in
   native mode. On CPU with the statistics lane, an install that computes (SOAP's rotation of

@@ -1,7 +1,7 @@
 """``RuntimeConfig``: every knob of Asteria's runtime, validated once.
 
 Owns: the defaults and the allowed ranges (a ``ValueError`` names the argument and the range).
-Must not: create threads, pools or streams (``attach.build`` does, from a validated config).
+Must not: create threads, pools or streams (``parts.build`` does, from a validated config).
 """
 
 from __future__ import annotations

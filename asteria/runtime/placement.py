@@ -3,10 +3,11 @@
 Owns: ``Submission`` (a job with its name, version, deadline and inputs: what every executor
 takes), ``Executors``, what the runtime's refreshes and snapshots submit to, which places each
 job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh placement]); the moving
-averages of the jobs' measured durations per executor, kind and size (``Durations``); each executor's backlog; the room the executors have for more work (what
-continuous refresh asks, Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one
-thread running jobs with torch, in deadline order, on its own least-priority CUDA stream, or on
-the CPU (the stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
+averages of the jobs' measured durations per executor, kind and size (``Durations``); each
+executor's backlog; the room the executors have for more work (what continuous refresh asks,
+Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one thread running jobs
+with torch, in deadline order, on its own least-priority CUDA stream, or on the CPU (the
+stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
 
 Must not: decide when a refresh is requested or installed (schedule.py), install, or change what
 a job computes (the optimizer's ``RefreshJob`` does; both executors run the same functions: the

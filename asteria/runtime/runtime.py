@@ -2,7 +2,7 @@
 
 Owns: the facade over the runtime's parts (docs/architecture.md): it has them made when it
 attaches to a SOAP / KL-Shampoo / Shampoo optimizer as its ``Refresher`` (optim/refresher.py;
-``attach.build``), holds the lock every part runs under, routes each call of the optimizer's step
+``parts.build``), holds the lock every part runs under, routes each call of the optimizer's step
 to the part that owns it, and takes everything down again at ``close()``. Asteria mode, part by
 part (docs/architecture.md):
 
@@ -53,7 +53,7 @@ from asteria.optim.base import KroneckerOptimizer
 from asteria.optim.groups import BlockGroup
 from asteria.optim.refresher import BlockKey, Piece
 from asteria.optim.state_io import blocks_of
-from asteria.runtime import attach, report, state
+from asteria.runtime import parts, report, state
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.lane import halves, run_statistics
 from asteria.runtime.registry import BlockView
@@ -107,7 +107,7 @@ class Runtime:
         self._signals_open = True  # Note [One install batch per step]
         self.per_step: dict[str, list[float]] = {"step_ms": [], "barrier_wait_ms": []}
         # every part, made once (attach.py; a refused attach leaves no thread, hook or file)
-        self._parts = p = attach.build(self, model, optimizer, c, distributed, ranks_per_node)
+        self._parts = p = parts.build(self, model, optimizer, c, distributed, ranks_per_node)
         self.block_name, self.registry, self.schedule = p.block_name, p.registry, p.schedule
         self.arch, self.placement = p.choices.arch, p.choices.placement
         self._lane, self._bases, self._refreshes = p.lane, p.bases, p.refreshes
@@ -119,7 +119,7 @@ class Runtime:
         # a test's live settings, read where a statistics update is handed in: a dict look-up,
         # no call per block (Note [Test overrides at build] in attach.py)
         self._test_settings = None if p.testing is None else p.testing.settings()
-        attach.connect(p, self, model, optimizer, c)  # the optimizer's refresher from here on
+        parts.connect(p, self, model, optimizer, c)  # the optimizer's refresher from here on
 
     # -- public read-only parts (tests and benchmarks reach the runtime through these) --------
 

@@ -2,7 +2,7 @@
 
 Owns: the three ways a job's inputs (a block's factor and, for a QR refresh, its current basis)
 reach the C++ refresh pool, each as a class with the same interface, chosen once when the
-runtime attaches (``attach.choose_snapshots``) from where the parameters live:
+runtime attaches (``parts.choose_snapshots``) from where the parameters live:
 
 * ``DirectSnapshots`` (CPU parameters, no statistics lane): the pool copies the inputs at
   submission, on the training thread; nothing is deferred;

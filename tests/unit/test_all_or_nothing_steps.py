@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asteria.runtime.refreshes as refreshes_module
-from asteria.optim.base import NativeRefresher
+from asteria.optim.refresher import NativeRefresher
 from asteria.runtime import (
     RefreshFailedError,
     Runtime,
