@@ -72,10 +72,8 @@ __all__ = ["Shampoo", "GRAFTINGS", "merge_small_dims_reversed"]
 
 GRAFTINGS = ("adam", "rmsprop", "adagrad", "sgd", "none")
 
-# Note [Young factors] in asteria/runtime/schedule.py: a root that misses this share of its
-# factor's statistics or more is refreshed at its step (measured on nano, seeds 1-8: 1/4, the
-# refreshes of steps 20 to 40 at frequency 10, keeps every seed within 0.41% of native at
-# staleness 1 and 5; waiting for the refresh of step 20 alone left seed 5 at +0.80%)
+#: Note [Young factors] in asteria/runtime/schedule.py: a root that misses this share of its
+#: factor's statistics or more is refreshed at its step.
 YOUNG_SHARE = 0.25
 
 
@@ -265,30 +263,12 @@ class Shampoo(KroneckerOptimizer):
         return state
 
     # Note [Damping stale roots]: a root of L_s used at a later step t amplifies the directions
-    # of the gradients since s that L_s lacks by up to epsilon^{-1/(2k)} (1e3 for a matrix at
-    # Meta's 1e-12), and the grafting then puts the block's whole step on them. Native Shampoo
-    # meets this between its refreshes; roots that arrive late (a runtime's, up to S steps)
-    # meet it on more steps. Most of the gap that late roots once cost (bench/shampoo_gap.py,
-    # nano, lr 1.5e-3, seeds 1-3, S = 5: +2.7%) was not staleness but this module's clamp of
-    # a singular factor's negative round-off eigenvalues, each then scaled by the root's
-    # largest factor (Note [Singular factors] in matrix_functions.py): with Meta's perturbation
-    # late roots are +0.1% there, always one step late +0.1%, always five steps late +1.3%
-    # (docs/benchmarks.md, "Shampoo's gap to native"). rel_epsilon damps relative to the
-    # factor's scale; measured with the clamp, at 1e-4 it narrowed the gap to +1.4% and at 1e-3
-    # made native worse (2.076 against 2.052), so the default stays Meta's (0.0). Forming the
-    # late root in the late eigenvectors with the current factor's eigenvalue estimates (as
-    # eigenvalue-corrected K-FAC does) was tried and dropped: with Meta's perturbation it made
-    # the late roots worse, +0.6% at the defaults and +1.7% five steps late at lr 1.5e-3.
-    # At lr 3e-3 over eight seeds (shampoo_gap_cpu_nano_lr3e-3.json) the cost follows the
-    # lateness: installs 1-2 steps late +0.5%, always one step late +0.3%, five +1.9%; roots
-    # extrapolated from L_{t-1} and the newest gradient's Gram did not help (+0.4%) and stay out.
-    # The lateness was capacity: a whole round of roots at once on one worker. The runtime's
-    # staggered refresh (Note [Staggered refresh] in asteria/runtime/schedule.py) spreads the
-    # round over the interval and puts the installs on time (time-to-target, seeds 1-3: nano
-    # +1.9% -> +0.8%, tiny +1.6% -> +1.0%). Most of what was left on tiny was the first round
-    # of roots, one gradient short under the refresh lead; the runtime now waits for the first
-    # roots in the step that first uses them (Note [First roots] in runtime/schedule.py):
-    # tiny +1.2% -> +0.2%, nano +0.3% -> +0.0%.
+    # of the gradients since s that L_s lacks by up to epsilon^{-1/(2k)}, and the grafting puts
+    # the block's whole step on them; native Shampoo meets this between its refreshes, a
+    # runtime's late roots on more steps. ``rel_epsilon`` damps relative to the factor's scale,
+    # off by default (Meta's 0.0): with Meta's shifts the gap late roots cost is the lateness,
+    # which the runtime's schedule removes instead (Notes [Staggered refresh], [First roots] in
+    # asteria/runtime/schedule.py). The runs: docs/benchmarks.md, "Shampoo's gap to native".
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 

@@ -11,61 +11,41 @@ the one core that trains. Nothing in the step after them reads their result unti
 next refresh (SOAP, Shampoo) or its next update (KL-Shampoo's eigenvalue estimates), so the runtime
 runs them on this lane, on the core the refresh pool shares, while the training thread goes on.
 Coherence, per block:
-  * an update reads what the block's previous statistics wrote only after ``wait(key)``
-    (``Refresher.block_begin``), and a refresh snapshots the factors only after it too;
+  * an update that reads what the statistics write (KL-Shampoo's) waits for its blocks' work
+    first (``Runtime.pieces``: ``wait_many``), and a refresh's snapshot of the factors is queued
+    behind them (``call``: the lane submits the job, the pool copies the factors then), so the
+    training thread never waits for the lane at a refresh step;
   * the lane reads the step's gradient in place (no copy, hence bit-for-bit the native
     arithmetic): the gradient is only ever written again by a backward that accumulates into
-    it (guarded by a gradient hook; after ``zero_grad()`` the backward writes new tensors and
-    runs beside the lane: Note [Gradient guards] in hooks.py) or by
+    it (guarded by a gradient hook: Note [Gradient guards] in hooks.py) or by
     ``zero_grad(set_to_none=False)`` (which syncs first);
   * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``);
-  * a refresh's snapshot of the factors is queued on the lane too (``call``): behind the
-    statistics it must see, the lane submits the job to the pool, which copies the factors
-    there and then; so the training thread never waits for the lane at a refresh step
-    (before, it waited there for the whole step's statistics: 80 ms of SOAP's and 250 ms of
-    KL-Shampoo's refresh step on bench/step_time.py);
-  * part of the step's update itself can run here too (Note [Split updates]);
-  * an install that computes (SOAP rotates ``m`` into the new basis and permutes ``v``: about
-    140 ms of the step after each refresh there, nearly a whole SOAP step) is queued on the lane
-    as well, and the block's next update waits for it where it first reads the block's bases
-    (``Refresher.bases``, before ``m`` and ``v``), as does a new request for the block (its
-    job's input basis must be the installed one). The update comes a whole forward and
-    backward later, so it normally finds the install done.
-The work is the optimizer's own Python function on the same tensors with the same thread count,
-so native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py).
+  * an install that computes (SOAP rotates ``m`` and permutes ``v``) is queued here as well,
+    and the block's next read of its bases waits for it, as does a new request for the block;
+  * half of the step's update can run here too (Note [Split updates]).
+The work is the optimizer's own function on the same tensors with the same thread count, so
+native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py). Measured:
+docs/benchmarks.md, "The training step".
 
 Note [Split updates]: with a statistics lane, training takes one core and the lane and the
-refresh pool share the other; the lane's statistics and the pool's refreshes run while the
-training thread does the forward and backward, and the second core idles while the training
-thread does the optimizer's update. So an optimizer that updates a group's blocks together
-(SOAP's 2-D blocks, one C++ call per chunk; KL-Shampoo's blocks, once the training thread has
-waited for their statistics and bases) splits them in two halves of about equal flops and hands
-one to the lane (``Refresher.beside``), which runs it while the training thread does the other;
-the step goes on once both are done. Each block's update is the same ops on the same tensors
-with the same thread count, whichever thread runs it, so the parameters stay bitwise those of
-native mode. The lane's half runs after everything queued on the lane before it (installs
-included), so it reads a block's installed bases just as the training thread's half does after
-``bases``. On bench/step_time.py's tiny LM (one training thread, 2 cores) SOAP's step went from
-141 ms to 73 ms, and the forward and backward beside it did not slow down (1108 -> 1084 ms);
-KL-Shampoo's went from 137 to 73-86 ms. Shampoo still updates parameter by parameter.
+refresh pool share the other, which idles while the training thread does the optimizer's
+update. So ``Runtime.run`` splits a piece's update (SOAP's and KL-Shampoo's ``whole``) in two
+halves of about equal flops, a parameter's blocks on one side (``halves``), and hands one to
+the lane (``beside``), which runs it after everything queued before it (installs included)
+while the training thread does the other; the step goes on once both are done. Each block's
+update is the same ops on the same tensors with the same thread count on either thread, so the
+parameters stay bitwise those of native mode (on bench/step_time.py's tiny LM SOAP's step went
+from 141 ms to 73 ms, KL-Shampoo's from 137 to 73-86 ms).
 
 Note [State between steps]: with the lane, ``step()`` returns while the lane may still write
 that step's statistics (and a queued install, or the lane's half of a split update) into the
-tensors of ``optimizer.state``: two deep copies of ``opt.state`` taken after ``step()`` with no
-call between them can differ (issue 40: 6 of 20 KL-Shampoo and 8 of 20 Shampoo runs on a
-Linear 8x4). Nothing of Asteria's own reads them early (the waits above), and ``state_dict()``,
-``load_state_dict()`` and ``close()`` wait for the lane; code that reads ``opt.state`` directly
-(logging a factor's norm, custom checkpoints, model averaging) calls ``runtime.sync()`` first:
-once it returns, ``opt.state`` holds still until the next ``step()`` or the next forward (whose
-module hooks may install a finished refresh). Finishing the lane's work inside every ``step()``
-instead would give back the overlap the lane exists for: the statistics would run on the
-training thread's time again. That is what a ``sync()`` after every step costs: on
-bench/state_sync.py's tiny LM (one training thread, 2 cores shared with other jobs, so the
-figures are rough: bench/results/state_sync_cpu_tiny.json) the sync waited a median 378 ms of
-SOAP's step and 758 ms of KL-Shampoo's, and their median steps took 1.21x and 1.48x as long;
-Shampoo's step left almost nothing on the lane to wait for (0.2 ms). Property:
-tests/unit/test_state_between_steps.py (reads at arbitrary moments after ``sync()`` see one
-state; without it the same reads see the state move).
+tensors of ``optimizer.state``. Nothing of Asteria's own reads them early (the waits above), and
+``state_dict()``, ``load_state_dict()`` and ``close()`` wait for the lane; code that reads
+``opt.state`` directly calls ``runtime.sync()`` first: once it returns, ``opt.state`` holds
+still until the next ``step()`` or the next forward. Finishing the lane's work inside every
+``step()`` would give back the overlap the lane exists for (bench/state_sync.py: a sync after
+every step made SOAP's and KL-Shampoo's median steps 1.21x and 1.48x as long).
+tests/unit/test_state_between_steps.py checks it.
 
 Must not: decide what the statistics are (the optimizer's function does), or be used for
 parameters on a GPU (the runtime does not create it there).

@@ -1,40 +1,22 @@
 """``Runtime``: takes an optimizer's refreshes off the training critical path.
 
-Owns: the facade over the runtime's parts (docs/architecture.md): it has them made when it
-attaches to a SOAP / KL-Shampoo / Shampoo optimizer as its ``Refresher`` (optim/refresher.py;
-``parts.build``), holds the lock every part runs under, routes each call of the optimizer's step
-to the part that owns it, and takes everything down again at ``close()``. Asteria mode, part by
-part (docs/architecture.md):
+Owns: the facade over the runtime's parts (docs/architecture.md draws a step and a refresh
+through them): it has them made when it attaches to a SOAP / KL-Shampoo / Shampoo optimizer as
+its ``Refresher`` (optim/refresher.py; ``parts.build``), holds the lock every part runs under,
+routes each call of the optimizer's step to the part that owns it (``plan`` to plan.py,
+``pieces`` to the bases strategy, ``accumulate`` and ``run`` to the statistics lane), and takes
+everything down again at ``close()``.
 
-1. the optimizer updates a block's factors every step, as in native mode (on CPU, possibly on
-   the statistics lane: lane.py);
-2. at each block boundary (boundary.py) the schedule decides (Note [Staleness contract] in
-   schedule.py) and the refreshes act (refreshes.py): a due refresh is snapshotted
-   (snapshots.py) and submitted to the C++ pool, version ``t``, deadline ``t + S``; a finished
-   one is installed where the bases live (bases.py), at the latest at its deadline, where the
-   step waits for it;
-3. a module hook (hooks.py) installs a finished refresh early, before its module runs;
-4. under ``torch.distributed``, replicated blocks have one owner that computes their refresh,
-   and every replica installs it at its deadline (distributed.py); results that wait for a
-   ``fixed_delay`` install may go to the NVMe spill tier (spill.py).
-
-Checkpoint state is in state.py, the reports (``stats``, ``memory_report``) in report.py, the
-attach-time choices and the making of the parts in attach.py, what a step's exceptions leave in
-boundary.py (Notes [All-or-nothing steps], [Interrupted steps]).
-
-Note [One install batch per step]: every module that owns parameters signals twice a step
-(its forward, its backward: hooks.py), so a signal that looked for finished refreshes cost the
-step a scan per module (94 on ``tiny``, each over its blocks: 11-14 ms of a 73 ms H200 step,
-docs/gpu.md). The first signal after a step begins (a flag) installs, in one batch, every
-refresh in flight that has finished and the pacing allows (``Refreshes.install_ready``: the
-in-flight index, Note [In-flight index] in registry.py; its results moved in grouped copies,
-Note [Grouped install copies] in bases.py); that signal disarms the hooks, and the step's end
-arms them again (Note [Disarmed signals] in hooks.py), so the step's later modules signal nothing.
-The first signal comes before the model's first module runs, so every refresh finished by then
-is used in this step's update, as when each module installed its own; one that finishes during
-the forward or backward, which its module's backward signal used to install before the update,
-is now installed at its block's boundary, after the update (the schedule installs a finished
-refresh there, Note [Staleness contract]): used one step later. The staleness bound does not
+Note [One install batch per step]: every module that owns parameters signals a step (its
+forward pre-hook: hooks.py), so a signal that looked for finished refreshes cost the step a scan
+per module (94 on ``tiny``: 11-14 ms of a 73 ms H200 step, docs/gpu.md). The first signal after
+a step begins installs, in one batch, every refresh in flight that has finished and the pacing
+allows (``Refreshes.install_ready``: the in-flight index, Note [In-flight index] in
+registry.py; its results moved in grouped copies, Note [Grouped install copies] in bases.py);
+that signal disarms the hooks, and the step's end arms them again (Note [Disarmed signals] in
+hooks.py). The first signal comes before the model's first module runs, so every refresh
+finished by then is used in this step's update; one that finishes later is installed by the
+step's plan, after the update (Note [Staleness contract] in schedule.py): the bound does not
 change, only when, within it, such an install happens.
 
 Must not: change any algorithm's math (the optimizer's ``refresh_jobs``/``install_refresh`` are

@@ -53,167 +53,92 @@ every step over optimizer x frequency x budget x ``fixed_delay`` x pool speed x 
 Note [Staggered refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 The default (``RuntimeConfig(refresh="staggered")``). Natively every block of a group refreshes
-at the same step, every ``f``: a pool that has a few blocks' work per step then gets the whole
-round at once and finishes it several steps later, so the last blocks of the round install
-late (tiny Shampoo on this 2-core machine, one worker sharing its core with the statistics
-lane: a round is ~1.25 s of roots against a 0.5 s step, and 60% of the installs came a step
-after the refresh lead's target). Staggered refresh keeps each block's interval, ``f``, and
-gives every block its own *slot* of the interval (``step % f``): a block is requested when its
-last request is ``f`` steps old, as under interval refresh, or earlier, once, at its slot, so
-that the pool gets about ``1/f`` of the round at every step. Slots are given at a block's first
-boundary with a basis, greedily: the least loaded slot by refresh cost (``d^3`` per ``d x d``
-factor, boundary.py's ``_refresh_cost``), ties to the one that keeps the longest first interval.
-The early request is made only where nothing of the block is in flight or it is ready to
-install (it never waits nor coalesces), so a block whose slot is fewer steps after its last
-request than its refresh takes stays where it was: correct, less balanced. The bound of Note
-[Staleness contract] holds: every interval between requests is at most ``f``. Where installs
-happen at fixed steps (``fixed_delay``, replicated blocks under torch.distributed) the
-optimizer's schedule stays, and ``B = 0`` is native mode, bit for bit. Measured on tiny Shampoo
-(bench/time_to_target.py's runtime, seeds 1 and 2): installs on time (staleness 1 with the lead)
-went from 40% to 95%, the largest 2 steps; nano SOAP: the largest install staleness 5 -> 2 and
-no barrier wait (489 ms before, over 200 steps). On bench/time_to_target.py (seeds 1-3, against
-native, paired) Shampoo's gap went from +1.9% to +0.8% on nano and from +1.6% to +1.0% on tiny,
-its time to AdamW's loss on tiny from 0.88x to 0.84x of AdamW's; over 8 nano seeds +1.0% ->
-+0.4%, and on bench/shampoo_gap.py (8 seeds) +0.5% -> +0.1%, below always-one-step-late's
-+0.3%. SOAP and KL-Shampoo on tiny end 2.7-3.6% below native, most likely from a block's one
-early request, which lands in the first interval, where the bases move most (continuous
-refresh, which refreshes more often still, is 12% below; not isolated by a run of its own).
-``refresh="interval"`` keeps the native phase.
+at the same step, every ``f``, and a pool that has a few blocks' work per step gets the whole
+round at once, so the round's last blocks install late. Staggered refresh keeps each block's
+interval, ``f``, and gives every block its own *slot* of it (``step % f``): a block is requested
+when its last request is ``f`` steps old, or earlier, once, at its slot, so that the pool gets
+about ``1/f`` of the round at every step. Slots are given at a block's first decision with a
+basis, greedily: the least loaded slot by refresh cost (``d^3`` per ``d x d`` factor), ties to
+the one that keeps the longest first interval. The early request is made only where nothing of
+the block is in flight or it is ready to install (it never waits nor coalesces). The bound of
+Note [Staleness contract] holds: every interval between requests is at most ``f``. Where
+installs happen at fixed steps (``fixed_delay``, replicated blocks) the optimizer's schedule
+stays, and ``B = 0`` is native mode, bit for bit. ``refresh="interval"`` keeps the native
+phase. What it bought, measured: docs/benchmarks.md, "The schedule's rules".
 
 Note [Continuous refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ``RuntimeConfig(refresh="continuous")`` spends idle executor time on freshness. A block is
 requested again as soon as its previous refresh is installed and the executors have room
 (``placement.Executors.has_room``: at most ``min(2, B)`` steps of predicted work queued per pool
-worker and device stream, or nothing queued at all, so an executor never idles while a block
-could refresh). At each step's beginning the blocks without a refresh in flight (or with a
-finished one, installed at their boundary) are taken oldest version first, and each is granted
-room in that order until the room runs out (``pick``); a younger block never takes the room of
-an older one. ``f`` stays the longest interval allowed: a block whose last request is ``f`` steps
-old (``f - 1`` with the refresh lead) is due whatever the room, and coalesced as in Note
-[Staleness contract] if its refresh is still in flight; the optimizer's own due steps (every
-multiple of ``f``) count only before a block's first basis (Shampoo's first roots, at its start
-step). Where installs happen at fixed steps (``fixed_delay``, replicated blocks under
-torch.distributed, whose every rank must take the same decisions) there is no room to measure:
-a block is requested again at each install, every ``B`` steps, the same on every rank and at any
-pool speed (each owner computes its own blocks, so ownership spreads the rounds across ranks).
-``B = 0`` is native mode: the option changes nothing there, bit for bit.
+worker and device stream, or nothing queued at all). At each step's beginning the blocks
+without a refresh in flight (or with a finished one) are taken oldest version first, and each is
+granted room in that order until the room runs out (``pick``). ``f`` stays the longest interval
+allowed: a block whose last request is ``f`` steps old (``f - 1`` with the refresh lead) is due
+whatever the room, and coalesced as in Note [Staleness contract] if its refresh is still in
+flight; the optimizer's own due steps count only before a block's first basis. Where installs
+happen at fixed steps there is no room to measure: a block is requested again at each install,
+every ``B`` steps, the same on every rank and at any pool speed. ``B = 0`` is native mode.
 
 Note [Refresh lead]
 ~~~~~~~~~~~~~~~~~~~
-Native Shampoo computes a due root inside the step that first uses it: at a refresh step t it
-preconditions with the roots of L_t. A runtime cannot hand back a result in the step that
-requests it (unless B = 0), so a request at step t left step t on the roots of the previous
-refresh, L_{t-f}, f steps old, and every later step of the interval on those of L_t, as native.
-With a budget of at least one step, such optimizers (``refresh_precedes_update``) request the
-refresh one step ahead instead, at the boundary of step t-1, with the factors of L_{t-1}: the
-job runs during step t's forward and backward, and step t's boundary installs it when it is
-ready (at the latest at t-1+B, as any request). Every step of the interval then uses roots one
-gradient older than native's (one term of a sum over t steps for Shampoo's default betas[1] =
-1), none f steps older. The registry counts the same staleness, 1, for both. A block's first
-roots are the exception: they come without the lead, at age 0 (Note [First roots]). B = 0 keeps
-the native schedule, bit for bit; SOAP and KL-Shampoo update with the bases of the previous
-refresh natively, and keep their schedule.
+Native Shampoo computes a due root inside the step that first uses it (the roots of L_t
+precondition step t). A runtime cannot hand back a result in the step that requests it (unless
+B = 0), so with a budget of at least one step an optimizer whose step plans before its update
+(``refresh_precedes_update``) requests the refresh one step ahead, at step t-1, from L_{t-1}:
+the job runs during step t's forward and backward, and step t installs it when it is ready (at
+the latest at t-1+B). Every step of the interval then uses roots one gradient older than
+native's, none f steps older. A block's first roots are the exception (Note [First roots]).
+B = 0 keeps the native schedule, bit for bit; SOAP and KL-Shampoo read the bases of an earlier
+refresh natively and keep their schedule. The plan (plan.py) decides the lead, nowhere else.
 
 Note [First roots]
 ~~~~~~~~~~~~~~~~~~
-With the lead, a block's first roots would be requested at the step before the start, from its
-factors then, and Shampoo's first preconditioned step would run on roots one gradient short, as
-would every step until the block's next refresh: at the start a sum factor holds the fewest
-gradients, so one more moves the roots most. That first round was most of Asteria Shampoo's gap
-to native (``tiny``, lr 1.5e-3, seeds 1-3, native Shampoo with roots from ``L_{t-1}`` at chosen
-refreshes: at the first round only +1.0%, at every later one only +0.4%, at all +1.6%; one step
-of the grafting direction at the start, then native, +1.1%: the first preconditioned steps weigh
-most). So, where the budget is at least one step (``RuntimeConfig.wait_first_refresh``, on by
-default except under ``fixed_delay``; ``Schedule.wait_first``), a block's first refresh comes
-without the lead: the optimizer asks for it at its own step (``Refresher.first_lead`` is 0 while
-the block has no roots), and the boundary requests it from that step's factors and installs it
-at once, waiting for the result (``Schedule.waits_for``): the first round is native's, bit for
-bit, at age 0, and every later refresh keeps the lead. The wait is the one of native's refresh
-steps, once per block (every block at the start step where they share it). Measured at the
-runtime's defaults on ``tiny`` (the same seeds): the gap +1.3% -> +0.2% (per seed +1.1%, -0.1%,
--0.3%; over seeds 1-8 +0.21 +- 0.23%, bench/results/shampoo_gap_cpu_tiny*.json), and no install
-later than its step left. Under ``fixed_delay`` the first roots keep the fixed delay by default
-(the experiment's knob; ``True`` waits there too: bench/shampoo_gap.py's ``fd1_first``). SOAP
-and KL-Shampoo, whose update reads the bases of an earlier refresh natively, are not concerned.
+With the lead a block's first roots would be one gradient short at the start, where a sum
+factor holds the fewest gradients and one more moves the roots most: most of Asteria Shampoo's
+gap to native once (docs/benchmarks.md). So, where the budget is at least one step
+(``RuntimeConfig.wait_first_refresh``, on by default except under ``fixed_delay``;
+``Schedule.wait_first``), a block's first refresh comes without the lead: the plan requests it
+at its own step, from that step's factors, and waits for it (``Schedule.waits_for``), as native
+mode does, once per block. Under ``fixed_delay`` the first roots keep the fixed delay unless
+``wait_first_refresh=True``.
 
 Note [Rank-deficient factors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A Shampoo factor of a block of ``n`` elements gains at most ``n / d`` dims of rank a step, so it
-is rank-deficient for the first ``d^2 / n`` steps (a 1-D block's: ``d`` steps; merged small dims
-make 1-D blocks of up to ``max_preconditioner_dim``). The root of ``L_s`` scales the directions
-outside its range by ``floor^{-1/2k}`` (Note [Round-off floor] in
-asteria/optim/matrix_functions.py), far above those inside it, so applied to a first moment
-that holds a newer gradient it returns almost only that gradient's part outside ``range(L_s)``,
-which the grafting then gives the block's whole step. Measured on an MLP 32-64-64-16 regressing
-``tanh(x W)`` (batch 64, lr 1e-3, frequency 5, Meta's other defaults, 60 steps; native
-Shampoo whose roots at chosen blocks come from ``L_{t-1}``, as a runtime's with the lead): at
-every due step the direction of the output layer (16 x 64, merged to a 1-D block of 1,024,
-rank 59 at step 60) and of the biases lies wholly outside the range (share of its squared
-norm: 1.000), that of the full-rank blocks wholly inside (0.000); roots one gradient short cost
-+4.4% to +4.7% of evaluation loss over five seeds, +3.7% to +4.2% of it from the output layer
-alone, +0.3% to +0.9% from the biases, +0.1% to +0.2% from each full-rank weight. Native
-Shampoo meets the same between its refreshes; its due steps are the ones on which the
-direction is Shampoo's, and those are what a late root takes away.
-
-So a block that the optimizer calls urgent (``refresh_urgent``: Shampoo's bound
-``step * n / d < d`` on some factor, from its shape and step alone, the same on every rank) is
-refreshed as natively wherever first roots are waited for (``Schedule.wait_first``): the
-optimizer asks at the step itself (``Refresher.first_lead``), the boundary keeps the optimizer's
-schedule (not the staggered slot or continuous room), installs what may still be in flight, then
-requests from this step's factors and installs at once, waiting (``Schedule.waits_for``);
-``urgent_waits`` in ``stats()`` counts these installs (beyond the first roots), and their time is
-in ``barrier_wait_ms``. The budget only tightens (age 0); ``B = 0`` is untouched; ``fixed_delay``
-keeps its fixed delays unless ``wait_first_refresh=True``, and either way runs are reproducible
-(the bound is a function of shape and step). On the MLP, against native, five seeds: ``S = 1``
-+3.5% to +4.1% -> +0.00% to +0.05%, ``S = 5`` +2.4% to +3.5% -> +0.02% to +0.06%
-(docs/fidelity.md, "Shampoo under staleness"). Once every factor may be full rank the block
-takes the budget like any other. SOAP and KL-Shampoo, whose bases of an earlier refresh are
-native, are never urgent.
+is rank-deficient for its first ``d^2 / n`` steps. The root of such a factor scales the
+directions outside its range far above those inside it, so applied to a first moment that holds
+a newer gradient it returns almost only that gradient's part outside the range, which the
+grafting then gives the block's whole step: roots one gradient short cost several percent of
+loss (docs/benchmarks.md). So a block the optimizer calls urgent (``refresh_urgent``: from its
+shape and step alone, the same on every rank) is refreshed as natively wherever first roots are
+waited for: the plan keeps the optimizer's schedule for it (not the staggered slot or
+continuous room), installs what may still be in flight, then requests from this step's factors
+and waits (``urgent_waits`` in ``stats()``). ``B = 0`` is untouched. SOAP and KL-Shampoo are
+never urgent.
 
 Note [Young factors]
 ~~~~~~~~~~~~~~~~~~~~
-A full-rank factor is still young while the last refresh interval brought a large share of its
-statistics: at Meta's ``betas[1] = 1`` (the sum) the refresh of step ``t`` adds ``f / t`` of
-``L_t``, so a root one interval old misses half of the factor at ``2f`` and a third at ``3f``
-(``Shampoo.new_mass_share``: ``1 - b2^f m(t - f) / m(t)`` with ``m(t) = sum_{i<t} b2^i``,
-gradients of equal size assumed; at ``b2 < 1`` it falls to ``1 - b2^f``). Measured on ``nano``
-(bench/shampoo_gap.py's cosine protocol, 200 steps, frequency 10, 64 validation batches), seed
-5, against native: ``S = 1`` +1.43%, where its full-rank blocks were never urgent; with the
-refresh of step 20 waited for as natively +0.80%, with those of 20 and 30 +0.12% (seed 1:
--0.98%, +0.13%, +0.02%); ``S = 5`` with those of 20 and 30: +0.31% (seed 1: +0.09%). Native
-itself with its learning rate moved by 1e-6 differs by 0.005%: the gap is the staleness, not
-the measure's noise.
-
-So ``Shampoo.refresh_urgent`` also holds while ``new_mass_share >= YOUNG_SHARE`` (1/4): the
-refreshes of ``2f``, ``3f`` and ``4f`` at ``b2 = 1``, at any frequency, and a few more at
-``b2 < 1`` until the share settles; the runtime waits for them as for rank-deficient factors
-(above), and counts them in ``urgent_waits``. A group whose share never falls below 1/4
-(``1 - b2^f >= 1/4``: ``b2 = 0.95`` at frequency 10 renews 40% of the factor an interval) is
-refreshed natively throughout. The share is predicted from the group's ``betas`` and frequency,
-not read from the factor: a read would be a device sync per block at a due step, and the
-prediction errs towards waiting when gradients shrink, as they do early in training. Both rules
-are judged at the due step at or after the step asked about, so their answer is the same over
-an interval and a request made ahead (the lead) and one made at its step never both pass a due
+A full-rank factor is still young while the last interval brought a large share of its
+statistics (``Shampoo.new_mass_share``: at ``betas[1] = 1`` the refresh of step ``t`` adds ``f /
+t`` of ``L_t``). So ``Shampoo.refresh_urgent`` also holds while that share is at least
+``YOUNG_SHARE`` (1/4): the refreshes of ``2f``, ``3f`` and ``4f`` at ``b2 = 1``. The share is
+predicted from the group's betas and frequency, not read from the factor (a device sync per
+block). Both rules are judged at the due step at or after the step asked about, so their answer
+holds over an interval and a request made ahead and one made at its step never both pass a due
 step by.
 
 Note [Paced installs]
 ~~~~~~~~~~~~~~~~~~~~~
-Refreshes requested at the same step (SOAP's blocks all share the precondition frequency) tend
-to finish together, a step or two later, and an install that computes (SOAP rotates its first
-moment into the new basis, about a third of its step's work) would then put all of them on one
-step: the step after every refresh was the largest of bench/step_time.py. The budget allows
-installing any of them at any step up to the deadline, so the schedule spreads them: each step
-gets an allowance, the sum over the finished refreshes of install cost / steps left before its
-deadline (counted at the step's first decision), and a finished refresh is installed while the
-step has spent less (at least one per step, so none waits behind a large one). The deadline
-still forces an install, whatever the allowance (and is charged to it). Costs are the
-optimizer's ``install_cost`` (flops); a free install (KL-Shampoo, Shampoo: a pointer swap) is
-never held back, and neither is one the statistics lane runs (it costs the training thread
-nothing). ``fixed_delay``, ``staleness=0`` and replicated blocks under torch.distributed install
-at fixed steps and do not pace. Opt-in (``pace_installs``): the spread costs staleness (on
-bench/step_time.py, without the lane's installs, SOAP's final loss went from 2.244 to 2.28 with
-the largest step 1.35 -> 1.29 times the median).
+Refreshes requested at the same step tend to finish together, and an install that computes
+(SOAP rotates its first moment into the new basis) would then put all of them on one step. The
+budget allows installing any of them at any step up to the deadline, so the schedule spreads
+them: each step gets an allowance, the sum over the finished refreshes of install cost / steps
+left before its deadline, and a finished refresh is installed while the step has spent less (at
+least one per step). The deadline still forces an install (charged to the allowance). Costs
+are the optimizer's ``install_cost``; a free install, or one the statistics lane runs, is never
+held back. ``fixed_delay``, ``staleness=0`` and replicated blocks do not pace. Opt-in
+(``pace_installs``): the spread costs staleness.
 """
 
 from __future__ import annotations
@@ -263,9 +188,8 @@ class Schedule:
         self.phases: dict[str, int] = {}  # block -> its slot, (step + lead) % frequency
         self._slot_load: dict[int, list[float]] = {}  # frequency -> refresh cost per slot
         self.coalesced = 0  # due requests folded into the refresh in flight
-        self.urgent_waits = 0  # installs waited for at their request (Note [Rank-deficient...])
-        # (a defaultdict: a new age costs no Python call, Counter's __missing__ did: Note
-        # [Quiet boundaries] in boundary.py)
+        self.urgent_waits = 0  # waited-for installs (Note [Rank-deficient factors])
+        # (a defaultdict: a new age costs no Python call, Counter's __missing__ did)
         self.age_histogram: defaultdict[int, int] = defaultdict(int)
         self._picked: set[Any] = set()  # blocks granted room this step (continuous)
         # per block: the last install step seen, and the intervals between installs

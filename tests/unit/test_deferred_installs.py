@@ -88,9 +88,7 @@ def test_waited_refreshes_train_bitwise_native(
     )
     with arch, Runtime(None, opt, config) as rt:
         left: list[int] = []
-        got = _train(
-            params, opt, horizon, frequency, lambda t: left.append(len(rt._plan.waiting))
-        )
+        got = _train(params, opt, horizon, frequency, lambda t: left.append(len(rt._plan.waiting)))
         stats = rt.stats()
         access = rt.memory_report()["placement"]["bases_access"]
     assert all(torch.equal(a, b) for a, b in zip(got, native))

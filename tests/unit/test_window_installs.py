@@ -201,7 +201,6 @@ def _complete(copies: HostCopies) -> None:
     copies.run()
 
 
-
 # ---- the runtime's installs ---------------------------------------------------------------------
 
 
@@ -350,9 +349,7 @@ def _train_late(name, layers, freq, late_at, window: bool, steps: int):
     freq=st.integers(3, 5),
     late_at=st.integers(2, 8),
 )
-def test_reads_together_fill_nothing_on_quiet_steps(
-    name, layers, freq, late_at
-):
+def test_reads_together_fill_nothing_on_quiet_steps(name, layers, freq, late_at):
     steps = late_at + 3 * freq + 2
     ours, rows = _train_late(name, layers, freq, late_at, window=True, steps=steps)
     theirs, _ = _train_late(name, layers, freq, late_at, window=False, steps=steps)
