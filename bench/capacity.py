@@ -52,8 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asteria._ext import load_extension  # noqa: E402
 from asteria.optim import SOAP, KLShampoo, Shampoo  # noqa: E402
-from asteria.runtime.placement import Submission  # noqa: E402
 from asteria.optim.refresher import QRRefresh, RefreshJob, RootRefresh  # noqa: E402
+from asteria.runtime.placement import Submission  # noqa: E402
 from asteria.train.models import get_preset  # noqa: E402
 from bench._common import emit_json, env_header, median, print_table  # noqa: E402
 
