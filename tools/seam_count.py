@@ -55,11 +55,14 @@ of the preset's widths (``tiny``; ``--quick``: ``nano``) trained with byte token
 32 tokens, one intra-op thread, seed 0), each optimizer as ``asteria.train.optimizers`` builds
 it (refresh every 10 steps), natively and under ``asteria.Runtime`` (one worker, no
 statistics lane, ``refresh='interval'``) with the GPU strategies forced on the CPU
-(``host_overhead._forced``: a pretended CUDA device with 70 GiB free and staged snapshots)
-for the ``device`` tier (``placement={'bases': 'device'}``) and the ``window`` tier
-(``placement={'bases': 'host'}``). Between two steps, uncounted, every refresh in flight is
-finished (``host_overhead._settle``), so every run is the same step by step. What counts as a
-step's Python calls: every call in ``optimizer.step()``, and every call made while a function
+(``host_overhead._forced``: a pretended CUDA device and staged snapshots) for the ``device``
+tier (``placement={'bases': 'device'}``, 70 GiB free), the ``window`` tier (``placement=
+{'bases': 'host'}``, 70 GiB free, host_overhead's default: a slot holds a shape group's bases,
+so the step's pieces are its shape groups) and ``window_tight`` (the same with 16 MiB free: the
+smallest window, a piece of one block, refilled at every step, what bases far larger than the
+device meet). Between two steps, uncounted, every refresh in flight is finished
+(``host_overhead._settle``), so every run is the same step by step. What counts as a step's
+Python calls: every call in ``optimizer.step()``, and every call made while a function
 of ``asteria`` runs that the forward or backward called (the runtime's module hooks), whatever
 the hooks are called; not ``zero_grad``.
 
@@ -67,7 +70,12 @@ the hooks are called; not ``zero_grad``.
   steady state (steps f+2 to 2f+1 of 2f+1 for a period of f = ``precondition_frequency``
   steps: one step that requests and one that installs each block), with the ratio to native's;
   of them ``hook_calls_per_step`` outside ``step()`` and ``asteria_calls_per_step`` in
-  ``asteria``'s own functions; ``c_calls_per_step``: the C functions called.
+  ``asteria``'s own functions; ``c_calls_per_step``: the C functions called from Python
+  (``c_call`` events), and ``calls_with_c_per_step`` both, with its ratio to native's. Issue
+  51's "about 6,400" Python calls of native SOAP at ``tiny`` and "about 1,300" of torch's
+  foreach AdamW are this count (6,520 at ef69517; 1,297); its 1.21x and 1.85x on the device and
+  window tiers are the device tier's and ``window_tight``'s (at ef69517: 1.22x and 1.81x
+  Python calls, 1.23x and 1.85x with the C calls).
 * ``quiet_modules``: the distinct ``asteria`` modules (a frame's ``__name__``) whose functions
   run in a quiet step, the period's step with the fewest calls (today: the 8 of 10 that neither
   request nor install, all equal); ``quiet_functions`` likewise.
@@ -94,7 +102,7 @@ the hooks are called; not ``zero_grad``.
 ``asteria.runtime.testing``, which runs only because the tiers are forced through it, is counted
 in the calls but left out of the modules.
 
-``--quick``: SOAP alone at ``nano`` (native, device and window; native at L and 2L; one
+``--quick``: SOAP alone at ``nano`` (native and the three tiers; native at L and 2L; one
 request on the device tier): about 15 s on two cores. The full run adds KL-Shampoo and
 Shampoo, the ``tiny`` preset, and one request on both tiers for each optimizer.
 """
@@ -137,6 +145,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("asteria.integrations", "asteria.train"),
 )
 SIZE_LIMIT = 600
+#: The runtime's tiers measured: the bases' placement and the device memory the pretended GPU
+#: has free (module docstring)
+TIERS = {
+    "device": ("device", 70 * 2**30),
+    "window": ("host", 70 * 2**30),
+    "window_tight": ("host", 16 * 2**20),
+}
 #: The one-parameter model's refresh period (``one_request``)
 REQUEST_PERIOD = 4
 VOCABULARY = re.compile(r"\b(?:window|ring|slot|prefetch)(?:s|es|ed|ing|er|ers|ted|ting)?\b", re.I)
@@ -614,14 +629,13 @@ def _train(
     torch, bench = project.torch, project.bench
     rec = project.recorder()
     rows = []
-    with bench._forced(mode, torch.device("cpu"), 70 * 2**30) as stack:
+    bases, free = TIERS.get(mode, (None, 0))
+    forced = "native" if bases is None else "device" if bases == "device" else "window"
+    with bench._forced(forced, torch.device("cpu"), free) as stack:
         runtime = None
-        if mode != "native":
+        if bases is not None:
             config = project.RuntimeConfig(
-                workers=1,
-                statistics_lane=False,
-                refresh="interval",
-                placement={"bases": "device" if mode == "device" else "host"},
+                workers=1, statistics_lane=False, refresh="interval", placement={"bases": bases}
             )
             runtime = stack.enter_context(project.Runtime(model, opt, config))
         for batch in batches:
@@ -671,6 +685,7 @@ def _period(project: Project, name: str, mode: str, preset: Any) -> dict[str, An
         "asteria_calls_per_step": sum(r["asteria_calls"] for r in period) / f,
         "hook_calls_per_step": sum(r["hook_py_calls"] for r in period) / f,
         "c_calls_per_step": sum(r["c_calls"] for r in period) / f,
+        "calls_with_c_per_step": sum(r["py_calls"] + r["c_calls"] for r in period) / f,
         "quiet_calls": least,
         "quiet_steps": len(quiet),
         "max_calls": max(r["py_calls"] for r in period),
@@ -729,15 +744,18 @@ def dynamic_report(root: Path, quick: bool, log: Callable[[str], None]) -> dict[
     out: dict[str, Any] = {"preset": preset.name, "variants": {}, "one_request": {}}
     out["native_growth"] = {}
     for name in optimizers:
-        for mode in ("native", "device", "window"):
+        for mode in ("native", *TIERS):
             start = time.perf_counter()
             out["variants"][f"{name}_{mode}"] = _period(project, name, mode, preset)
             log(f"{name}_{mode}: {time.perf_counter() - start:.1f} s")
         native = out["variants"][f"{name}_native"]
-        for mode in ("device", "window"):
+        for mode in TIERS:
             v = out["variants"][f"{name}_{mode}"]
             v["ratio_to_native"] = v["calls_per_step"] / native["calls_per_step"]
             v["quiet_ratio_to_native"] = v["quiet_calls"] / native["quiet_calls"]
+            v["with_c_ratio_to_native"] = (
+                v["calls_with_c_per_step"] / native["calls_with_c_per_step"]
+            )
         double = dataclasses.replace(preset, num_layers=2 * preset.num_layers)
         grown = _period(project, name, "native", double)
         out["native_growth"][name] = {
@@ -756,8 +774,10 @@ def dynamic_figures(d: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, v in d["variants"].items():
         out[f"calls_per_step.{key}"] = round(v["calls_per_step"], 1)
+        out[f"calls_with_c_per_step.{key}"] = round(v["calls_with_c_per_step"], 1)
         if "ratio_to_native" in v:
             out[f"calls_ratio.{key}"] = round(v["ratio_to_native"], 3)
+            out[f"calls_with_c_ratio.{key}"] = round(v["with_c_ratio_to_native"], 3)
         out[f"quiet_modules.{key}"] = len(v["quiet_modules"])
     for name, g in d["native_growth"].items():
         for key, value in g.items():
