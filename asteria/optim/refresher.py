@@ -486,9 +486,11 @@ def _dampings(group: list[RootRefresh]) -> list[float]:
 # updated. ``NativeRefresher`` keeps the due blocks of a step and runs them together before the
 # bases are read again (the next ``bases``/``bases_many`` call: Shampoo's roots of step t
 # precondition step t) or at ``step_end``, whichever comes first: QR refreshes of one shape
-# (SOAP, KL-Shampoo) as one ``qr_refresh_many`` (one batched power iteration, sort and
-# ``geqrf``/``orgqr``; bitwise each block's ``qr_refresh`` on the CPU), Shampoo's roots of one
-# shape and root as one ``inverse_root_many`` (one batched ``eigh``, Meta's shifts and the
+# (SOAP, KL-Shampoo) as one ``qr_refresh_many`` (on a GPU one batched power iteration, sort
+# and ``geqrf``/``orgqr``; on the CPU one operator that runs the pool's ``qr_refresh`` on each
+# factor, unstacked: Note [Refreshes one by one on the CPU] in csrc/core/aligned.cpp),
+# Shampoo's roots of one shape and root as one ``inverse_root_many`` (one batched ``eigh``,
+# Meta's shifts and the
 # round-off floor per matrix: Note [Batched roots] in matrix_functions.py; bitwise each
 # ``inverse_root`` on the CPU) (``run_batched``, which a device-stream executor can call on its
 # queue as well), then the installs, in one ``install_refresh_many`` (SOAP's per shape group:

@@ -165,6 +165,9 @@ def test_opcheck(n, dtype):
     for sort in (True, False):
         torch.library.opcheck(torch.ops.asteria.qr_refresh.default, (a, basis, sort, dtype))
     torch.library.opcheck(torch.ops.asteria.inverse_root.default, (a, 4.0, 1e-12, dtype))
+    each = torch.ops.asteria.qr_refresh_each.default  # a shape group's refreshes, on the CPU
+    for sort in (True, False):
+        torch.library.opcheck(each, ([a, a.T.contiguous()], [basis, basis], sort, dtype))
 
 
 @pytest.mark.parametrize("sort", [True, False])
