@@ -434,7 +434,7 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         shape, dtype or blocking options changed under its state (``p.data = ...`` of another
         shape, ``max_preconditioner_dim`` edited after the first step)."""
         name = type(self).__name__
-        for pid, group, p in todo:
+        for group in {id(g): g for _, g, _ in todo}.values():  # once per group and step
             options = _options_of(group)
             if self._checked_options.get(id(group)) != options:
                 try:
@@ -446,6 +446,7 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                         f"optimizer does not take: {err}; nothing was updated"
                     ) from None
                 self._checked_options[id(group)] = options
+        for pid, group, p in todo:
             state = self.state.get(p)
             if not state or _is_placeholder(state):
                 continue
