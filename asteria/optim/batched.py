@@ -26,6 +26,7 @@ __all__ = [
     "index_select_each",
     "mm",
     "qr_each",
+    "qr_refresh_each",
     "stack",
 ]
 
@@ -54,6 +55,9 @@ mm = torch.ops.asteria.aligned_mm.default
 #: LAPACK's own fresh copy, as a single call would be), one batched call elsewhere.
 eigh_each = torch.ops.asteria.eigh_each.default
 qr_each = torch.ops.asteria.qr_each.default
+#: ``qr_refresh`` of each factor of a list with its basis, CPU only, in one op (Note [Refreshes
+#: one by one on the CPU] in csrc/core/aligned.cpp): bases, permutations, and which succeeded.
+qr_refresh_each = torch.ops.asteria.qr_refresh_each.default
 
 
 def _column_major(a: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -69,6 +73,14 @@ def _eigh_each_fake(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.library.register_fake("asteria::qr_each")
 def _qr_each_fake(a: torch.Tensor) -> torch.Tensor:
     return _column_major(a, a.shape[1], min(a.shape[1], a.shape[2]))
+
+
+@torch.library.register_fake("asteria::qr_refresh_each")
+def _qr_refresh_each_fake(factors, bases, sort: bool, dtype: torch.dtype):
+    qs = [f.new_empty(f.shape, dtype=dtype).mT for f in factors]  # column-major, as LAPACK's
+    perms = [f.new_empty((f.shape[0] if sort else 0,), dtype=torch.long) for f in factors]
+    device = factors[0].device if factors else torch.device("cpu")
+    return qs, perms, torch.empty(len(factors), dtype=torch.bool, device=device)
 
 
 @torch.library.register_fake("asteria::block_mm")

@@ -18,7 +18,15 @@ import contextlib
 import torch
 
 from asteria._C import OneLapackThread
-from asteria.optim.batched import SMALL_BMM, bmm, eigh_each, index_select_each, mm, qr_each
+from asteria.optim.batched import (
+    SMALL_BMM,
+    bmm,
+    eigh_each,
+    index_select_each,
+    mm,
+    qr_each,
+    qr_refresh_each,
+)
 
 __all__ = [
     "MatrixFunctionError",
@@ -245,20 +253,26 @@ def qr_refresh_many(
     sort: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """``qr_refresh`` of factors of one shape at once: the power iteration one ``bmm``, the
-    estimates, sort and gather one op each, the QR one batched ``geqrf`` + ``orgqr`` (LAPACK
-    per matrix: the same calls, bit for bit). A block whose result is not finite (or whose
-    ``qr_refresh`` failed) gets ``None``: its caller runs ``qr_refresh``, with its float64
-    retry and its error, for it alone."""
+    """``qr_refresh`` of factors of one shape at once. On the CPU one operator runs the pool's
+    ``qr_refresh`` on each factor (Note [Refreshes one by one on the CPU] in
+    csrc/core/aligned.cpp); elsewhere the power iteration is one ``bmm``, the estimates, sort
+    and gather one op each, the QR one batched ``geqrf`` + ``orgqr``. A block whose result is not
+    finite (or whose ``qr_refresh`` failed) gets ``None``: its caller runs ``qr_refresh``, with
+    its float64 retry and its error, for it alone."""
     for f, q in zip(factors, bases):
         _check_square("factor", f)
         if q.shape != f.shape:
             raise ValueError(f"basis shape {tuple(q.shape)} != factor shape {tuple(f.shape)}")
-    d = factors[0].shape[0] if factors else 0
-    if len(factors) < 2 or (factors[0].device.type == "cpu" and d**3 < SMALL_BMM):
-        # ATen's bmm rounds products this small otherwise than mm: one at a time
+    on_cpu = bool(factors) and factors[0].device.type == "cpu"
+    if len(factors) < 2 and not on_cpu:
         return [_qr_refresh_or_none(f, q, sort, dtype) for f, q in zip(factors, bases)]
     try:
+        if on_cpu:  # one op, each factor on its own (Note [Refreshes one by one on the CPU])
+            qs, perms, ok = qr_refresh_each(list(factors), list(bases), sort, dtype)
+            return [
+                (q, perm if sort else None) if good else None
+                for q, perm, good in zip(qs, perms, ok.tolist())
+            ]
         return _qr_many(factors, bases, sort, dtype)
     except RuntimeError as e:
         if not solver_failed(e):

@@ -11,13 +11,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from asteria.optim.blocking import ParamLayout
-
-T = TypeVar("T")
 
 
 def state_dtype(param: torch.Tensor) -> torch.dtype:
@@ -109,16 +107,3 @@ def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
     """Views of ``t`` (viewed with the layout's shape) for every block, in layout order."""
     v = layout.view(t)
     return [v[b.index] for b in layout.blocks]
-
-
-def _halves(items: list[T], costs: list[float]) -> tuple[list[T], list[T]]:
-    """``items`` in two parts of about equal cost (largest first, each to the cheaper part so
-    far), each in its original order."""
-    side, load = [0] * len(items), [0.0, 0.0]
-    for i in sorted(range(len(items)), key=lambda i: -costs[i]):
-        side[i] = 0 if load[0] <= load[1] else 1
-        load[side[i]] += costs[i]
-    return (
-        [x for x, s in zip(items, side) if s == 0],
-        [x for x, s in zip(items, side) if s == 1],
-    )

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "core/lapack_backend.h"
 
@@ -48,6 +49,12 @@ at::Tensor block_mm(const at::Tensor& a, const at::Tensor& b);
 std::tuple<at::Tensor, at::Tensor> eigh_each(const at::Tensor& a);
 
 at::Tensor qr_each(const at::Tensor& a);
+
+// Note [Refreshes one by one on the CPU] (aligned.cpp): qr_refresh (core/matrix_functions.h) of
+// each factor with its basis, CPU tensors only: the bases, the permutations (empty where `sort`
+// is false) and whether each succeeded (a failed one's entries are empty tensors).
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor> qr_refresh_each(
+    at::TensorList factors, at::TensorList bases, bool sort, at::ScalarType dtype);
 
 // Note [One thread per refresh]: the calling thread's LAPACK/BLAS threads set to 1 between
 // enter() and exit() (exit restores them; a second enter() without exit() is refused), what a

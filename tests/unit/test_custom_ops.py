@@ -165,6 +165,17 @@ def test_opcheck(n, dtype):
     for sort in (True, False):
         torch.library.opcheck(torch.ops.asteria.qr_refresh.default, (a, basis, sort, dtype))
     torch.library.opcheck(torch.ops.asteria.inverse_root.default, (a, 4.0, 1e-12, dtype))
+    each = torch.ops.asteria.qr_refresh_each.default  # a shape group's refreshes, on the CPU
+    for sort in (True, False):
+        torch.library.opcheck(each, ([a, a.T.contiguous()], [basis, basis], sort, dtype))
+    # SOAP's installs of 2-D blocks on the CPU: one refreshed dim, then both
+    m, v = torch.randn(n, n + 1, dtype=dtype), torch.rand(n, n + 1, dtype=dtype)
+    q_l, q_r = _basis(n, n, dtype), _basis(n + 1, n + 1, dtype)
+    perm_l, perm_r = torch.randperm(n), torch.randperm(n + 1)
+    install = torch.ops.asteria.soap_install_each.default
+    torch.library.opcheck(install, ([m], [v], [q_l], [None], [q_l.T], [None], [perm_l], [None]))
+    both = ([m], [v], [q_l], [q_r], [q_l.T], [q_r.T], [perm_l], [perm_r])
+    torch.library.opcheck(install, both)
 
 
 @pytest.mark.parametrize("sort", [True, False])

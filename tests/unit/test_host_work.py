@@ -26,6 +26,7 @@ import contextlib
 import gc
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -453,6 +454,32 @@ def _raise_key_error(self) -> None:
     raise KeyError("a step that raised before its end")
 
 
+def _quiet_plan(entries: dict) -> Callable:
+    """A probe for ``_python_calls``: whether a plan's blocks had nothing due, in flight or
+    owed, and it changed nothing (a plan after an install measures the install's interval:
+    once per install, so the installs must be those of the last two plans' ends)."""
+    seen = [None, None]
+
+    def state() -> dict:
+        return {k: (e.installs, e.requested_step, e.pending) for k, e in entries.items()}
+
+    def still(args):
+        before = state()
+        installs = {k: v[0] for k, v in before.items()}
+        quiet = installs == seen[0] == seen[1] and not any(
+            p is not None or entries[k].owed for k, (_, _, p) in before.items()
+        )
+
+        def check() -> bool:
+            after = state()
+            seen[:] = [{k: v[0] for k, v in after.items()}, seen[0]]
+            return quiet and before == after
+
+        return check
+
+    return still
+
+
 @SETTINGS
 @given(
     name=st.sampled_from(sorted(OPTIMIZERS)),
@@ -475,28 +502,7 @@ def test_a_quiet_plan_makes_no_call_per_block(name, staleness, start):
         config = RuntimeConfig(staleness=staleness, workers=1, refresh="interval")
         per_call: list[list[str]] = []
         with Runtime(model, opt, config) as rt:
-            entries = rt.registry.entries
-
-            seen = [None, None]  # every block's installs at the last two plans' ends
-
-            def state() -> dict:
-                return {k: (e.installs, e.requested_step, e.pending) for k, e in entries.items()}
-
-            def still(args):
-                before = state()
-                installs = {k: v[0] for k, v in before.items()}
-                # (a plan after an install measures the install's interval: once per install)
-                quiet = installs == seen[0] == seen[1] and not any(
-                    p is not None or entries[k].owed for k, (_, _, p) in before.items()
-                )
-
-                def check() -> bool:
-                    after = state()
-                    seen[:] = [{k: v[0] for k, v in after.items()}, seen[0]]
-                    return quiet and before == after
-
-                return check
-
+            still = _quiet_plan(rt.registry.entries)
             for t in range(12):
                 with _python_calls(Runtime, "plan", per_call, still):
                     mlp_12_16_3_step(model, opt, t)

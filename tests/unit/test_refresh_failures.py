@@ -168,6 +168,7 @@ class _DeviceSolverFault:
 
         monkeypatch.setattr(mf, "eigh_each", fail)
         monkeypatch.setattr(mf, "qr_each", fail)
+        monkeypatch.setattr(mf, "qr_refresh_each", fail)  # the CPU's one op for a group
         monkeypatch.setattr(torch.linalg, "eigh", eigh)
         monkeypatch.setattr(mf, "_qr_q", qr_q)
 

@@ -395,7 +395,7 @@ def _check_reads_together(rows: list[dict]) -> int:
     """Quiet steps reading together filled nothing. Returns the number of quiet steps read
     together."""
     quiet_together = 0
-    for earlier, before, row in zip(rows, rows[1:], rows[2:]):
+    for earlier, _before, row in zip(rows, rows[1:], rows[2:]):
         # nothing installed or made in the step or the one before (new bases now)
         quiet = row["installs"] == earlier["installs"] and row["blocks"] == earlier["blocks"]
         if row["ring"] and quiet:
