@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asteria.memory.host import is_host_tensor
+from asteria import _C
 
 __all__ = ["Copies", "CudaCopies", "HostCopies", "HostEvent", "copies_for"]
 
@@ -208,16 +208,29 @@ class HostCopies:
         return event
 
     def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[HostEvent]) -> HostEvent:
-        on_host = [_host_pair(d, s) for d, s in zip(dsts, srcs)]
-        if any(on_host):  # run by the host at once, as CUDA does (Note [Stand-in host writes])
-            _copy_all(
-                [d for d, h in zip(dsts, on_host) if h], [s for s, h in zip(srcs, on_host) if h]
-            )
-            dsts = [None if h else d for d, h in zip(dsts, on_host)]
+        info, now = _C.host_tensor_info, None
+        for k, (d, s) in enumerate(zip(dsts, srcs)):  # (no Python call per pair)
+            if (
+                d is not None
+                and s is not None
+                and not d.is_cuda
+                and not s.is_cuda
+                and info(d) is not None
+                and info(s) is not None
+            ):
+                now = [] if now is None else now
+                now.append(k)
+        if now:  # run by the host at once, as CUDA does (Note [Stand-in host writes])
+            dsts, to, of = list(dsts), [], []
+            for k in now:
+                to.append(dsts[k])
+                of.append(srcs[k])
+                dsts[k] = None
+            _copy_all(to, of)
         waits = list(waits)
-        if self._host_writes is not None and not self._host_writes.query():
+        if self._host_writes is not None and not self._host_writes._done:
             if self.auto_complete:  # the device reads what the copies to host write; the host
-                srcs = [_landed(s, self._unlanded) for s in srcs]  # sees it once it waits
+                srcs = _landed(srcs, self._unlanded)  # sees it once it waits
             else:
                 waits.append(self._host_writes)
         done = HostEvent(next(self._order))
@@ -236,7 +249,7 @@ class HostCopies:
 
     def host_sync(self) -> None:
         if self._host_writes is not None:
-            if not self._host_writes.query():
+            if not self._host_writes._done:
                 self.host_waits += 1
             for event in self._unlanded:  # in their order (the main stream's)
                 event.synchronize()
@@ -245,10 +258,15 @@ class HostCopies:
 
     def run(self) -> None:
         """Run queued copies, in order, until one waits for an event not yet complete."""
-        while self._queue and all(e.query() for e in self._queue[0][0]):
-            waits, dsts, srcs, done = self._queue.pop(0)
+        queue = self._queue
+        while queue:
+            waits, dsts, srcs, done = queue[0]
+            for event in waits:
+                if not event._done:
+                    return
+            del queue[0]
             _copy_all(dsts, srcs)
-            done.complete()
+            done._done = True  # (a HostEvent's ``complete``)
             self.log.append(("copy", done, waits))
 
     def pending(self) -> int:
@@ -284,54 +302,43 @@ class _HostWrites(HostEvent):
         # device's work on a GPU, so an op counter (bench/host_overhead.py) does not see them.
         with _unseen():
             held = [torch.empty_like(s) for _, s in pairs]
-        _copy_all(held, [s for _, s in pairs])
+        _copy_all(held, [s for _, s in pairs])  # (a to_host: once per install batch)
         self._pairs = [(d, h) for (d, _), h in zip(pairs, held)]
         self._lands_when_waited = lands_when_waited
 
     def complete(self) -> None:
         if not self._done:
-            with _unseen():
-                _copy_all([d for d, _ in self._pairs], [s for _, s in self._pairs])
+            to, of = [], []
+            for d, s in self._pairs:
+                to.append(d)
+                of.append(s)
+            if torch._C._len_torch_dispatch_stack():
+                with _unseen():
+                    _copy_all(to, of)
+            else:
+                _copy_all(to, of)
             self._pairs = []
-        super().complete()
+        self._done = True
 
     def synchronize(self) -> None:
         if self._lands_when_waited:
             self.complete()
-        super().synchronize()
-
-    def value_of(self, dst: torch.Tensor | None) -> torch.Tensor | None:
-        """What this copy writes to ``dst`` (the same tensor memory), if it writes it and has
-        not landed."""
-        if dst is None or self._done:
-            return None
-        for d, s in self._pairs:
-            if (d.data_ptr(), d.shape, d.stride(), d.dtype) == (
-                dst.data_ptr(),
-                dst.shape,
-                dst.stride(),
-                dst.dtype,
-            ):
-                return s
-        return None
+        else:
+            HostEvent.synchronize(self)
 
 
-def _landed(src: torch.Tensor | None, unlanded: list[_HostWrites]) -> torch.Tensor | None:
-    """What the device reads at ``src`` after the copies to host ``unlanded`` (in order): the
-    last of them that writes ``src``, else ``src`` itself."""
-    for event in reversed(unlanded):
-        value = event.value_of(src)
-        if value is not None:
-            return value
-    return src
-
-
-def _host_pair(dst: torch.Tensor | None, src: torch.Tensor | None) -> bool:
-    """Whether a copy from ``src`` into ``dst`` is between two CPU tensors of Asteria host
-    memory (the stand-in's host memory; its device memory is plain CPU tensors)."""
-    if dst is None or src is None or dst.is_cuda or src.is_cuda:
-        return False
-    return is_host_tensor(dst) and is_host_tensor(src)
+def _landed(srcs: Tensors, unlanded: list[_HostWrites]) -> list[torch.Tensor | None]:
+    """What the device reads at each of ``srcs`` after the copies to host ``unlanded`` (in
+    order): what the last of them that writes that tensor memory writes, else the src."""
+    writes = {}
+    for event in unlanded:
+        if not event._done:
+            for d, s in event._pairs:
+                writes[(d.data_ptr(), d.shape, d.stride(), d.dtype)] = s
+    out = []
+    for s in srcs:
+        out.append(s if s is None else writes.get((s.data_ptr(), s.shape, s.stride(), s.dtype), s))
+    return out
 
 
 def copies_for(device: torch.device) -> Copies:
@@ -339,7 +346,7 @@ def copies_for(device: torch.device) -> Copies:
     return CudaCopies(device) if device.type == "cuda" else HostCopies()
 
 
-def _unseen():
+def _unseen() -> Any:
     """Torch dispatch modes (an op counter) off while the CPU stand-in keeps its own books."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -350,8 +357,10 @@ def _copy_all(dsts: Tensors, srcs: Tensors, non_blocking: bool = False) -> None:
     """Each src into its dst in one ``torch._foreach_copy_`` (one dispatch for a window's fill or a
     batch's copy to host, however many tensors: Note [Grouped install copies] in
     asteria/runtime/bases.py); pairs with a None are skipped."""
-    pairs = [(d, s) for d, s in zip(dsts, srcs) if d is not None and s is not None]
-    if pairs:
-        torch._foreach_copy_(
-            [d for d, _ in pairs], [s for _, s in pairs], non_blocking=non_blocking
-        )
+    to, of = [], []
+    for d, s in zip(dsts, srcs):
+        if d is not None and s is not None:
+            to.append(d)
+            of.append(s)
+    if to:
+        torch._foreach_copy_(to, of, non_blocking=non_blocking)

@@ -47,7 +47,7 @@ import torch
 
 from asteria import _C
 from asteria.memory.copies import Copies
-from asteria.memory.host import StagingRing, StagingSlot, is_host_tensor
+from asteria.memory.host import StagingRing
 
 __all__ = ["Snapshot", "snapshot"]
 
@@ -59,14 +59,14 @@ _in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
 _in_flight_lock = threading.Lock()
 
 
-def _retire_landed(done: Any = None, srcs: Sequence[torch.Tensor] = ()) -> None:
-    """Drop the sources whose copies landed; keep the host memory among ``srcs`` (what
-    ``record_stream`` cannot protect: a CPU tensor, a device view of a host block) alive until
-    ``done`` completes."""
-    keep = tuple(t for t in srcs if not t.is_cuda or is_host_tensor(t))
+def _retire_landed(done: Any = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
+    """Drop the sources whose copies landed; keep ``keep`` (host memory that ``record_stream``
+    cannot protect: a CPU tensor, a device view of a host block) alive until ``done``, not
+    complete, completes."""
     with _in_flight_lock:
-        _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
-        if keep and not done.query():
+        if _in_flight:
+            _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
+        if keep:
             _in_flight.append((done, keep))
 
 
@@ -75,23 +75,28 @@ class Snapshot:
 
     ``tensors`` are CPU tensors over the ring's slots, with the sources' shapes and dtypes: read
     them once ``ready()`` (or after ``wait()``). The slots stay leased until ``release()`` (or the
-    end of a ``with`` block) and busy while any of ``tensors`` or a view of them is alive."""
+    end of a ``with`` block) and busy while any of ``tensors`` or a view of them is alive.
+    ``landed``: whether the copies are known to have landed (by ``ready()`` or ``wait()``, or
+    at once: the CPU stand-in's)."""
 
     def __init__(
         self,
         copies: Copies,
         done: Any,
-        leases: list[StagingSlot],
+        leases: list[Any],
         tensors: tuple[torch.Tensor, ...],
+        landed: bool = False,
     ) -> None:
         self._copies = copies
         self._done = done
         self._leases = leases
         self.tensors = tensors
+        self.landed = landed
 
     def ready(self) -> bool:
         """Whether every copy has landed (no wait)."""
-        return bool(self._done.query())
+        self.landed = self.landed or bool(self._done.query())
+        return self.landed
 
     def wait(self, timeout: float | None = None) -> tuple[torch.Tensor, ...]:
         """Wait for the copies and return ``tensors``: with ``timeout`` None until they landed
@@ -101,6 +106,7 @@ class Snapshot:
         if timeout is None:
             self._done.synchronize()
             _retire_landed()
+            self.landed = True
             return self.tensors
         end = time.monotonic() + timeout
         for lease in self._leases:
@@ -113,6 +119,7 @@ class Snapshot:
                 )
             time.sleep(_POLL_S)
         _retire_landed()
+        self.landed = True
         return self.tensors
 
     def fence(self) -> None:
@@ -147,6 +154,7 @@ def snapshot(
     ring: StagingRing,
     copies: Copies,
     timeout: float | None = None,
+    release: bool = False,
 ) -> Snapshot:
     """Start host copies of ``tensors`` (on ``copies``' device: CUDA tensors with
     ``CudaCopies``, CPU ones with the stand-in) into one slot of ``ring`` each.
@@ -154,28 +162,45 @@ def snapshot(
     Waits up to ``timeout`` seconds (None: no limit) for free slots, then raises
     ``WaitTimeoutError`` saying what holds them (no slot stays leased); ValueError for a tensor
     larger than a slot. The copies wait for the work issued so far on the current stream
-    (Note [Snapshot fences])."""
+    (Note [Snapshot fences]). ``release``: the slots are given back at once (``release()``:
+    each is reused once its copy has landed and the snapshot's tensors are gone)."""
     srcs = list(tensors)
-    for i, t in enumerate(srcs):
-        if t.nbytes > ring.slot_bytes:
+    limit, info = ring._ring.slot_bytes, _C.host_tensor_info
+    hosted, keep = False, []
+    for i, t in enumerate(srcs):  # (no Python call per tensor)
+        if t.nbytes > limit:
             raise ValueError(
                 f"snapshot: tensor {i} has {t.nbytes} bytes, more than a slot of the ring "
-                f"({ring.slot_bytes} bytes)"
+                f"({limit} bytes)"
             )
-    if any(not t.is_cuda and is_host_tensor(t) for t in srcs):
+        if not t.is_cuda:
+            keep.append(t)
+            hosted = hosted or info(t) is not None
+        elif info(t) is not None:
+            keep.append(t)
+    if hosted:
         copies.host_sync()  # Note [Host sources of a snapshot]
-    leases: list[StagingSlot] = []
+    acquire, leases = ring._ring.acquire, []
     try:
         for _ in srcs:
-            leases.append(ring.acquire(timeout))
+            leases.append(acquire(timeout))
     except BaseException:
         for lease in leases:
             lease.release()
         raise
     ready = copies.record()  # the reader fence: after every kernel that wrote the sources
-    dsts = tuple(lease.view(t.shape, t.dtype) for lease, t in zip(leases, srcs))
+    dsts = []
+    for lease, t in zip(leases, srcs):
+        dsts.append(lease.view(t.shape, t.dtype))
+    dsts = tuple(dsts)
     done = copies.copy(dsts, srcs, [ready])
-    _retire_landed(done, srcs)  # host memory that record_stream does not protect
+    landed = bool(done.query())
+    if (keep and not landed) or _in_flight:  # host memory that record_stream does not protect
+        _retire_landed(done, () if landed else tuple(keep))
+    stream = copies.stream  # the slot fence: the copy's completion
+    handle, device = (0, -1) if stream is None else (stream.cuda_stream, stream.device.index)
     for lease in leases:
-        lease.record(copies.stream)  # the slot fence: the copy's completion
-    return Snapshot(copies, done, leases, dsts)
+        lease.record(handle, device)
+        if release:
+            lease.release()
+    return Snapshot(copies, done, leases, dsts, landed)

@@ -179,8 +179,9 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         ``False``: any refresh may take the runtime's staleness budget. The answer must depend
         only on the block's shapes, the group's hyperparameters and the refresh due at or after
         ``step`` (a multiple of the frequency): it is the same over a refresh interval, so that
-        a request made ahead and one made at its step never both pass a due step by, and a
-        runtime asks it once per block and interval."""
+        a request made ahead and one made at its step never both pass a due step by, and once
+        ``False`` it stays ``False`` at every later step (a runtime asks it until then, once
+        per block and interval)."""
         return False
 
     def install_cost(self, block: dict[str, Any]) -> float:

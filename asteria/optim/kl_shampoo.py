@@ -182,10 +182,10 @@ class KLShampoo(KroneckerOptimizer):
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """New bases: one power iteration + QR per factor, no sorting (the authors' rule)."""
-        return [
-            QRRefresh(f, q, sort=False, dtype=group["refresh_dtype"])
-            for f, q in zip(block["factors"], block["bases"])
-        ]
+        dtype, jobs = group["refresh_dtype"], []
+        for f, q in zip(block["factors"], block["bases"]):  # (a loop: no call per request)
+            jobs.append(QRRefresh(f, q, sort=False, dtype=dtype))
+        return jobs
 
     def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
         """Install new bases; the eigenvalue estimates carry over unchanged, as the authors do."""

@@ -185,8 +185,9 @@ class RootRefresh(RefreshJob):
 
     def submit(self, pool, sub):
         f = sub.factor
+        damping = self.epsilon if self.rel_epsilon == 0.0 else self.damping(f)
         return pool.submit_inverse_root(
-            sub.name, sub.version, sub.deadline, f, self.root, self.damping(f), self.dtype
+            sub.name, sub.version, sub.deadline, f, self.root, damping, self.dtype
         )
 
     def options(self) -> dict[str, Any]:

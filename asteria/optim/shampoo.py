@@ -56,7 +56,6 @@ Must not: know about runtimes, pools or memory tiers.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -75,12 +74,6 @@ GRAFTINGS = ("adam", "rmsprop", "adagrad", "sgd", "none")
 #: Note [Young factors] in asteria/runtime/schedule.py: a root that misses this share of its
 #: factor's statistics or more is refreshed at its step.
 YOUNG_SHARE = 0.25
-
-
-def due_step(step: int, group: dict[str, Any]) -> int:
-    """The refresh due at or after ``step``: the next multiple of the group's frequency."""
-    f = group["precondition_frequency"]
-    return -(-step // f) * f
 
 
 def new_mass_share(step: int, group: dict[str, Any]) -> float:
@@ -282,26 +275,27 @@ class Shampoo(KroneckerOptimizer):
         (``new_mass_share(t, group) >= YOUNG_SHARE``: Note [Young factors] in
         asteria/runtime/schedule.py). Both depend on the shapes, the step and the group's
         ``betas`` and frequency only."""
-        t = due_step(step, group)
+        f = group["precondition_frequency"]
+        t = -(-step // f) * f  # the refresh due at or after ``step``
         if new_mass_share(t, group) >= YOUNG_SHARE:
             return True
-        dims = [f.shape[0] for f in block["factors"]]
-        numel = math.prod(dims)
-        return any(t * (numel // d) < d for d in dims)
+        numel = 1
+        for factor in block["factors"]:
+            numel *= factor.shape[0]
+        for factor in block["factors"]:  # (loops: no call per block)
+            d = factor.shape[0]
+            if t * (numel // d) < d:
+                return True
+        return False
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """``L_i^{-1/(2k)}`` for every factor of an order-k block (``1/2`` for 1-D blocks)."""
-        root = 2 * len(block["factors"])
-        return [
-            RootRefresh(
-                f,
-                root=root,
-                epsilon=group["epsilon"],
-                dtype=group["refresh_dtype"],
-                rel_epsilon=group.get("rel_epsilon", 0.0),
-            )
-            for f in block["factors"]
-        ]
+        factors, jobs = block["factors"], []
+        eps, dtype, rel = group["epsilon"], group["refresh_dtype"], group.get("rel_epsilon", 0.0)
+        root = 2 * len(factors)
+        for f in factors:  # (a loop: no call per request)
+            jobs.append(RootRefresh(f, root=root, epsilon=eps, dtype=dtype, rel_epsilon=rel))
+        return jobs
 
     def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
         block["roots"] = [

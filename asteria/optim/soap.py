@@ -201,10 +201,10 @@ class SOAP(KroneckerOptimizer):
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob | None]:
         """Per factored dim: sort the basis by estimated eigenvalue, one power iteration + QR."""
-        return [
-            None if f is None else QRRefresh(f, q, sort=True, dtype=group["refresh_dtype"])
-            for f, q in zip(block["factors"], block["bases"])
-        ]
+        dtype, jobs = group["refresh_dtype"], []
+        for f, q in zip(block["factors"], block["bases"]):  # (a loop: no call per request)
+            jobs.append(None if f is None else QRRefresh(f, q, sort=True, dtype=dtype))
+        return jobs
 
     def install_refresh(
         self, block: dict[str, Any], result: list[tuple[torch.Tensor, torch.Tensor] | None]

@@ -62,6 +62,8 @@ class BasesAccess:
     #: Whether an install that computes runs off the training thread (it then costs the step
     #: nothing: Note [Paced installs] in schedule.py).
     installs_off_thread = False
+    #: Whether a request waits for something first (``settle``)
+    settles = False
 
     def __init__(self, optimizer: KroneckerOptimizer) -> None:
         self.optimizer = optimizer
@@ -75,8 +77,9 @@ class BasesAccess:
         field = self.field
         return [[b[field] for b in g.blocks] for g in piece.groups]
 
-    def settle(self, key: BlockKey, block: dict) -> None:
-        """Wait for ``key``'s install if one runs elsewhere (before a request reads the basis)."""
+    def settle(self, keys: list[BlockKey], blocks: list[dict]) -> None:
+        """Wait for the installs of ``keys`` that run elsewhere (before their requests read the
+        bases)."""
 
     def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
         """``install_refresh`` of each ``(key, block, results)``, the results moved to the
@@ -130,21 +133,21 @@ class DeviceBases(BasesAccess):
         # install rewrites) only through ``Refresher.pieces``, which waits for them
         self._lane = lane
         self._flops = install_flops
-        self.installs_off_thread = self._lane is not None
+        self.installs_off_thread = self.settles = self._lane is not None
         self._queued: set[BlockKey] = set()  # blocks with an install queued on the lane
 
     def _read(self, piece: Piece) -> list:
-        queued = self._queued
-        if queued:  # the update reads the bases, then m and v: their installs first
-            for key in keys_of(piece.groups):
-                if key in queued:
-                    self.settle(key, None)
+        if self._queued:  # the update reads the bases, then m and v: their installs first
+            self.settle(keys_of(piece.groups), [])
         return super()._read(piece)
 
-    def settle(self, key: BlockKey, block: dict | None) -> None:
-        if key in self._queued:
-            self._queued.discard(key)
-            self._lane.wait(key)
+    def settle(self, keys: list[BlockKey], blocks: list[dict]) -> None:
+        queued = self._queued
+        if queued:
+            for key in keys:
+                if key in queued:
+                    queued.discard(key)
+                    self._lane.wait(key)
 
     def _install(self, keys: list[BlockKey], blocks: list[dict], results: list) -> None:
         if self._lane is None:

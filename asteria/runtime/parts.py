@@ -145,8 +145,7 @@ def executors(
         stream = StreamExecutor(None, timeout_error)
     elif device_stream_allowed(config, cuda):
         stream = StreamExecutor(device, timeout_error)
-    delayed = None if t is None else t.delayed
-    return Executors(pool, stream, config.resolved_workers, budget, timeout_error, delayed)
+    return Executors(pool, stream, config.resolved_workers, budget, timeout_error, t)
 
 
 @dataclass
@@ -289,6 +288,9 @@ def _make_threads(
     p.bases = choose_bases(
         optimizer, c, choices.placement, p.lane, costs, p.block_name, copies, runtime._lock
     )
+    # a staged snapshot waits for the host bases it reads itself (Note [Host sources of a
+    # snapshot] in asteria/memory/staging.py); another, read by the pool, needs ``settle``
+    p.bases.settles = p.bases.settles and not choices.staged
     thread_cost = _free if p.bases.installs_off_thread else costs
     p.pacer = Pacer(c.pace_installs, c.staleness, p.registry.entries, thread_cost)
     p.refreshes = Refreshes(

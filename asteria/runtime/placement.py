@@ -52,29 +52,47 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from asteria.optim.matrix_functions import check_matrix
 from asteria.optim.refresher import RefreshJob
+from asteria.runtime.registry import Resolved
 
 __all__ = ["Durations", "Executors", "StreamExecutor", "Submission"]
 
 
-class Submission:
-    """A refresh's job on its way to an executor: ``name`` (block and dim), ``version`` (the
-    request step), ``deadline``, and the inputs to compute from, ``factor`` and ``basis`` (the
-    job's own tensors, or their snapshot)."""
+class Submission(tuple):
+    """A refresh's job on its way to an executor, a value: ``name`` (block and dim),
+    ``version`` (the request step), ``deadline``, and the inputs to compute from, ``factor``
+    and ``basis`` (the job's own tensors, or their snapshot: ``with_inputs``). The runtime
+    makes one with ``tuple.__new__(Submission, (job, name, version, deadline, factor,
+    basis))``, which costs no Python call."""
 
-    __slots__ = ("job", "name", "version", "deadline", "factor", "basis")
+    __slots__ = ()
 
-    def __init__(self, job: RefreshJob, name: str, version: int, deadline: int) -> None:
-        self.job, self.name, self.version, self.deadline = job, name, version, deadline
-        self.factor, self.basis = job.factor, job.basis
+    def __new__(
+        cls, job: RefreshJob, name: str, version: int, deadline: int, inputs: Any = None
+    ) -> Submission:
+        factor, basis = (job.factor, job.basis) if inputs is None else inputs
+        return tuple.__new__(cls, (job, name, version, deadline, factor, basis))
+
+    job = property(operator.itemgetter(0))
+    name = property(operator.itemgetter(1))
+    version = property(operator.itemgetter(2))
+    deadline = property(operator.itemgetter(3))
+    factor = property(operator.itemgetter(4))
+    basis = property(operator.itemgetter(5))
+
+    def with_inputs(self, factor: Any, basis: Any, version: int | None = None) -> Submission:
+        """The same job with other inputs (a copy of them), at ``version`` where given."""
+        version = self[2] if version is None else version
+        return tuple.__new__(Submission, (*self[:2], version, self[3], factor, basis))
 
 
 #: Weight of the newest measurement in the moving averages.
@@ -187,7 +205,7 @@ class StreamExecutor:
     def submit(self, sub: Submission) -> _StreamFuture:
         """``sub``'s job on copies of its inputs (made now: a slot or snapshot may be reused
         once this returns)."""
-        sub.factor, sub.basis = self._copy(sub.factor), self._copy(sub.basis)
+        sub = sub.with_inputs(self._copy(sub.factor), self._copy(sub.basis))
         future = _StreamFuture(self._timeout_error)
         with self._cv:
             if self._closed:
@@ -278,12 +296,14 @@ class Executors:
         workers: int,
         budget: int,
         timeout_error: type,
-        delayed: Callable[[Any, type], Any] | None = None,
+        testing: Any = None,
     ) -> None:
         self.pool = pool
-        #: ``testing.delayed`` where a test or benchmark imported the test hooks (Note [Test
-        #: overrides at build] in attach.py), else None
-        self._delayed = delayed
+        #: ``asteria.runtime.testing`` where a test or benchmark imported the test hooks (Note
+        #: [Test overrides at build] in attach.py): its ``delayed`` slows the futures while its
+        #: settings ask for it
+        self._delayed = None if testing is None else testing.delayed
+        self._slow = None if testing is None else testing.settings()
         self.stream = stream
         self.workers = workers
         self.budget = budget
@@ -301,35 +321,61 @@ class Executors:
         self._last_step: float | None = None
         self._reserved_s = 0.0
 
-    def submit(self, sub: Submission) -> Any:
-        """The one submission path (``snapshots.pool_submit``): ``sub`` placed and submitted,
-        its job as the optimizer made it (Note [One submission path])."""
-        self._harvest()
-        job = sub.job
-        kind, size = job.kind, int(sub.factor.shape[0])
-        where = self._place(kind, size, sub.deadline - sub.version)
-        if where == "pool":
-            # Note [Versions after a load]: the C++ pool refuses a version older than the one
-            # it holds queued for the block (a caller's mistake, in general). A load into a live
-            # runtime drops the refreshes in flight and requests again from the checkpoint's
-            # earlier steps while a dropped job may still be queued: such a submission goes in
-            # at the queued version, so it supersedes (cancels) the dropped job instead of being
-            # refused. The deadline, which orders the queue, stays the request's.
-            name = sub.name
-            sub.version = self._versions[name] = max(sub.version, self._versions.get(name, 0))
-            future = job.submit(self.pool, sub)
-            if self._delayed is not None:
-                future = self._delayed(future, self._timeout_error)
-        else:
-            future = self.stream.submit(sub)
-        predicted = self.durations.predict(where, kind, size)
-        self._outstanding[where].append((future, kind, size, predicted))
-        self.jobs[where] += 1
-        block, _, dim = sub.name.rpartition(".dim")
-        self.ran_on[block] = where
-        if dim.isdigit():
-            self.block_jobs.setdefault(block, {})[int(dim)] = (kind, size)
-        return future
+    def submit_many(self, subs: list[Submission]) -> list[Any]:
+        """The one submission path: each of ``subs`` checked, placed and submitted, its job as
+        the optimizer made it (Note [One submission path]); a future each. A complex or
+        non-square input is refused here (the pool would drop an imaginary part): its future
+        raises the ``ValueError``, which reaches the step as a crashed refresh of the block."""
+        if self.stream is not None:
+            self._harvest()  # (the placement reads the backlogs; ``step_begin`` harvests too)
+        means, slow, outstanding = self.durations._mean, self._slow, self._outstanding
+        strided = torch.strided
+        futures = []
+        for sub in subs:
+            job, factor, basis = sub.job, sub.factor, sub.basis
+            ok = True  # a real, dense, square matrix each (``check_matrix``), inline
+            for t in (factor,) if basis is None else (factor, basis):
+                ok = ok and t.is_floating_point() and t.layout == strided and t.dim() == 2
+                ok = ok and t.shape[0] == t.shape[1]
+            if not ok:
+                futures.append(_refused(sub))
+                continue
+            kind, size = job.kind, factor.shape[0]
+            where = "pool"
+            if self.stream is not None:
+                where = self._place(kind, size, sub.deadline - sub.version)
+            if where == "pool":
+                # Note [Versions after a load]: the C++ pool refuses a version older than the
+                # one it holds queued for the block (a caller's mistake, in general). A load
+                # into a live runtime drops the refreshes in flight and requests again from the
+                # checkpoint's earlier steps while a dropped job may still be queued: such a
+                # submission goes in at the queued version, so it supersedes (cancels) the
+                # dropped job instead of being refused. The deadline, which orders the queue,
+                # stays the request's.
+                name, versions = sub.name, self._versions
+                kept = versions.get(name, 0)
+                if kept > sub.version:
+                    sub = sub.with_inputs(factor, basis, kept)
+                versions[name] = sub.version
+                future = job.submit(self.pool, sub)
+                if slow is not None and slow["seconds"] > 0.0:
+                    future = self._delayed(future, self._timeout_error)
+            else:
+                future = self.stream.submit(sub)
+            predicted = means.get((where, kind, size))
+            if predicted is None and means:
+                predicted = self.durations.predict(where, kind, size)
+            outstanding[where].append((future, kind, size, predicted))
+            self.jobs[where] += 1
+            futures.append(future)
+            block, _, dim = sub.name.rpartition(".dim")
+            self.ran_on[block] = where
+            if dim.isdigit():
+                jobs = self.block_jobs.get(block)
+                if jobs is None:
+                    jobs = self.block_jobs[block] = {}
+                jobs[int(dim)] = (kind, size)
+        return futures
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (``WorkerPool.stats()``), the stream's jobs added."""
@@ -428,3 +474,14 @@ class Executors:
     def shutdown(self) -> None:
         if self.stream is not None:
             self.stream.shutdown()
+
+
+def _refused(sub: Submission) -> Resolved:
+    """The future of a submission whose input ``check_matrix`` refuses: its error."""
+    try:
+        check_matrix(f"{sub.name}: factor", sub.factor)
+        if sub.basis is not None:
+            check_matrix(f"{sub.name}: basis", sub.basis)
+    except ValueError as err:
+        return Resolved(error=err)
+    raise AssertionError(f"{sub.name}: refused, but check_matrix takes it")

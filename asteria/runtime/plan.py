@@ -54,6 +54,8 @@ class Plan:
         #: install (a version) or a load (``reset``) gives them one (Note [One plan per step])
         self._bare: set[BlockKey] = set()
         self.waiting: list[tuple] = []  # (key, entry, step, block, frequency), in plan order
+        #: the plan's requests not made yet: (key, entry, block, group, step, wait, replicated)
+        self.requests: list[tuple] = []
         s = schedule
         #: the lead of a refresh and of a block's urgent one (Notes [Refresh lead], [First
         #: roots]): only an optimizer whose update reads its own step's refresh requests ahead
@@ -90,37 +92,44 @@ class Plan:
             due_now = due_ahead if lead == first_lead else opt.refresh_due(step, hp)
             if decide_all or (due_now and due_ahead):  # every block decides
                 for key, block in zip(g.keys, g.blocks):
-                    self.decide(key, block, hp, step, due_ahead, due_now)
+                    e = entries.get(key)
+                    self.decide(key, block, hp, step, due_ahead, due_now, e=e)
                 continue
             mixed = due_now != due_ahead  # the lead or a block's urgency decides (``decide``)
             due_at, slot = -(-step // freq) * freq, step % freq
             for key, block in zip(g.keys, g.blocks):
                 e = entries.get(key)
-                due = due_ahead
+                due, urgent = due_ahead, None
                 if mixed:
                     bases = block[field]
                     seen = urgency.get(key)
                     if bases.count(None) == len(bases):
                         due = due_now  # (a first refresh: no lead)
-                    elif seen is not None and seen[0] == due_at and seen[1:3] == (freq, betas):
-                        due = due_now if seen[3] else due_ahead  # (kept for the interval)
+                    elif (
+                        seen is not None
+                        and seen[1:3] == (freq, betas)
+                        and (seen[0] == due_at or (not seen[3] and seen[0] < due_at))
+                    ):  # (kept for the interval; once not urgent, never again)
+                        urgent = seen[3]
+                        due = due_now if urgent else due_ahead
                     else:
-                        due = due_now if self.urgent(key, block, step, hp) else due_ahead
+                        urgent = self.urgent(key, block, step, hp)
+                        due = due_now if urgent else due_ahead
                 if due or e is None or e.owed or e.pending is not None:
-                    self.decide(key, block, hp, step, due_ahead, due_now)
+                    self.decide(key, block, hp, step, due_ahead, due_now, e=e, urgent=urgent)
                     continue
                 version = e.version
                 if version is None:  # no basis: only an install gives it one
                     if key in bare:
                         e.boundary_step = step
                         continue
-                    self.decide(key, block, hp, step, False, False)
+                    self.decide(key, block, hp, step, False, False, e=e)
                     continue
                 if staggered and (
                     step - version >= freq
                     or (step - version >= 1 and phases.get(e.name, slot) == slot)
                 ):
-                    self.decide(key, block, hp, step, False, False)  # its slot or interval
+                    self.decide(key, block, hp, step, False, False, e=e)  # its slot or interval
                     continue
                 seen = installs_seen.get(e.name)
                 if seen is None or seen[0] != e.installs:
@@ -134,6 +143,8 @@ class Plan:
                         e.bound = bound
                     hist[age] += 1
                 e.boundary_step = step
+        if self.requests:
+            self._request()
         if self.waiting:
             self.install_waited()
 
@@ -146,24 +157,33 @@ class Plan:
         due_ahead: bool,
         due_now: bool,
         forced: bool = False,
+        e: Any = None,
+        urgent: bool | None = None,
     ) -> None:
         """Note [Staleness contract] (schedule.py) for one block at ``step``: install what is due,
         then request or coalesce; a refresh the step waits for is installed by
         ``install_waited`` (after every request of the plan); measure the age of the basis this
-        step's update reads. ``forced``: a skipped decision of an interrupted step, due."""
+        step's update reads. ``forced``: a skipped decision of an interrupted step, due. ``e``,
+        ``urgent``: the block's entry and ``urgent``'s answer, where the caller has them."""
         schedule, refreshes = self.schedule, self.refreshes
         freq = hp["precondition_frequency"]
-        e = refreshes.entry(key)
+        if e is None:
+            e = refreshes.entry(key)
         replicated = refreshes.coherence is not None and refreshes.replicated(key)
         exact = schedule.fixed or replicated
         # Notes [First roots], [Rank-deficient factors]: as natively, at its step
-        urgent = schedule.wait_first and self.urgent(key, block, step, hp)
+        if urgent is None:
+            urgent = schedule.wait_first and self.urgent(key, block, step, hp)
+        else:
+            urgent = schedule.wait_first and urgent
+        bases = block.get(self.bases_field, ())
+        has_bases = bases.count(None) != len(bases)
         if forced:
             due = True
         elif self.lead == self.first_lead:
             due = due_ahead
         else:
-            due = due_now if urgent or not _has_bases(block, self.bases_field) else due_ahead
+            due = due_now if urgent or not has_bases else due_ahead
         if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
             if e.version is not None and (
                 schedule.continuous or (schedule.staggered and not exact)
@@ -172,15 +192,15 @@ class Plan:
                 due = schedule.due(e, step, freq, due, exact, cost)
         elif due and e.pending is not None:
             self._install(key, e, step, block, replicated)  # older than this step's request
+        first = e.version is None and not has_bases  # (its first refresh)
         if e.version is None:
-            has_bases = _has_bases(block, self.bases_field)
             if has_bases:
                 e.version = schedule.initial_version(step, freq)  # a basis made before us
             else:
                 self._bare.add(key)  # until a refresh installs
-        else:
-            has_bases = True  # (what ``waits_for`` reads it for: a first refresh)
-        wait = due and schedule.wait_first and schedule.waits_for(e, due, has_bases, urgent)
+        # Notes [First roots], [Rank-deficient factors]: a first refresh or an urgent one is
+        # waited for and installed at once
+        wait = due and schedule.wait_first and e.pending is None and (first or urgent)
         schedule.urgent_waits += wait and urgent and e.version is not None
         if not schedule.precedes_update:
             schedule.record_age(e, step, freq)  # the update of this step read it already
@@ -200,16 +220,34 @@ class Plan:
             or (not urgent and schedule.continuous and schedule.wants(key, e, exact))
         ):
             e.owed = False
-            refreshes.request(key, e, block, hp, step)
-            if e.pending is not None and (schedule.budget == 0 or wait):
-                if not replicated:  # waited for with the plan's others (``install_waited``)
-                    self.waiting.append((key, e, step, block, freq))
-                    e.boundary_step = step
-                    return
-                self._install(key, e, step, block, replicated)
+            self.requests.append((key, e, block, hp, step, wait, replicated))
+            if replicated:  # (its install, a collective, keeps its place in the plan)
+                self._request()
+            return  # the rest of the decision runs with the plan's requests (``_request``)
         if schedule.precedes_update:
             schedule.record_age(e, step, freq)  # installed above, read by this step
         e.boundary_step = step
+
+    def _request(self) -> None:
+        """The plan's requests, made together (``Refreshes.request_many``), then the rest of
+        each one's decision: a refresh the step waits for (``B = 0``, ``wait``) installed with
+        the plan's others (``install_waited``; a replicated one at once), the age of the basis
+        measured, the decision done. An interrupted request leaves its blocks' decisions
+        undone (Note [Interrupted steps])."""
+        queued, self.requests = self.requests, []
+        self.refreshes.request_many(queued)
+        schedule = self.schedule
+        for key, e, block, hp, step, wait, replicated in queued:
+            freq = hp["precondition_frequency"]
+            if e.pending is not None and (schedule.budget == 0 or wait):
+                if not replicated:
+                    self.waiting.append((key, e, step, block, freq))
+                    e.boundary_step = step
+                    continue
+                self._install(key, e, step, block, replicated)
+            if schedule.precedes_update:
+                schedule.record_age(e, step, freq)  # installed above, read by this step
+            e.boundary_step = step
 
     def install_waited(self) -> None:
         """Install the refreshes the plan waits for, in plan order, after running the jobs
@@ -236,12 +274,13 @@ class Plan:
     def urgent(self, key: BlockKey, block: dict, step: int, hp: dict) -> bool:
         """``optimizer.refresh_urgent(block, step, hp)``, kept for the block's refresh interval:
         its answer depends on the block's shapes, the refresh due at or after ``step`` and the
-        group's betas and frequency only."""
+        group's betas and frequency only, and once ``False`` it stays so."""
         freq = hp["precondition_frequency"]
         due_at = -(-step // freq) * freq
         seen = self._urgency.get(key)
-        if seen is not None and seen[:3] == (due_at, freq, hp.get("betas")):
-            return seen[3]
+        if seen is not None and seen[1:3] == (freq, hp.get("betas")):
+            if seen[0] == due_at or (not seen[3] and seen[0] < due_at):
+                return seen[3]
         urgent = self.optimizer.refresh_urgent(block, step, hp)
         self._urgency[key] = (due_at, freq, hp.get("betas"), urgent)
         return urgent
@@ -291,11 +330,14 @@ class Plan:
         if not self.in_step:
             return
         refreshes = self.refreshes
+        self.requests.clear()  # (their decisions did not end: made again below)
         for key, e in sorted(self.registry.entries.items()):
             step = refreshes.current_step(key)
             if step > e.boundary_step:  # its decision of that step did not run to its end
                 hp = refreshes.group_of(key)
                 self.decide(key, refreshes.block_state(key), hp, step, True, True, forced=True)
+        if self.requests:
+            self._request()
         if self.waiting:
             self.install_waited()
         self.end()
@@ -306,16 +348,12 @@ class Plan:
         asteria/optim/state_io.py)."""
         self.in_step, self.error = False, None
         self.waiting.clear()
+        self.requests.clear()
         self._urgency.clear()
         self._bare.clear()
         for e in self.registry.entries.values():
             e.version, e.owed, e.consecutive_failures = None, False, 0
             e.boundary_step = -1
-
-
-def _has_bases(block: dict, field: str) -> bool:
-    bases = block.get(field, ())
-    return bases.count(None) != len(bases)
 
 
 def _refresh_cost(block: dict) -> float:

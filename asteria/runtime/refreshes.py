@@ -34,7 +34,7 @@ from asteria.runtime.lane import StatisticsLaneError
 from asteria.runtime.placement import Submission
 from asteria.runtime.registry import BlockEntry, PendingRefresh, Registry, StalenessTimeoutError
 from asteria.runtime.schedule import Pacer
-from asteria.runtime.snapshots import Snapshots, pool_submit
+from asteria.runtime.snapshots import Snapshots
 from asteria.runtime.spill import SpillTier
 
 __all__ = ["Refreshes"]
@@ -130,60 +130,92 @@ class Refreshes:
 
     # -- requests and submissions --------------------------------------------------------------
 
-    def request(self, key: BlockKey, e: BlockEntry, block: dict, group: dict, step: int) -> None:
-        """Request ``key``'s refresh at ``step`` (version ``step``, deadline ``step + S``): the
-        optimizer's jobs, made once (Note [One submission path] in placement.py), snapshotted
-        and submitted through the snapshot strategy."""
-        self.bases.settle(key, block)  # the job input basis is the one its result replaces
-        jobs = self.optimizer.refresh_jobs(block, group)
-        if jobs.count(None) == len(jobs):
-            return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-        # Note [Interrupted steps] (plan.py): the refresh is in flight once every job is
-        # submitted; one interrupted on the way leaves none (its submitted jobs run unread)
-        pending = PendingRefresh(step, [None] * len(jobs), jobs=jobs, group=group)
-        coherence = self.coherence
-        if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
-            pending.owner = coherence.owner(key)
+    def request_many(self, requests: list[tuple]) -> None:
+        """Request the refreshes of a plan, ``requests`` (``(key, entry, block state, group,
+        step, ...)``, each at its step: version ``step``, deadline ``step + S``): each block's jobs
+        made once by the optimizer (Note [One submission path] in placement.py), one snapshot of
+        all their inputs (snapshots.py), and one submission, or, for a deferred snapshot, one
+        when it has landed (``collect``). A refresh is in flight (``entry.pending``) once its
+        snapshot is taken, or where none is deferred, once its jobs are submitted: Note
+        [Interrupted steps] in plan.py."""
+        coherence, spill, S = self.coherence, self.spill, self.config.staleness
+        new = tuple.__new__
+        if self.bases.settles:  # the job input basis is the one its result replaces
+            keys, blocks = [], []
+            for r in requests:
+                keys.append(r[0])
+                blocks.append(r[2])
+            self.bases.settle(keys, blocks)
+        jobs_of = self.optimizer.refresh_jobs
+        batch, owners, made = [], [], []
+        for key, e, block, group, step, *_ in requests:
+            jobs = jobs_of(block, group)
+            if not any(jobs):
+                continue  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
+            pending = PendingRefresh(step, [None] * len(jobs), jobs=jobs, group=group)
+            if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
+                pending.owner = coherence.owner(key)
+                e.pending = pending
+                continue  # the owner computes it; this rank receives it at the deadline
+            if spill is not None:
+                pending.inputs = spill.inputs_record(e.name, step, len(jobs))
+            name, subs = e.name, []
+            for dim, job in enumerate(jobs):  # (``Submission``s without a Python call)
+                if job is not None:
+                    sub = (job, f"{name}.dim{dim}", step, step + S, job.factor, job.basis)
+                    subs.append(new(Submission, sub))
+                    owners.append((e, pending, dim))
+            batch.append((key, subs, pending.inputs is not None))
+            made.append((e, pending))
+        if not batch:
+            return
+        taken = [self.snapshots.take(batch), owners]  # (the ticket, per submission its owner)
+        if self.snapshots.deferred and not self.snapshots.ready(taken[0]):
+            for e, pending in made:
+                pending.copies.append(taken)
+                e.pending = pending
+            return
+        self._submit(taken, fresh=True)
+        for e, pending in made:
             e.pending = pending
-            return  # the owner computes it; this rank receives it at the deadline
-        if self.spill is not None:
-            pending.inputs = self.spill.inputs_record(e.name, step, len(jobs))
-        deadline = step + self.config.staleness
-        name = e.name
-        subs = [
-            None if j is None else Submission(j, f"{name}.dim{d}", step, deadline)
-            for d, j in enumerate(jobs)
-        ]
-        ticket = self.snapshots.take(key, subs, pending.inputs is not None)
-        if self.snapshots.deferred:
-            pending.copies.append(ticket)
-        else:
-            self._submit(pending, ticket)
-        e.pending = pending
 
-    def _submit(self, pending: PendingRefresh, ticket: Any) -> None:
+    def _submit(self, taken: list, fresh: bool = False) -> None:
         """The submission of a finished snapshot (a spilled block's inputs kept too: an exact
-        recompute)."""
-        futures, subs = self.snapshots.finish(ticket)
-        for dim, sub in enumerate(subs):
-            if sub is None:
-                continue
+        recompute); a block dropped since its request (unless ``fresh``: not in flight yet) is
+        left out (its jobs counted as cancelled already: ``drop``)."""
+        futures, batch = self.snapshots.finish(taken[0])
+        subs, owners, live, k = [], [], [], 0
+        for _, block_subs, _ in batch:
+            for sub in block_subs:
+                owner = taken[1][k]
+                if fresh or owner[0].pending is owner[1]:  # (not dropped since)
+                    subs.append(sub)
+                    owners.append(owner)
+                    live.append(k)
+                k += 1
+        if futures is not None and len(live) < k:
+            futures = [futures[i] for i in live]
+        if futures is None:
+            futures = self.pool.submit_many(subs)
+        for (_, pending, dim), sub, future in zip(owners, subs, futures):
             if pending.inputs is not None:
                 self.spill.keep_inputs(pending, dim, sub.factor, sub.basis)
-            pending.futures[dim] = pool_submit(self.pool, sub) if futures is None else futures[dim]
-            self.submitted += 1
+            pending.futures[dim] = future
+        self.submitted += len(futures)
+        for _, pending, _ in owners:
+            pending.copies.clear()  # (an interrupted submission is made again, whole)
 
     def collect(self, e: BlockEntry, wait: bool) -> None:
-        """Submit ``e``'s refresh if its snapshot has landed (when ``wait``, once it has)."""
-        pending = e.pending
-        if wait or self.snapshots.ready(pending.copies[0]):
-            self._submit(pending, pending.copies[0])
-            pending.copies.clear()  # (an interrupted submission is made again, whole)
+        """Submit the snapshot ``e``'s refresh waits for if it has landed (when ``wait``, once
+        it has): the plan's other blocks of that snapshot with it."""
+        taken = e.pending.copies[0]
+        if wait or self.snapshots.ready(taken[0]):
+            self._submit(taken)
 
     def step_end(self) -> None:
         """Submit what landed this step; spill and page in (the spill tier)."""
         for e in list(self.registry.in_flight.values()):
-            if e.pending.copies:
+            if e.pending.copies:  # (a snapshot's first block submits the others with it)
                 self.collect(e, wait=False)
         if self.spill is not None:
             entries = self.registry.entries
@@ -293,15 +325,15 @@ class Refreshes:
             jobs = self.optimizer.refresh_jobs(block, pending.group)
             inputs = [None if j is None else (j.factor, j.basis) for j in jobs]
         version, deadline = pending.requested, pending.requested + self.config.staleness
-        futures = []
+        subs, dims = [], []
         for dim, (job, inp) in enumerate(zip(pending.jobs, inputs)):
-            if job is None or inp is None:
-                futures.append(None)
-                continue
-            sub = Submission(job, f"{e.name}.dim{dim}", version, deadline)
-            sub.factor, sub.basis = inp
-            futures.append(pool_submit(self.pool, sub))
-            self.submitted += 1
+            if job is not None and inp is not None:
+                subs.append(Submission(job, f"{e.name}.dim{dim}", version, deadline, inp))
+                dims.append(dim)
+        futures: list[Any] = [None] * len(pending.jobs)
+        for dim, future in zip(dims, self.pool.submit_many(subs)):
+            futures[dim] = future
+        self.submitted += len(subs)
         t0 = time.perf_counter()
         results = [
             None if f is None else f.result(timeout_s=self.config.barrier_timeout_s)

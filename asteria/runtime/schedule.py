@@ -99,7 +99,7 @@ factor holds the fewest gradients and one more moves the roots most: most of Ast
 gap to native once (docs/benchmarks.md). So, where the budget is at least one step
 (``RuntimeConfig.wait_first_refresh``, on by default except under ``fixed_delay``;
 ``Schedule.wait_first``), a block's first refresh comes without the lead: the plan requests it
-at its own step, from that step's factors, and waits for it (``Schedule.waits_for``), as native
+at its own step, from that step's factors, and waits for it (``Plan.decide``), as native
 mode does, once per block. Under ``fixed_delay`` the first roots keep the fixed delay unless
 ``wait_first_refresh=True``.
 
@@ -249,13 +249,6 @@ class Schedule:
         # early, onto its slot: only where nothing is in flight or it is ready to install
         idle = e.pending is None or (e.pending.owner is None and e.pending.done())
         return idle and gap >= 1 and step % frequency == slot
-
-    def waits_for(self, e: Any, due: bool, has_bases: bool, urgent: bool = False) -> bool:
-        """Notes [First roots], [Rank-deficient factors]: whether the request of ``e``'s block
-        at this boundary (``due``) is its first refresh, or an ``urgent`` one, which the step
-        waits for and installs at once."""
-        first = e.version is None and not has_bases
-        return self.wait_first and due and e.pending is None and (first or urgent)
 
     def _assign(self, frequency: int, cost: float, anchor: int) -> int:
         """The slot (``step % frequency``) of a block of refresh cost ``cost``: the least

@@ -15,12 +15,13 @@ runtime attaches (``parts.choose_snapshots``) from where the parameters live:
   (Note [Staged snapshots]); the copies and their fences are ``asteria.memory.staging.snapshot``,
   the staging path ``asteria.lowlevel`` offers too.
 
-A strategy turns a block's submissions (placement.py's ``Submission``, one per dim) into a
-*ticket* (``take``); ``ready(ticket)`` says whether the snapshot can be submitted without
-waiting, and ``finish(ticket)`` waits for it and returns the futures of jobs it submitted
-already (the lane's) or None, and the submissions with the inputs it copied (what the pool is
-to copy, and what a spilled block keeps). The runtime keeps a ticket in ``PendingRefresh.copies``
-while it is ``deferred`` and never looks inside one.
+A strategy turns a plan's requests (per block its submissions, placement.py's ``Submission``,
+one per factored dim) into one *ticket* (``take``: one snapshot, or one lane call per block);
+``ready(ticket)`` says whether it can be submitted without waiting, and ``finish(ticket)`` waits
+for it and returns the futures of jobs it submitted already (the lane's) or None, and the
+requests with the inputs it copied (what the pool is to copy, and what a spilled block keeps).
+The runtime keeps a ticket in the ``PendingRefresh.copies`` of each of its blocks while it is
+``deferred`` and never looks inside one.
 
 Note [Staged snapshots]: the ring has one slot per tensor a refresh of the attach-time blocks
 copies (a factor, and the basis a QR refresh starts from), each as large as the largest, so a
@@ -46,34 +47,17 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-import torch
-
 from asteria._ext import load_extension
 from asteria.memory.copies import Copies
 from asteria.memory.host import StagingRing
 from asteria.memory.staging import Snapshot, snapshot
-from asteria.optim.matrix_functions import check_matrix
 from asteria.runtime.lane import StatisticsLane
 from asteria.runtime.placement import Submission
-from asteria.runtime.registry import Resolved
 
-__all__ = ["DirectSnapshots", "LaneSnapshots", "Snapshots", "StagedSnapshots", "pool_submit"]
+__all__ = ["DirectSnapshots", "LaneSnapshots", "Snapshots", "StagedSnapshots"]
 
-Subs = list[Submission | None]  # a block's submissions, per dim (None: no factor)
-
-
-def pool_submit(pool: Any, sub: Submission) -> Any:
-    """``sub`` on ``pool`` (the runtime's ``placement.Executors``, which copies the inputs at
-    submission). A complex or non-square input is refused here (the pool would drop an
-    imaginary part): the future raises the ``ValueError``, which reaches the step as a crashed
-    refresh of the block."""
-    try:
-        check_matrix(f"{sub.name}: factor", sub.factor)
-        if sub.basis is not None:
-            check_matrix(f"{sub.name}: basis", sub.basis)
-    except ValueError as err:
-        return Resolved(error=err)
-    return pool.submit(sub)
+#: A plan's requests: per block, its key, its submissions and whether its inputs are kept
+Batch = list[tuple[Hashable, list[Submission], bool]]
 
 
 class Snapshots:
@@ -84,17 +68,18 @@ class Snapshots:
     #: Whether a ticket waits in ``PendingRefresh.copies`` (else it is finished at once).
     deferred = False
 
-    def take(self, key: Hashable, subs: Subs, keep: bool) -> Any:
-        """Start the snapshot of the inputs of block ``key``'s ``subs``; ``keep``: the inputs
-        are also wanted as host tensors afterwards (a spilled block's)."""
-        return subs
+    def take(self, batch: Batch) -> Any:
+        """Start the snapshot of the inputs of a plan's requests, ``batch``: per block its key,
+        its submissions and whether its inputs are also wanted as host tensors afterwards (a
+        spilled block's)."""
+        return batch
 
     def ready(self, ticket: Any) -> bool:
         return True
 
-    def finish(self, ticket: Any) -> tuple[list | None, Subs]:
+    def finish(self, ticket: Any) -> tuple[list | None, Batch]:
         """Wait for the snapshot (raising its error); the futures of the jobs it submitted (or
-        None), and the submissions with their inputs."""
+        None), in the order of the batch's submissions, and the batch with their inputs."""
         return None, ticket
 
     def staging_bytes(self) -> int:
@@ -116,7 +101,7 @@ class DirectSnapshots(Snapshots):
 
 
 class LaneSnapshots(Snapshots):
-    """The submission runs on the statistics lane, behind the block's statistics."""
+    """The submission runs on the statistics lane, behind each block's statistics."""
 
     name = "lane"
     deferred = True
@@ -125,29 +110,33 @@ class LaneSnapshots(Snapshots):
         self._lane = lane
         self._pool = pool
 
-    def take(self, key, subs, keep):
+    def take(self, batch):
         # the factors are what this step's statistics, still on the lane, write: the jobs are
         # submitted from the lane, behind them (what the lane runs holds the pool and the
         # submissions only, no reference to the runtime or the optimizer)
-        return self._lane.call(key, _lane_submit, self._pool, subs, keep), subs
+        call, pool = self._lane.call, self._pool
+        return [call(key, _lane_submit, pool, subs, keep) for key, subs, keep in batch], batch
 
     def ready(self, ticket: Any) -> bool:
-        return ticket[0].query()
+        return all(work.query() for work in ticket[0])
 
-    def finish(self, ticket: Any) -> tuple[list | None, Subs]:
-        ticket[0].synchronize()  # a failed statistics update of the block before it raises here
-        return ticket[0].value, ticket[1]
+    def finish(self, ticket: Any) -> tuple[list | None, Batch]:
+        futures = []
+        for work in ticket[0]:
+            work.synchronize()  # a failed statistics update of the block before it raises here
+            futures += work.value
+        return futures, ticket[1]
 
 
-def _lane_submit(pool: Any, subs: Subs, keep: bool) -> list[Any]:
+def _lane_submit(pool: Any, subs: list[Submission], keep: bool) -> list[Any]:
     """On the statistics lane, behind the block's statistics: submit the jobs (the pool copies
     the factors and bases as they are now), the inputs kept as copies for a spilled block
     (``keep``)."""
-    for sub in subs:
-        if keep and sub is not None:
-            sub.factor = sub.factor.clone()
-            sub.basis = None if sub.basis is None else sub.basis.clone()
-    return [None if sub is None else pool_submit(pool, sub) for sub in subs]
+    if keep:  # (in place: the runtime keeps the batch's inputs)
+        for k, sub in enumerate(subs):
+            basis = None if sub.basis is None else sub.basis.clone()
+            subs[k] = sub.with_inputs(sub.factor.clone(), basis)
+    return pool.submit_many(subs)
 
 
 class StagedSnapshots(Snapshots):
@@ -160,47 +149,53 @@ class StagedSnapshots(Snapshots):
     def __init__(self, copies: Copies, ring: StagingRing | None) -> None:
         self._copies = copies
         self._ring = ring
+        self._limit = 0 if ring is None else ring.slot_bytes  # (a tensor larger: unstaged)
         self._issued: list[Snapshot] = []  # this step's copies (``step_begin`` of the next)
         self.staged = 0
         self.unstaged = 0
         self._timeout = load_extension().WaitTimeoutError
 
-    def take(self, key, subs, keep):
-        srcs = [
-            t for sub in subs if sub is not None for t in (sub.factor, sub.basis) if t is not None
-        ]
-        snap = self._snapshot(srcs)
-        if snap is None:  # the pool reads the basis on the host: a window's copy of it first
+    def take(self, batch):
+        limit, srcs, staged, left = self._limit, [], [], 0
+        for _, subs, _ in batch:
+            for k, sub in enumerate(subs):
+                factor, basis = sub[4], sub[5]
+                if factor.nbytes > limit or (basis is not None and basis.nbytes > limit):
+                    left += 1 if basis is None else 2  # no slot: the pool copies it
+                    continue
+                staged.append((subs, k))
+                srcs.append(factor)
+                if basis is not None:
+                    srcs.append(basis)
+        snap = None
+        if srcs:
+            try:  # the slots are free again once the copies landed and the views are gone
+                snap = snapshot(srcs, self._ring, self._copies, timeout=0.0, release=True)
+            except self._timeout:
+                left += len(srcs)
+        if left:  # the pool reads a basis on the host: a window's copy of it first
             self._copies.host_sync()  # (Note [Host writes] in asteria/memory/copies.py)
-            self.unstaged += len(srcs)
-            return None, subs
-        snap.release()  # the slots are free again once the copies landed and the views are gone
+            self.unstaged += left
+        if snap is None:
+            return None, batch
         self._issued.append(snap)
         self.staged += len(srcs)
-        copied = iter(snap.tensors)
-        for sub in subs:  # the submissions read the snapshot, in the order of ``srcs``
-            if sub is not None:
-                sub.factor = next(copied)
-                sub.basis = None if sub.basis is None else next(copied)
-        return snap, subs
-
-    def _snapshot(self, srcs: list[torch.Tensor]) -> Snapshot | None:
-        """The copies of ``srcs`` into free slots (``asteria.memory.staging``, Note [Snapshot
-        fences]), or None when a tensor has no slot (then none is held)."""
-        ring = self._ring
-        if ring is None or any(t.nbytes > ring.slot_bytes for t in srcs):
-            return None
-        try:
-            return snapshot(srcs, ring, self._copies, timeout=0.0)
-        except self._timeout:
-            return None
+        copied, new = iter(snap.tensors), tuple.__new__
+        for subs, k in staged:  # the submissions read the snapshot, in the order of ``srcs``
+            sub = subs[k]
+            factor = next(copied)
+            basis = None if sub[5] is None else next(copied)
+            subs[k] = new(Submission, (*sub[:4], factor, basis))
+        return snap, batch
 
     def ready(self, ticket: Any) -> bool:
-        return ticket[0] is None or ticket[0].ready()
+        snap = ticket[0]
+        return snap is None or snap.landed or snap.ready()
 
-    def finish(self, ticket: Any) -> tuple[list | None, Subs]:
-        if ticket[0] is not None:
-            ticket[0].wait()  # (landed already unless waited for)
+    def finish(self, ticket: Any) -> tuple[list | None, Batch]:
+        snap = ticket[0]
+        if snap is not None and not snap.landed:
+            snap.wait()
         return None, ticket[1]
 
     def step_begin(self) -> None:
@@ -225,4 +220,4 @@ class StagedSnapshots(Snapshots):
     def clear(self) -> None:
         self._issued.clear()
         self._copies.synchronize()
-        self._ring = None
+        self._ring, self._limit = None, 0

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from asteria import _C
 from asteria.memory.host import host_empty, is_host_tensor, release_host_cache
 from asteria.memory.window import BasesWindow, view_like
 from asteria.optim.base import KroneckerOptimizer
@@ -88,6 +89,8 @@ class WindowBases(BasesAccess):
     is called before a block's bases of ``need`` bytes go through slots that are too small;
     it grows the window or raises (the budgets are the runtime's). ``lock``: the runtime's,
     held while the ring hands out copies (installs from module signals share it)."""
+
+    settles = True
 
     def __init__(
         self,
@@ -259,12 +262,16 @@ class WindowBases(BasesAccess):
     def stats(self) -> dict[str, int]:
         return self.window.stats()
 
-    def settle(self, key: BlockKey, block: dict) -> None:
+    def settle(self, keys: list[BlockKey], blocks: list[dict]) -> None:
         """A refresh's job reads the block's bases as its input: where they are host tensors,
         the copies to host that write them must have landed (Note [Host sources of a snapshot]
         in asteria/memory/staging.py; free once they have)."""
-        if any(q is not None and not q.is_cuda and is_host_tensor(q) for q in block[self.field]):
-            self.window.copies.host_sync()
+        field, info = self.field, _C.host_tensor_info
+        for block in blocks:
+            for q in block[field]:
+                if q is not None and not q.is_cuda and info(q) is not None:
+                    self.window.copies.host_sync()
+                    return
 
     def host_sync(self) -> None:
         self._host_installed()

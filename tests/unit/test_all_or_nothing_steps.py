@@ -230,7 +230,8 @@ _INTERRUPTIBLE = [
     (refreshes_module.Refreshes, "wait"),
     (refreshes_module.Refreshes, "install_many"),
     (refreshes_module.Refreshes, "_installed"),
-    (refreshes_module.Refreshes, "request"),
+    (refreshes_module.Refreshes, "request_many"),
+    (refreshes_module.Refreshes, "_submit"),
     (StatisticsLane, "wait"),
     (NativeRefresher, "plan"),
 ]

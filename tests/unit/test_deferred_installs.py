@@ -102,17 +102,17 @@ def test_a_steps_waited_refreshes_are_all_requested_before_the_first_install(mon
     refreshes (``S = 0``), every request comes before every install, and with one worker the
     training thread runs some of the jobs itself (``stats()["jobs"]["helped"]``)."""
     events: list[tuple[str, int]] = []
-    request, install_now = Refreshes.request, Refreshes.install_now
+    request_many, install_now = Refreshes.request_many, Refreshes.install_now
 
-    def requested(self, key, e, block, group, step):
-        events.append(("request", step))
-        return request(self, key, e, block, group, step)
+    def requested(self, requests):
+        events.extend(("request", r[4]) for r in requests)
+        return request_many(self, requests)
 
     def installed(self, key, e, step, block, replicated):
         events.append(("install", step))
         return install_now(self, key, e, step, block, replicated)
 
-    monkeypatch.setattr(Refreshes, "request", requested)
+    monkeypatch.setattr(Refreshes, "request_many", requested)
     monkeypatch.setattr(Refreshes, "install_now", installed)
     params = [torch.nn.Parameter(torch.randn(96, 96)) for _ in range(6)]
     opt = Shampoo(params, precondition_frequency=2)

@@ -186,14 +186,14 @@ def test_the_pool_path_refuses_complex_factors():
     warning) and returned the wrong eigenvalues: the runtime's submissions refuse it."""
     from asteria._C import WorkerPool
     from asteria.optim.refresher import QRRefresh
-    from asteria.runtime.placement import Submission
-    from asteria.runtime.snapshots import pool_submit
+    from asteria.runtime.placement import Executors, Submission
 
     pool = WorkerPool(workers=1, lapack_threads=1)
     try:
         hermitian = torch.tensor([[2.0, 1j], [-1j, 2.0]], dtype=torch.complex64)
         job = QRRefresh(hermitian, torch.eye(2), sort=True)
-        future = pool_submit(pool, Submission(job, "b.dim0", 0, 1))
+        executors = Executors(pool, None, 1, 1, TimeoutError)
+        (future,) = executors.submit_many([Submission(job, "b.dim0", 0, 1)])
         with pytest.raises(ValueError, match="complex"):
             future.result(timeout_s=5)
         assert pool.stats()["submitted"] == 0

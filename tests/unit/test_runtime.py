@@ -716,15 +716,26 @@ def test_soap_installs_run_on_the_statistics_lane(runtimes, monkeypatch):
     in the training thread; KL-Shampoo's pointer swaps stay on the training thread."""
     import threading
 
-    threads: list[str] = []
+    threads: list[str] = []  # per block installed, the thread that installed it
+    inside = threading.local()  # (an install_refresh inside install_refresh_many: counted)
     for cls in (SOAP, KLShampoo):
-        real = cls.install_refresh
+        real, real_many = cls.install_refresh, cls.install_refresh_many
 
         def spy(self, block, results, real=real):
-            threads.append(threading.current_thread().name)
+            if not getattr(inside, "many", False):
+                threads.append(threading.current_thread().name)
             real(self, block, results)
 
+        def spy_many(self, blocks, results, real_many=real_many):
+            threads.extend([threading.current_thread().name] * len(blocks))
+            inside.many = True
+            try:
+                real_many(self, blocks, results)
+            finally:
+                inside.many = False
+
         monkeypatch.setattr(cls, "install_refresh", spy)
+        monkeypatch.setattr(cls, "install_refresh_many", spy_many)
     problem = StochasticQuartic(SHAPES, 40, torch.float32)
     for cls in (SOAP, KLShampoo):
         threads.clear()
