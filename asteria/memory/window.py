@@ -28,8 +28,8 @@ blocks' bases: ``slots`` buffers of ``slot_bytes`` each (tiers.plan's ``window_b
 * A slot keeps the host tensors it was copied from alive; when it is refilled they are retired
   with the event of the copy that read them and dropped once that event completed, so an install
   that replaces a block's host tensors never frees memory a copy still reads.
-* ``part(srcs)`` hands out, as a hit, the copies of tensors that a slot holds as part of what it
-  was filled with (one block of a shape group's slot: an install reading the bases it replaces),
+* ``parts(many)`` hands out, as hits, the copies of tensors that a slot holds as part of what it
+  was filled with (blocks of a shape group's slot: an install reading the bases it replaces),
   or None; it fills nothing.
 
 Note [Reads together]: ``use(..., together=True)`` hands out a block's copies while those handed
@@ -68,7 +68,6 @@ WINDOW_BLOCKS = 2
 _PACKED = 16
 
 Tensors = Sequence[torch.Tensor | None]
-_USED = operator.attrgetter("used")
 
 
 class BasesWindow:
@@ -129,10 +128,20 @@ class BasesWindow:
         is called before a fill of more bytes than a slot has (it resizes the window or
         raises); without it, such a fill raises."""
         if not together:
-            self.finish()
+            if self._current:  # (``finish``, inline: a call less at every read)
+                event = self.copies.record()
+                for held in self._current:
+                    held.read = event
+                self._current = []
         else:
             self.together += 1
-        slot = self._holding(key, srcs)  # a hit fitted when it was filled
+        slot = None
+        for held in self._slots:  # a hit fitted when it was filled (``_holding``, inline)
+            h = held.srcs
+            if held.key == key and h is not None and len(h) == len(srcs):
+                if all(map(operator.is_, h, srcs)):
+                    slot = held
+                    break
         if slot is None:
             if srcs.count(None) == len(srcs):
                 return list(srcs)
@@ -163,31 +172,62 @@ class BasesWindow:
             self._prefetch(*upcoming, exclude=self._current)
         return list(slot.views)
 
-    def part(self, srcs: Tensors) -> list[torch.Tensor | None] | None:
-        """Device copies of ``srcs`` from a slot that holds each of them (compared by identity)
-        among the tensors it was filled with, handed out as a hit; None where no slot does."""
-        if all(s is None for s in srcs):
-            return list(srcs)
-        for slot in self._slots:
-            views = _part_of(slot, srcs)
-            if views is not None:
-                self.finish()
-                self.part_hits += 1
+    def parts(self, many: list[Tensors]) -> list[list[torch.Tensor | None] | None]:
+        """Per ``srcs`` of ``many``: device copies of ``srcs`` from a slot that holds each of
+        them (compared by identity) among the tensors it was filled with, handed out as hits,
+        all together (Note [Reads together]); None where no slot does. No Python call per
+        ``srcs``."""
+        out, hit = [], []
+        for srcs in many:
+            found = None
+            if srcs.count(None) == len(srcs):
+                found = list(srcs)
+            for slot in self._slots if found is None else ():
+                held, where, views = slot.srcs, slot.where, []
+                if held is None:
+                    continue
+                for s in srcs:  # (``_part_of``, inline)
+                    if s is None:
+                        views.append(None)
+                        continue
+                    i = where.get(id(s))
+                    if i is None or held[i] is not s:
+                        views = None
+                        break
+                    views.append(slot.views[i])
+                if views is not None:
+                    found = views
+                    self.part_hits += 1
+                    if slot not in hit:
+                        hit.append(slot)
+                    break
+            out.append(found)
+        if hit:
+            self.finish()
+            for slot in hit:
                 self.copies.wait(slot.copied)
                 slot.used = next(self._clock)
-                self._current = [slot]
-                return views
-        return None
+            self._current = hit
+        return out
 
     def holds(self, key: Hashable, srcs: Tensors) -> bool:
         """Whether a slot holds exactly ``srcs`` as ``key``'s (``use`` then hands it out)."""
         return self._holding(key, srcs) is not None
 
-    def last_used(self, key: Hashable, srcs: Tensors) -> int:
-        """When the slot that holds exactly ``srcs`` as ``key``'s was last handed out (a clock,
-        larger is later), 0 where none holds them."""
-        slot = self._holding(key, srcs)
-        return 0 if slot is None else slot.used
+    def last_used(self, reads: list[tuple[Hashable, Tensors]]) -> list[int]:
+        """Per ``(key, srcs)`` of ``reads``: when the slot that holds exactly ``srcs`` as
+        ``key``'s was last handed out (a clock, larger is later), 0 where none holds them."""
+        out = []
+        for key, srcs in reads:  # (``_holding``, inline)
+            used = 0
+            for held in self._slots:
+                h = held.srcs
+                if held.key == key and h is not None and len(h) == len(srcs):
+                    if all(map(operator.is_, h, srcs)):
+                        used = held.used
+                        break
+            out.append(used)
+        return out
 
     def finish(self) -> None:
         """The blocks handed out since the last ``finish`` are no longer read by kernels issued
@@ -246,18 +286,38 @@ class BasesWindow:
     def _victim(self, key: Hashable, exclude: Sequence[_Slot]) -> _Slot | None:
         """The slot to fill for ``key``: one holding an older copy of it, else the least
         recently used; never one of ``exclude`` (the slots in use)."""
-        free = [s for s in self._slots if s not in exclude]
-        for slot in free:
+        oldest = None
+        for slot in self._slots:
+            if slot in exclude:
+                continue
             if slot.key == key:
                 return slot
-        return min(free, key=_USED, default=None)
+            if oldest is None or slot.used < oldest.used:
+                oldest = slot
+        return oldest
 
     def _prefetch(self, key: Hashable, srcs: Tensors, exclude: Sequence[_Slot]) -> None:
-        if self._holding(key, srcs) is not None:
+        for held in self._slots:  # (``_holding``, inline)
+            h = held.srcs
+            if held.key == key and h is not None and len(h) == len(srcs):
+                if all(map(operator.is_, h, srcs)):
+                    return
+        need = 0
+        for s in srcs:  # (``bytes_of``, inline)
+            if s is not None:
+                k = s.element_size()
+                need = -(-need // k) * k + s.numel() * k
+        if need == 0 or need > self._slot_bytes:
             return
-        if srcs.count(None) == len(srcs) or self.bytes_of(srcs) > self._slot_bytes:
-            return
-        slot = self._victim(key, exclude)
+        slot = None
+        for held in self._slots:  # (``_victim``, inline)
+            if held in exclude:
+                continue
+            if held.key == key:
+                slot = held
+                break
+            if slot is None or held.used < slot.used:
+                slot = held
         if slot is not None:
             self._fill(slot, key, srcs)
             slot.prefetched = True
@@ -265,21 +325,32 @@ class BasesWindow:
             self.prefetches += 1
 
     def _fill(self, slot: _Slot, key: Hashable, srcs: Tensors) -> None:
-        layout = _layout(srcs)  # Note [Slot views by layout]
+        layout, dsts, copied, where = [], [], [], {}
+        for i, s in enumerate(srcs):  # (loops: no call per tensor)
+            if s is None:
+                layout.append(None)
+                continue
+            layout.append((s.dtype, s.shape, s.stride()))
+            copied.append(s)
+            where[id(s)] = i
+        layout = tuple(layout)  # Note [Slot views by layout]
         views = slot.packed.get(layout)
         if views is None:
             views = _pack(slot.buffer, srcs)
             if len(slot.packed) >= _PACKED:
                 del slot.packed[next(iter(slot.packed))]
             slot.packed[layout] = views
-        dsts = [v for v, s in zip(views, srcs) if s is not None]
-        waits = [] if slot.read is None else [slot.read]
-        event = self.copies.copy(dsts, [s for s in srcs if s is not None], waits)
+        for v in views:
+            if v is not None:
+                dsts.append(v)
+        event = self.copies.copy(dsts, copied, [] if slot.read is None else [slot.read])
+        retired = self._retired
         if slot.srcs is not None and slot.copied is not None:
-            self._retired.append((slot.copied, slot.srcs))
-        self._retired = [(e, s) for e, s in self._retired if not e.query()]
+            retired.append((slot.copied, slot.srcs))
+        if len(retired) > len(self._slots):  # (pruned now and then: a query each)
+            self._retired = [(e, s) for e, s in retired if not e.query()]
         slot.key, slot.srcs, slot.views, slot.copied = key, tuple(srcs), views, event
-        slot.where = {id(t): i for i, t in enumerate(srcs) if t is not None}
+        slot.where = where
         slot.read = None  # the new contents have no reader yet; later copies queue behind this one
         self.fills += 1
 
@@ -317,31 +388,6 @@ class _Slot:
         self.prefetched = False
 
 
-def _part_of(slot: _Slot, srcs: Tensors) -> list[torch.Tensor | None] | None:
-    """The views of ``slot`` holding each of ``srcs`` (None stays None), or None."""
-    held, where, views = slot.srcs, slot.where, []
-    if held is None:
-        return None
-    for s in srcs:
-        if s is None:
-            views.append(None)
-            continue
-        i = where.get(id(s))
-        if i is None or held[i] is not s:
-            return None
-        views.append(slot.views[i])
-    return views
-
-
-def _layout(srcs: Tensors) -> tuple:
-    """What the views of a slot filled with ``srcs`` depend on (Note [Slot views by layout])."""
-    return tuple([None if s is None else (s.dtype, s.shape, s.stride()) for s in srcs])
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
 def _pack(buffer: torch.Tensor | None, srcs: Tensors) -> list[torch.Tensor | None]:
     """Views of ``buffer`` with ``srcs``' shapes and dtypes, packed as ``bytes_of`` counts."""
     views: list[torch.Tensor | None] = []
@@ -350,8 +396,9 @@ def _pack(buffer: torch.Tensor | None, srcs: Tensors) -> list[torch.Tensor | Non
         if s is None:
             views.append(None)
             continue
-        offset = _round_up(offset, s.element_size())
-        n = s.numel() * s.element_size()
+        k = s.element_size()
+        offset = -(-offset // k) * k
+        n = s.numel() * k
         views.append(view_like(buffer[offset : offset + n].view(s.dtype), s))
         offset += n
     return views
@@ -362,7 +409,8 @@ def view_like(flat: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     when ``src`` is dense (a permutation of a contiguous tensor, e.g. LAPACK's column-major
     results): kernels then read the copy with the layout they read the original with, which
     keeps their arithmetic, and so the run, bitwise the same."""
-    order = sorted(range(src.dim()), key=lambda i: -src.stride(i))
+    strides = src.stride()  # (its dims by stride, largest first, in order among equals)
+    order = sorted(range(len(strides)), key=strides.__getitem__, reverse=True)
     if src.permute(order).is_contiguous():
-        return flat.as_strided(src.shape, src.stride())
+        return flat.as_strided(src.shape, strides)
     return flat.view(src.shape)

@@ -34,6 +34,7 @@ from asteria.optim.state_format import state_init_probe
 from asteria.optim.state_io import StateIO, blocks_of
 from asteria.optim.tensors import (
     _ALIGNMENT,
+    AUTOCAST_DEVICES,
     PLACEHOLDER_STEP,
     _is_placeholder,
     _promoted,
@@ -305,8 +306,11 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with no_autocast():  # Note [Autocast]: the closure alone runs under the caller's
-            return self._step(loss)
+        for device_type in AUTOCAST_DEVICES:  # Note [Autocast]: the closure alone runs under
+            if torch.is_autocast_enabled(device_type):  # the caller's autocast
+                with no_autocast():
+                    return self._step(loss)
+        return self._step(loss)
 
     def _step(self, loss: float | None) -> float | None:
         todo: list[tuple[int, dict[str, Any], torch.Tensor]] = []

@@ -27,6 +27,7 @@ kernels for a batch: the results agree to rounding there (docs/fidelity.md).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -89,8 +90,14 @@ class BlockGroup:
 
     def take(self, idx: Sequence[int]) -> BlockGroup:
         """The blocks of ``idx`` (in that order) as a group of their own."""
-        views = {n: [v[i] for i in idx] for n, v in self.views.items()}
-        keys, blocks = [self.keys[i] for i in idx], [self.blocks[i] for i in idx]
+        views, keys, blocks = {}, [], []
+        for i in idx:  # (loops: no call per block)
+            keys.append(self.keys[i])
+            blocks.append(self.blocks[i])
+        for n, v in self.views.items():
+            views[n] = picked = []
+            for i in idx:
+                picked.append(v[i])
         sub = BlockGroup(
             self.key, keys, blocks, self.step, views, self.numel, self.factored, self.tag
         )
@@ -190,7 +197,7 @@ def batches(groups: list[BlockGroup], limit: int | None = None) -> list[list[Blo
     """``groups`` in batches of at most ``limit`` (``BATCH_ELEMENTS``) gradient elements, a
     group that fits whole in one (``pack``)."""
     limit = BATCH_ELEMENTS if limit is None else limit
-    if sum([g.numel * len(g) for g in groups]) <= limit:
+    if sum([g.numel * len(g.keys) for g in groups]) <= limit:
         return [groups] if groups else []
     return pack(groups, None, limit, lambda g: 0)
 
@@ -208,7 +215,7 @@ def pack(
     groups in the order given (Note [Pieces by shape group])."""
     sized = []
     for g in groups:
-        n = g.numel * len(g)
+        n = g.numel * len(g.keys)
         b = 0 if room is None else nbytes(g)
         sized.append((g, n, b))
     if room is None:
@@ -229,9 +236,9 @@ def pack(
             piece[1] += b
             piece[2].append((at, g))
             continue
-        one_n, one_b = g.numel, b // max(len(g), 1)  # cut: runs of its own
+        one_n, one_b = g.numel, b // max(len(g.keys), 1)  # cut: runs of its own
         piece, run = None, []
-        for i in range(len(g)):
+        for i in range(len(g.keys)):
             if (
                 piece is None
                 or piece[0] + one_n > limit
@@ -245,11 +252,15 @@ def pack(
             piece[1] += one_b
             run.append(i)
         piece[2].append((at, g.take(run)))
-    return [[g for _, g in sorted(piece[2], key=_first)] for piece in bins]
+    out = []
+    for piece in bins:  # (loops: no call per piece)
+        out.append(
+            [g for _, g in sorted(piece[2], key=_FIRST)] if len(piece[2]) > 1 else [piece[2][0][1]]
+        )
+    return out
 
 
-def _first(item: tuple) -> Any:
-    return item[0]
+_FIRST = operator.itemgetter(0)
 
 
 # Note [Pieces by shape group]

@@ -25,7 +25,7 @@ def mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch.Tensor:
     ``transpose=True`` applies ``mats[i]^T`` (into an eigenbasis: ``Q_L^T X Q_R`` for a matrix);
     ``transpose=False`` applies ``mats[i]`` (back: ``Q_L X Q_R^T``).
     """
-    if all(m is None for m in mats):
+    if mats.count(None) == len(mats):
         return x  # an unfactored block (SOAP's 1-D ones without precondition_1d)
     if x.dim() == 2:
         left, right = mats

@@ -242,12 +242,24 @@ class SOAP(KroneckerOptimizer):
         round otherwise (``groups.block_key``), is installed alone. On the CPU the 2-D blocks
         are one operator, unstacked (Note [SOAP installs on the CPU] in
         csrc/core/soap_step.cpp)."""
-        on_cpu = [i for i in range(len(blocks)) if _cpu_installable(blocks[i], results[i])]
-        if on_cpu:
-            _install_on_cpu([blocks[i] for i in on_cpu], [results[i] for i in on_cpu])
-            done = set(on_cpu)
-            blocks = [b for i, b in enumerate(blocks) if i not in done]
-            results = [r for i, r in enumerate(results) if i not in done]
+        cpu, rest = ([], []), ([], [])  # (loops: no call per block)
+        for block, result in zip(blocks, results):
+            v, fits, refreshed = block["exp_avg_sq"], True, False
+            if v.device.type == "cpu" and v.dim() == 2:  # what ``soap_install_each`` takes:
+                for r in result:  # a refreshed dim, new bases that need no conversion
+                    if r is not None:
+                        refreshed = True
+                        q = r[0]
+                        fits = fits and q.dtype == v.dtype and q.device == v.device
+                        fits = fits and r[1] is not None
+            side = cpu if refreshed and fits else rest
+            side[0].append(block)
+            side[1].append(result)
+        if cpu[0]:
+            _install_on_cpu(*cpu)
+        blocks, results = rest
+        if not blocks:
+            return
         for idx in shape_groups(range(len(blocks)), lambda i: _install_key(blocks[i], results[i])):
             if len(idx) == 1:
                 for i in idx:
@@ -276,29 +288,19 @@ def _soap_install_each_fake(exp_avgs, exp_avg_sqs, *bases_and_perms):
     return [m.new_empty(m.shape) for m in exp_avgs], [v.new_empty(v.shape) for v in exp_avg_sqs]
 
 
-def _cpu_installable(block: dict[str, Any], result: list) -> bool:
-    """Whether ``soap_install_each`` takes the block: 2-D moments on the CPU, at least one
-    refreshed dim, and new bases that need no conversion."""
-    v = block["exp_avg_sq"]
-    if v.device.type != "cpu" or v.dim() != 2 or all(r is None for r in result):
-        return False
-    return all(
-        r is None or (r[0].dtype == v.dtype and r[0].device == v.device and r[1] is not None)
-        for r in result
-    )
-
-
 def _install_on_cpu(blocks: list[dict[str, Any]], results: list[list]) -> None:
     """``SOAP.install_refresh`` of 2-D CPU blocks in one operator (Note [SOAP installs on the
     CPU] in csrc/core/soap_step.cpp)."""
-    old = [
-        [None if r[d] is None else b["bases"][d] for b, r in zip(blocks, results)] for d in (0, 1)
-    ]
-    new = [[None if r[d] is None else r[d][0] for r in results] for d in (0, 1)]
-    perm = [[None if r[d] is None else r[d][1] for r in results] for d in (0, 1)]
-    ms, vs = soap_install_each(
-        [b["exp_avg"] for b in blocks], [b["exp_avg_sq"] for b in blocks], *old, *new, *perm
-    )
+    old, new, perm, ms, vs = ([], []), ([], []), ([], []), [], []
+    for b, r in zip(blocks, results):  # (a loop: no call per block)
+        ms.append(b["exp_avg"])
+        vs.append(b["exp_avg_sq"])
+        for d in (0, 1):
+            res = r[d]
+            old[d].append(None if res is None else b["bases"][d])
+            new[d].append(None if res is None else res[0])
+            perm[d].append(None if res is None else res[1])
+    ms, vs = soap_install_each(ms, vs, *old, *new, *perm)
     for b, r, m, v in zip(blocks, results, ms, vs):
         b["exp_avg"], b["exp_avg_sq"] = m, v
         for d in (0, 1):

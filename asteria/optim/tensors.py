@@ -30,15 +30,16 @@ def _promoted(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-#: The device types whose autocast ``no_autocast`` turns off (Note [Autocast]).
-_AUTOCAST_DEVICES = ("cuda", "cpu")
+#: The device types whose autocast ``no_autocast`` turns off (Note [Autocast]); where it is
+#: off on all of them (as usual), callers skip the context manager and its Python calls.
+AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 @contextlib.contextmanager
 def no_autocast() -> Iterator[None]:
     """Autocast off on every device type where the caller turned it on (Note [Autocast])."""
     with contextlib.ExitStack() as stack:
-        for device_type in _AUTOCAST_DEVICES:
+        for device_type in AUTOCAST_DEVICES:
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         yield

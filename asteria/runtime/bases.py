@@ -227,28 +227,33 @@ def all_made(optimizer: KroneckerOptimizer) -> bool:
 def to_device_many(results: list[list[Any]], blocks: list[dict]) -> list[list[Any]]:
     """``to_device`` of each block's ``results`` (a list per block), in grouped copies: the
     host tensors bound for one CUDA device go, per dtype, through one pinned buffer and one
-    copy (Note [Grouped install copies]); elsewhere each is moved as ``to_device`` moves it."""
-    out = [list(r) for r in results]
+    copy (Note [Grouped install copies]); elsewhere each is moved as ``to_device`` moves it (a
+    CPU block's stay as they are). No Python call per block."""
+    out = []
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[list, int, int | None]]] = {}
-    for rs, block in zip(out, blocks):
-        device = _device_of(block)
+    for rs, block in zip(results, blocks):
+        rs = list(rs)
+        out.append(rs)
+        device = None
+        for f in block["factors"]:
+            if f is not None:
+                device = f.device
+                break
+        if device is None or device.type != "cuda":
+            continue  # (the pool's results are CPU tensors)
         for i, r in enumerate(rs):
-            for j, t in _tensors_of(r):
-                if device.type == "cuda" and t.device.type == "cpu":
+            if r is None:
+                continue
+            for j, t in enumerate(r) if isinstance(r, tuple) else ((None, r),):
+                if t is None:
+                    continue
+                if t.device.type == "cpu":
                     groups.setdefault((device, t.dtype), []).append((rs, i, j))
                 else:
                     _put(rs, i, j, t.to(device))
     for (device, dtype), where in groups.items():
         _grouped_to(device, dtype, where)
     return out
-
-
-def _tensors_of(result: Any) -> list[tuple[int | None, torch.Tensor]]:
-    if result is None:
-        return []
-    if isinstance(result, tuple):
-        return [(j, t) for j, t in enumerate(result) if t is not None]
-    return [(None, result)]
 
 
 def _get(rs: list, i: int, j: int | None) -> torch.Tensor:
@@ -280,7 +285,3 @@ def _grouped_to(device: torch.device, dtype: torch.dtype, where: list) -> None:
     for (rs, i, j), t in zip(where, srcs):
         _put(rs, i, j, view_like(dev[offset : offset + t.numel()], t))
         offset += t.numel()
-
-
-def _device_of(block: dict) -> torch.device:
-    return next(t for t in block["factors"] if t is not None).device

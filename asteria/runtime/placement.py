@@ -105,10 +105,13 @@ class Durations:
     def __init__(self) -> None:
         self._mean: dict[tuple[str, str, int], float] = {}
 
-    def observe(self, executor: str, kind: str, size: int, seconds: float) -> None:
-        key = (executor, kind, size)
-        old = self._mean.get(key)
-        self._mean[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+    def observe(self, measured: list[tuple[str, str, int, float]]) -> None:
+        """Each ``(executor, kind, size, seconds)`` of ``measured``, in order."""
+        mean = self._mean
+        for executor, kind, size, seconds in measured:
+            key = (executor, kind, size)
+            old = mean.get(key)
+            mean[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def predict(self, executor: str, kind: str, size: int) -> float | None:
         """The average for this size, else the nearest size seen scaled as ``d^3``, else None."""
@@ -391,6 +394,7 @@ class Executors:
 
     def _harvest(self) -> None:
         """Measure the jobs that finished since last looked, and forget them."""
+        measured = []
         for where, jobs in self._outstanding.items():
             left = []
             for future, kind, size, predicted in jobs:
@@ -399,8 +403,10 @@ class Executors:
                     continue
                 start, end = future.started_at, future.finished_at
                 if start is not None and end is not None and not future.cancelled():
-                    self.durations.observe(where, kind, size, max(end - start, 0.0))
+                    measured.append((where, kind, size, max(end - start, 0.0)))
             jobs[:] = left
+        if measured:
+            self.durations.observe(measured)
 
     def backlog_s(self, where: str) -> float:
         """Predicted seconds of the jobs ``where`` has not finished (unknown ones: a step)."""
@@ -432,7 +438,8 @@ class Executors:
             dt = max(now - self._last_step - waited_s, 0.0)
             self.step_s = dt if self.step_s is None else (1 - EMA) * self.step_s + EMA * dt
         self._last_step = now
-        self._harvest()
+        if self._outstanding["pool"] or len(self._outstanding) > 1:
+            self._harvest()
         self._reserved_s = 0.0
 
     def has_room(self, block: str) -> bool:

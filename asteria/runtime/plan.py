@@ -83,7 +83,8 @@ class Plan:
         freq, lead, first_lead = hp["precondition_frequency"], self.lead, self.first_lead
         staggered = schedule.staggered and self.refreshes.coherence is None
         decide_all = schedule.continuous or (schedule.staggered and not staggered)
-        phases, bound = schedule.phases, schedule.bound(freq)
+        phases, budget = schedule.phases, schedule.budget
+        bound = max(freq, budget) + budget  # (``basis_age_bound``, inline)
         installs_seen, hist, bare = schedule.installs_seen, schedule.age_histogram, self._bare
         urgency, betas, field = self._urgency, hp.get("betas"), self.bases_field
         for g in groups:

@@ -26,7 +26,7 @@ import torch
 from asteria.optim.base import KroneckerOptimizer
 from asteria.optim.matrix_functions import MatrixFunctionError
 from asteria.optim.refresher import BlockKey, RefreshFailedError
-from asteria.optim.tensors import no_autocast
+from asteria.optim.tensors import AUTOCAST_DEVICES, no_autocast
 from asteria.runtime.bases import BasesAccess
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import CRASHED, FAILED, OK, Coherence
@@ -171,13 +171,11 @@ class Refreshes:
             return
         taken = [self.snapshots.take(batch), owners]  # (the ticket, per submission its owner)
         if self.snapshots.deferred and not self.snapshots.ready(taken[0]):
-            for e, pending in made:
+            for _, pending in made:
                 pending.copies.append(taken)
-                e.pending = pending
-            return
-        self._submit(taken, fresh=True)
-        for e, pending in made:
-            e.pending = pending
+        else:
+            self._submit(taken, fresh=True)
+        self.registry.start(made)
 
     def _submit(self, taken: list, fresh: bool = False) -> None:
         """The submission of a finished snapshot (a spilled block's inputs kept too: an exact
@@ -364,12 +362,17 @@ class Refreshes:
         recorded, and charged to the pacer (``charge``: not charged already). A refresh stays in
         flight until its results are installed, so that one interrupted on the way is installed
         again (Note [Interrupted steps] in plan.py)."""
-        ready = []
+        ready, spill = [], self.spill
         for key, e, step, block in batch:
             pending = e.pending
             block = self.block_state(key) if block is None else block
             try:
-                results = self.results(key, e, pending, block)
+                if spill is None:  # (``results``, inline: no call per block)
+                    results = []
+                    for f in pending.futures:
+                        results.append(None if f is None else f.result())
+                else:
+                    results = self.results(key, e, pending, block)
             except self.errors as err:
                 e.pending = None
                 self.count_failure(e, "", str(err), cause=err)
@@ -387,12 +390,17 @@ class Refreshes:
     def _installed(self, ready: list[tuple], charge: bool) -> None:
         if not ready:
             return
-        with no_autocast():
-            self.bases.install_many([(key, block, res) for key, _, _, block, _, res in ready])
+        items = [(key, block, res) for key, _, _, block, _, res in ready]
+        for device_type in AUTOCAST_DEVICES:  # Note [Autocast]: a signal installs inside the
+            if torch.is_autocast_enabled(device_type):  # model's forward
+                with no_autocast():
+                    self.bases.install_many(items)
+                break
+        else:
+            self.bases.install_many(items)
+        record, charge = self.registry.record_install, charge and self.pacer.enabled
         for key, e, pending, block, step, _ in ready:
-            if e.pending is pending:
-                e.pending = None
-            self.registry.record_install(e, pending.requested, step)
+            record(e, pending.requested, step, pending)  # (no longer in flight)
             if charge:
                 self.pacer.charge(key, block, step)
 
@@ -495,23 +503,32 @@ class Refreshes:
         in one batch, the finished refreshes in flight of parameters in ``signalled`` that the
         pacing allows now; the number installed. It looks only at the refreshes in flight
         (Note [In-flight index] in registry.py), never at every block."""
-        late = self.late
+        late, pacer, params, state = self.late, self.pacer, self.params(), self.optimizer.state
         batch: list[tuple] = []
-        for key, e in list(self.registry.in_flight.items()):
+        for key, e in list(self.registry.in_flight.items()):  # (no call per block but these)
             if key[0] not in signalled:
                 continue
-            if e.pending.copies:
+            pending = e.pending
+            if pending.copies:
                 self.collect(e, wait=False)
-            if not e.pending.done():
+                if pending.copies:
+                    continue
+            finished = True
+            for f in pending.futures:
+                finished = finished and (f is None or f.done())
+            if not finished:
                 continue
-            step = self.current_step(key)
-            if self.pacer.allows(key, step + 1):
-                # between steps `step` and `step + 1`; Shampoo, which refreshes before its
-                # update, would have used it in step `step` already. Charged now, so that the
-                # batch stays within the pacer's allowance.
-                block = self.block_state(key)
-                self.pacer.charge(key, block, step + late)
-                batch.append((key, e, step + late, block))
+            p_state = state[params[key[0]]]
+            step = int(p_state["step"])
+            # between steps `step` and `step + 1`; Shampoo, which refreshes before its update,
+            # would have used it in step `step` already. Charged now, so that the batch stays
+            # within the pacer's allowance.
+            block = p_state["blocks"][key[1]]
+            if pacer.enabled:
+                if not pacer.allows(key, step + 1):
+                    continue
+                pacer.charge(key, block, step + late)
+            batch.append((key, e, step + late, block))
         if batch:
             self.install_many(batch, charge=False)
         return len(batch)

@@ -18,10 +18,12 @@ can be installed in time for step ``t`` (Note [Refresh lead] in schedule.py).
 
 Note [In-flight index]: ``Registry.in_flight`` holds, by key, exactly the entries whose
 ``pending`` is not None: ``BlockEntry.pending``'s setter keeps it on every assignment, wherever
-it happens (requests, installs, drops, failures, loads, distributed syncs). Reading ``pending``
-goes through C only (``operator.attrgetter``), and the entry's other attributes are plain: the
-boundary writes some of them for every block at every step, and a ``__setattr__`` that looked at
-every assignment cost a Python call each (issue 37). What looks
+it happens (drops, failures, loads, distributed syncs), and a plan's requests and an install
+batch set it through the registry, in one call for all their blocks (``start``,
+``record_install``). Reading ``pending`` goes through C only (``operator.attrgetter``), and the
+entry's other attributes are plain: the plan writes some of them for every block at every step,
+and a ``__setattr__`` that looked at every assignment cost a Python call each (issue 37). What
+looks
 for finished refreshes (a step's install batch, ``pending_count``) reads it, so its cost follows
 the refreshes in flight, never the number of blocks (issue 37: thousands of blocks on a large
 model, a few in flight at a time).
@@ -211,7 +213,22 @@ class Registry:
             self.by_param.setdefault(key[0], []).append((key, e))
         return e
 
-    def record_install(self, e: BlockEntry, requested: int, installed: int) -> None:
+    def start(self, made: list[tuple[BlockEntry, PendingRefresh]]) -> None:
+        """Each ``(entry, refresh)`` of ``made`` in flight (``entry.pending = refresh``, in one
+        call: Note [In-flight index])."""
+        index = self.in_flight
+        for e, pending in made:
+            e._pending = pending
+            index[e.key] = e
+
+    def record_install(
+        self, e: BlockEntry, requested: int, installed: int, pending: Any = None
+    ) -> None:
+        """Version ``requested`` installed at step ``installed``; ``pending``, where it is still
+        ``e``'s refresh in flight, no longer is (``e.pending = None``, here: one call)."""
+        if pending is not None and e._pending is pending:
+            e._pending = None
+            self.in_flight.pop(e.key, None)
         staleness = installed - requested
         if not 0 <= staleness <= self.staleness:  # an invariant of refreshes.py, not user input
             raise AssertionError(

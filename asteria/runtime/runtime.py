@@ -187,10 +187,12 @@ class Runtime:
             raise RuntimeError(f"{self!r} is closed")
         if self._lane is not None:
             self._lane.check()  # a failed block's error, before this step changes anything
-        interrupted = self._plan.in_step  # the last step raised before its end
-        with self._lock:
-            self._plan.finish_interrupted()  # Note [Interrupted steps] in plan.py
-        self._plan.begin()
+        plan = self._plan
+        interrupted = plan.in_step  # the last step raised before its end
+        if interrupted or plan.waiting or self._parts.coherence is not None:
+            with self._lock:
+                plan.finish_interrupted()  # Note [Interrupted steps] in plan.py
+        plan.begin()
         if interrupted:  # (its end did not open the signals)
             self._open_signals()
         self._step_t0 = time.perf_counter()
@@ -198,7 +200,7 @@ class Runtime:
         self._refreshes.timed_out = False
         self._refreshes.snapshots.step_begin()
         waits = self.per_step["barrier_wait_ms"]
-        self._executors.step_begin(waits[-1] / 1e3 if waits else 0.0)
+        self._executors.step_begin(waits[-1] / 1e3 if waits else 0.0)  # (step time, harvest)
         if self.schedule.continuous:  # Note [Continuous refresh] in schedule.py
             with self._lock:
                 self.schedule.pick(self._plan.candidates(), self._executors.has_room)
@@ -233,10 +235,10 @@ class Runtime:
         """``fn(groups, bases, *args)``; with the lane, on halves of the parameters of about
         equal flops (a parameter's blocks on one thread: SOAP's ``normalize_grads`` divides them
         by one norm), one on the lane (Note [Split updates] in lane.py)."""
-        if not self._split or sum([len(g) for g in groups]) < 2:
+        if not self._split or sum([len(g.keys) for g in groups]) < 2:
             fn(groups, bases, *args)
             return
-        items = [(g, i) for g in groups for i in range(len(g))]
+        items = [(g, i) for g in groups for i in range(len(g.keys))]
         by_param: dict[int, list[int]] = {}
         for at, (g, i) in enumerate(items):
             by_param.setdefault(g.keys[i][0], []).append(at)
@@ -290,7 +292,9 @@ class Runtime:
         if self._closed:
             return
         with self._lock:
-            self._plan.finish_interrupted()  # between steps: the last one raised
+            plan = self._plan
+            if plan.in_step or plan.waiting or self._parts.coherence is not None:
+                plan.finish_interrupted()  # between steps: the last one raised
             if self.registry.in_flight:
                 self._refreshes.install_ready(self._parts.signalled)
 

@@ -14,7 +14,7 @@ read and ``host_sync`` (``Runtime.sync``: before the host reads the state). Unti
 block's bases are device tensors, as ``DeviceBases`` keeps them: what a request at the same
 step reads (the next refresh's input) and what ``close`` keeps. An install that reads the bases
 it replaces (SOAP's rotation of ``m``) takes their device copies from the slot that holds them
-where one does (the block's shape group, just updated by the step: ``BasesWindow.part``)
+where one does (the block's shape group, just updated by the step: ``BasesWindow.parts``)
 instead of a fill.
 
 Note [Pieces of the window]: a slot holds the largest shape group's bases (Note [Window by shape
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from asteria import _C
-from asteria.memory.host import host_empty, is_host_tensor, release_host_cache
+from asteria.memory.host import release_host_cache
 from asteria.memory.window import BasesWindow, view_like
 from asteria.optim.base import KroneckerOptimizer
 from asteria.optim.groups import BlockGroup, pack
@@ -75,13 +75,49 @@ def _window_gone() -> None:
 
 
 class _Read(Piece):
-    """A piece of the window: its groups, and the runs of a slot each they are read in."""
+    """A piece of the window: its groups, and the runs of a slot each they are read in, each
+    with the window's key of the run and its host tensors (made once a step: ``pieces``), of
+    ``owner``'s window."""
 
-    __slots__ = ("runs",)
+    __slots__ = ("runs", "_owner", "_out")
 
-    def __init__(self, runs: list[list[BlockGroup]], read: Any) -> None:
-        super().__init__([g for run in runs for g in run], read)
-        self.runs = runs
+    def __init__(self, runs: list[tuple[list[BlockGroup], tuple, list]], owner: Any) -> None:
+        groups = []
+        for run, _, _ in runs:
+            groups += run
+        self.groups, self.runs, self._owner, self._out = groups, runs, owner, None
+
+    def bases(self) -> list:
+        """The bases of the piece from the ring, each run in a slot, handed out together; the
+        next read of the sequence prefetched (a second read of the last piece: what the first
+        handed out, still valid)."""
+        w = self._owner  # (its read here, not through ``Piece._read``: a call less a read)
+        with w._lock:
+            if w._unhosted:
+                w._host_installed()
+            seq, at = w._sequence, w._at
+            if at > 0 and seq[at - 1] is self and self._out is not None:
+                return self._out
+            w._at = at + 1
+            upcoming = None
+            if at + 1 < len(seq) and seq[at + 1] is not self:
+                _, key, srcs = seq[at + 1].runs[0]
+                upcoming = (key, srcs)
+            out, use, field, last = [], w.window.use, w.field, len(self.runs) - 1
+            for j, (run, key, srcs) in enumerate(self.runs):
+                first = run[0].keys[0]  # (the block a message names)
+                fit = lambda need, first=first: w._fit(first, need, w.window)  # noqa: E731
+                views = use(key, srcs, upcoming if j == last else None, j > 0, fit)
+                at = 0
+                for g in run:
+                    cut = []
+                    for b in g.blocks:
+                        n = len(b[field])
+                        cut.append(views[at : at + n])
+                        at += n
+                    out.append(cut)
+            self._out = out
+            return out
 
 
 class WindowBases(BasesAccess):
@@ -116,98 +152,74 @@ class WindowBases(BasesAccess):
     def pieces(self, groups: list[BlockGroup], passes: int = 1) -> list[Piece]:
         """Note [Pieces of the window]: ``groups`` in runs of a slot, one piece where the ring
         holds them all, else a piece a run, those the ring holds first."""
-        window = self.window
-        runs = pack(groups, window.slot_bytes, _NO_LIMIT, self._bytes)
+        window, field = self.window, self.field
+        with self._lock:  # (the host tensors read below are the ones the reads copy)
+            if self._unhosted:
+                self._host_installed()
+            if self._unhosted_may_exist:
+                self._host_bases_many([b for g in groups for b in g.blocks])
+        sizes = {}
+        for g in groups:  # (the bytes of a group's bases in a slot: ``bytes_of``, inline)
+            n = 0
+            for b in g.blocks:
+                for q in b[field]:
+                    if q is not None:
+                        k = q.element_size()
+                        n = -(-n // k) * k + q.numel() * k
+            sizes[g] = n
+        runs = []  # per run: its groups, its key in the window and its host tensors, in order
+        for run in pack(groups, window.slot_bytes, _NO_LIMIT, sizes.__getitem__):
+            keys, srcs = [], []
+            for g in run:  # (loops: no call per block)
+                keys += g.keys
+                for b in g.blocks:
+                    srcs += b[field]
+            runs.append((run, tuple(keys), srcs))
         if len(runs) <= window.slots:
-            pieces = [_Read(runs, self._read)]
+            pieces = [_Read(runs, self)]
         else:
-            used = [window.last_used(self._key(run), self._srcs(run)) for run in runs]
+            used = window.last_used([(key, srcs) for _, key, srcs in runs])
             order = sorted(range(len(runs)), key=used.__getitem__, reverse=True)
-            pieces = [_Read([runs[i]], self._read) for i in order]
+            pieces = [_Read([runs[i]], self) for i in order]
         self._sequence = pieces + pieces[-2::-1] if passes == 2 else pieces
         self._at = 0
         return pieces
-
-    def _read(self, piece: Piece) -> list:
-        """The bases of ``piece`` from the ring, each run in a slot, handed out together; the
-        next read of the sequence prefetched."""
-        with self._lock:
-            if self._unhosted:
-                self._host_installed()
-            seq, at = self._sequence, self._at
-            if not (at > 0 and seq[at - 1] is piece):  # (a second read of the last: a hit)
-                self._at = at = at + 1
-            at -= 1
-            upcoming = None
-            if at + 1 < len(seq) and seq[at + 1] is not piece:
-                run = seq[at + 1].runs[0]
-                upcoming = (self._key(run), self._srcs(run))
-            out = []
-            for j, run in enumerate(piece.runs):
-                key, srcs = self._key(run), self._srcs(run)
-                first = run[0].keys[0]  # (the block a message names)
-                fit = lambda need, first=first: self._fit(first, need, self.window)  # noqa: E731
-                last = j == len(piece.runs) - 1
-                views = self.window.use(key, srcs, upcoming if last else None, j > 0, fit)
-                at = 0
-                for g in run:
-                    cut = []
-                    for b in g.blocks:
-                        n = len(b[self.field])
-                        cut.append(views[at : at + n])
-                        at += n
-                    out.append(cut)
-            return out
-
-    def _key(self, run: list[BlockGroup]) -> tuple:
-        return tuple([k for g in run for k in g.keys])
-
-    def _srcs(self, run: list[BlockGroup]) -> list:
-        """The host tensors of ``run``'s bases, every block's in order (moved to host memory
-        first where a first step or an install left them on the device)."""
-        blocks = [b for g in run for b in g.blocks]
-        if self._unhosted_may_exist:
-            self._host_bases_many(blocks)
-        field = self.field
-        return [q for b in blocks for q in b[field]]
-
-    def _bytes(self, g: BlockGroup) -> int:
-        field = self.field
-        return BasesWindow.bytes_of([q for b in g.blocks for q in b[field]])
 
     def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
         """The new bases go to pinned host memory (Note [Host copies of a step's installs]). An
         install that reads the current bases (SOAP's rotation of ``m``) reads their device
         copies where a slot holds them already (the shape group the step just updated:
-        ``BasesWindow.part``), else from the window, the rest of the batch in pieces of a slot
-        each, one fill and one event a piece (Note [Window by shape group] in
-        asteria/memory/tiers.py), not one a block."""
-        moved = to_device_many([r for _, _, r in items], [b for _, b, _ in items])
+        ``BasesWindow.parts``, together), else from the window, the rest of the batch in pieces
+        of a slot each, one fill and one event a piece (Note [Window by shape group] in
+        asteria/memory/tiers.py); the blocks read together are installed together
+        (``install_refresh_many``), not one by one."""
         blocks = [b for _, b, _ in items]
-        room = self.window.slot_bytes
+        moved = to_device_many([r for _, _, r in items], blocks)
         hosted = [list(h) for h in self._host_bases_many(blocks)]  # (keys: one item a block)
-        reads = self.optimizer.install_reads_bases
-        missing = []
-        for i, h in enumerate(hosted):
-            if not reads or all(q is None for q in h):
-                self.optimizer.install_refresh(blocks[i], moved[i])
-                continue
-            views = self.window.part(h)
+        window = self.window
+        if not self.optimizer.install_reads_bases:
+            self.optimizer.install_refresh_many(blocks, moved)
+            self._unhosted.extend(blocks)  # copied to host memory once, before the next read
+            return
+        handed, missing = [], []
+        for i, views in enumerate(window.parts(hosted)):
             if views is None:
                 missing.append(i)
             else:
-                self._install_reading(blocks[i], h, views, moved[i])
-        for piece in _runs(missing, [BasesWindow.bytes_of(hosted[i]) for i in missing], room):
+                handed.append((i, views))
+        self._install_reading(handed, hosted, blocks, moved)
+        sizes = [window.bytes_of(hosted[i]) for i in missing]
+        for piece in _runs(missing, sizes, window.slot_bytes):
             keys = tuple([items[i][0] for i in piece])
             key = keys if len(keys) > 1 else keys[0]
             flat = [q for i in piece for q in hosted[i]]
-            fit = lambda need, first=keys[0]: self._fit(first, need, self.window)  # noqa: E731
-            views = self.window.use(key, flat, None, False, fit)
-            at = 0
+            fit = lambda need, first=keys[0]: self._fit(first, need, window)  # noqa: E731
+            views, at, run = window.use(key, flat, None, False, fit), 0, []
             for i in piece:  # the views are valid until the next fill: install the piece now
                 n = len(hosted[i])
-                self._install_reading(blocks[i], hosted[i], views[at : at + n], moved[i])
+                run.append((i, views[at : at + n]))
                 at += n
+            self._install_reading(run, hosted, blocks, moved)
         self._unhosted.extend(blocks)  # copied to host memory once, before the next read
 
     def _host_installed(self) -> None:
@@ -218,17 +230,24 @@ class WindowBases(BasesAccess):
             self._unhosted = []
 
     def _install_reading(
-        self, block: dict, hosted: list[Any], handed: list[Any], results: list[Any]
+        self, handed: list[tuple[int, list]], hosted: list[list], blocks: list, moved: list
     ) -> None:
-        """``install_refresh`` of ``results`` into ``block`` with its bases read from the window's
-        device copies ``handed`` (of its host tensors ``hosted``)."""
-        bases = block[self.field]
-        bases[:] = handed
-        self.optimizer.install_refresh(block, results)
-        bases = block[self.field]
-        for i, q in enumerate(handed):  # a dim the refresh left alone keeps its host tensor
-            if q is not None and bases[i] is q:
-                bases[i] = hosted[i]
+        """``install_refresh_many`` of the blocks ``i`` of ``handed`` (with ``moved[i]``), their
+        bases read from the window's device copies handed out (of their host tensors
+        ``hosted[i]``); a dim the refresh left alone keeps its host tensor."""
+        if not handed:
+            return
+        field = self.field
+        for i, views in handed:
+            blocks[i][field][:] = views
+        self.optimizer.install_refresh_many(
+            [blocks[i] for i, _ in handed], [moved[i] for i, _ in handed]
+        )
+        for i, views in handed:
+            bases = blocks[i][field]
+            for d, q in enumerate(views):
+                if q is not None and bases[d] is q:
+                    bases[d] = hosted[i][d]
 
     def state_replaced(self) -> None:
         self._unhosted_may_exist = True
@@ -285,13 +304,13 @@ class WindowBases(BasesAccess):
         and the host's readers through ``host_sync``. The blocks are reused (Note [Reused host
         blocks] in csrc/memory/host_block.cpp): an install replaces a block's bases, and
         registering fresh pinned memory each time cost milliseconds per install."""
-        field = self.field
+        field, info, empty = self.field, _C.host_tensor_info, _C.host_empty
         moved = []
-        for block in blocks:
+        for block in blocks:  # (no Python call per block but ``view_like``'s per new basis)
             bases = block[field]
             for i, q in enumerate(bases):
-                if q is not None and not is_host_tensor(q):  # q's layout: the same arithmetic
-                    h = view_like(host_empty(q.numel(), q.dtype, pinned=q.is_cuda, reuse=True), q)
+                if q is not None and info(q) is None:  # q's layout: the same arithmetic
+                    h = view_like(empty([q.numel()], q.dtype, q.is_cuda, True), q)
                     moved.append((bases, i, h))
         if moved:  # a block takes its host tensors only once their copies are issued
             self.window.copies.to_host([h for _, _, h in moved], [b[i] for b, i, _ in moved])

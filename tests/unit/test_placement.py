@@ -32,8 +32,8 @@ def _spd(n: int, seed: int) -> torch.Tensor:
 def test_durations_average_per_size_and_scale_to_unseen_sizes():
     d = Durations()
     assert d.predict("pool", "qr", 64) is None
-    d.observe("pool", "qr", 64, 1.0)
-    d.observe("pool", "qr", 64, 2.0)
+    d.observe([("pool", "qr", 64, 1.0)])
+    d.observe([("pool", "qr", 64, 2.0)])
     assert d.predict("pool", "qr", 64) == pytest.approx(0.7 * 1.0 + 0.3 * 2.0)
     assert d.predict("pool", "qr", 128) == pytest.approx(8 * d.predict("pool", "qr", 64))
     assert d.predict("pool", "root", 64) is None  # another kind is not a guide

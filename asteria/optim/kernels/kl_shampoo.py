@@ -92,7 +92,7 @@ def whole(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
     lr, eps = hp["lr"], hp["eps"]
     for g, qs in zip(groups, bases):
         weights = g.views["weight"]
-        if len(g) == 1:
+        if len(g.keys) == 1:
             project_update(g.blocks[0], weights[0], qs[0], lr, eps)
             continue
         mats = [stack([q[d] for q in qs]) for d in range(len(qs[0]))]
@@ -158,7 +158,7 @@ def statistics(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> Non
     beta, clamp = shampoo_beta(hp), hp["max_clamp_value"]
     for g, qs in zip(groups, bases):
         grads = g.views["grad"]
-        if len(g) > 1 and grads[0].dim() == 2:
+        if len(g.keys) > 1 and grads[0].dim() == 2:
             _statistics_2d(g.blocks, qs, grads, g.numel, beta, clamp)
             continue
         for b, q, grad in zip(g.blocks, qs, grads):

@@ -178,7 +178,7 @@ def between(work: Work, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
     rooted, at = [], 0
     for g in groups:
         rooted.extend([at + i for i in g.tmp[1]])
-        at += len(g)
+        at += len(g.keys)
     if hp["grafting"] != "none" and rooted:
         grafts = [gr for g in groups for gr in g.views["graft"]]
         pre = [outs[i] for i in rooted]

@@ -12,6 +12,7 @@ Must not: decide which blocks step or refresh, or where the bases come from.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -88,8 +89,8 @@ def between(work: Work | None, groups: list[BlockGroup], hp: dict[str, Any]) -> 
     ratio = torch._foreach_div(exp_avg, denom)
     at = 0
     for g in groups:
-        g.tmp = ratio[at : at + len(g)]
-        at += len(g)
+        g.tmp = ratio[at : at + len(g.keys)]
+        at += len(g.keys)
 
 
 def back(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
@@ -106,7 +107,7 @@ def after(work: Work | None, groups: list[BlockGroup], hp: dict[str, Any]) -> No
     by_size: dict[float, tuple[list, list]] = {}
     for g in groups:
         if g.tag is not None:
-            g.tag.parts.extend(zip(g.keys, g.views["weight"], g.tmp, [g.scale] * len(g)))
+            g.tag.parts.extend(zip(g.keys, g.views["weight"], g.tmp, [g.scale] * len(g.keys)))
             g.tmp = None
             continue
         weights, updates = by_size.setdefault(g.scale, ([], []))
@@ -117,8 +118,7 @@ def after(work: Work | None, groups: list[BlockGroup], hp: dict[str, Any]) -> No
         torch._foreach_add_(weights, updates, alpha=-step_size)
 
 
-def _first(item: tuple) -> Any:
-    return item[0]
+_FIRST = operator.itemgetter(0)
 
 
 def _apply_normalized(parts: list[tuple]) -> None:
@@ -138,7 +138,7 @@ def end(work: Work, hp: dict[str, Any]) -> None:
     """The tagged parameters' updates, each divided by the RMS of the whole (the authors'
     ``normalize_grads``); then decoupled weight decay."""
     if work.extra.parts:
-        _apply_normalized(sorted(work.extra.parts, key=_first))
+        _apply_normalized(sorted(work.extra.parts, key=_FIRST))
     if hp["weight_decay"] > 0.0:
         ps = [u.p for u in work.updates]
         torch._foreach_add_(ps, ps, alpha=-hp["lr"] * hp["weight_decay"])
@@ -150,7 +150,7 @@ def _rotate(
     """``mode_products(x, bases, transpose)`` of every block of ``g`` (stacked; a group of one:
     the per-block products); with ``normalize``, each divided by ``1e-30 +`` its RMS."""
     qs = bases[0]
-    if len(g) == 1:
+    if len(g.keys) == 1:
         y = mode_products(xs[0], qs, transpose)
         return [y / (1e-30 + torch.mean(y**2) ** 0.5) if normalize else y]
     if qs.count(None) == len(qs) and not normalize:
@@ -170,7 +170,7 @@ def statistics(groups: list[BlockGroup], hp: dict[str, Any]) -> None:
     beta = shampoo_beta(hp)
     for g in groups:
         grads = g.views["grad"]
-        if len(g) == 1:
+        if len(g.keys) == 1:
             fs = g.blocks[0]["factors"]
             if grads[0].dim() == 2:
                 soap_accumulate(fs, grads[0], beta)
