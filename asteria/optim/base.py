@@ -94,7 +94,7 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         self._nonfinite_warned = False
         self._overflow_warned = False
         self._budget_warned = False  # Note [Factor budget] in blocking.py
-        #: Note [Refused steps] in checks.py: per group (by identity) its options as last
+        #: Note [Refused steps] in overflow.py: per group (by identity) its options as last
         #: checked, and per parameter with state the keys its state was made for.
         self._checked_options: dict[int, tuple] = {}
         self._state_keys: dict[int, tuple] = {}
@@ -324,8 +324,13 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                 if g.is_sparse or g.is_complex():
                     self._check_grad_kind(g)
                 todo.append((pid, group, p))
-        options = self._check_before_step(todo)  # Note [Refused steps] in checks.py
-        if todo and not self._has_state() and state_init_probe(self.param_groups, todo):
+        options = self._check_before_step(todo)  # Note [Refused steps] in overflow.py
+        has_state = False  # some parameter has state (placeholders and other entries do not count)
+        for k, s in self.state.items():  # (inline: the first entry decides, once trained)
+            if isinstance(k, torch.Tensor) and s and s.get("step") != PLACEHOLDER_STEP:
+                has_state = True
+                break
+        if todo and not has_state and state_init_probe(self.param_groups, todo):
             for _, group, p in todo:
                 if local_tensor(p).numel():
                     self.state[p] = self._placeholder(p, group)
@@ -479,15 +484,6 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
             for local, work in copies:
                 local.copy_(work)
             copies.clear()
-
-    def _has_state(self) -> bool:
-        """Whether some parameter has state (placeholders, and entries of ``state`` that are
-        not a parameter's, do not count)."""
-        return any(
-            s and not _is_placeholder(s)
-            for k, s in self.state.items()
-            if isinstance(k, torch.Tensor)
-        )
 
     def layout(self, p: torch.Tensor, group: dict[str, Any]) -> ParamLayout:
         """The (cached) block layout of ``p`` under ``group``'s options: that of its local shard

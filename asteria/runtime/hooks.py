@@ -55,15 +55,17 @@ back; after ``close()`` it calls a runtime that ignores it.
 
 Note [Disarmed signals]
 ~~~~~~~~~~~~~~~~~~~~~~~
-The runtime needs one forward signal a step (Note [One install batch per step] in runtime.py):
-every later one returned at its flag, after a forward pre-hook, ``torch.compiler.is_compiling``
-and the runtime's weak reference, about six Python calls per module and step on a GPU's host
-(issue 37). So the first signal of a step disarms the hooks (``disarm``: each taken out of its
-module's ``_forward_pre_hooks``, dict operations, no Python call), and the step's end arms them
-again (``arm``): the modules after the first run their forward as without hooks (PyTorch's path
-for a module with none), and a step's signals cost O(1) Python calls. A hook put back goes to
-the end of its module's hooks (after any the user registered since); a signal never changes
-what is computed, so the order does not either. ``remove`` takes them out for good.
+The runtime needs at most one forward signal a step (Note [One install batch per step] in
+runtime.py): every later one returned at its flag, after a forward pre-hook,
+``torch.compiler.is_compiling`` and the runtime's weak reference, about six Python calls per
+module and step on a GPU's host (issue 37). So the first signal of a step disarms the hooks
+(``disarm``: each taken out of its module's ``_forward_pre_hooks``, dict operations, no Python
+call), and the step's end arms them again (``arm``) where a refresh is in flight (with none,
+there is nothing to install before the next step's plan): the modules after the first run their
+forward as without hooks (PyTorch's path for a module with none), and a step's signals cost O(1)
+Python calls, none in a step with nothing in flight. A hook put back goes to the end of its
+module's hooks (after any the user registered since); a signal never changes what is computed,
+so the order does not either. ``remove`` takes them out for good.
 
 Note [Signals under torch.compile]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -13,11 +13,11 @@ per module (94 on ``tiny``: 11-14 ms of a 73 ms H200 step, docs/gpu.md). The fir
 a step begins installs, in one batch, every refresh in flight that has finished and the pacing
 allows (``Refreshes.install_ready``: the in-flight index, Note [In-flight index] in
 registry.py; its results moved in grouped copies, Note [Grouped install copies] in bases.py);
-that signal disarms the hooks, and the step's end arms them again (Note [Disarmed signals] in
-hooks.py). The first signal comes before the model's first module runs, so every refresh
-finished by then is used in this step's update; one that finishes later is installed by the
-step's plan, after the update (Note [Staleness contract] in schedule.py): the bound does not
-change, only when, within it, such an install happens.
+that signal disarms the hooks, and the step's end arms them again where a refresh is in flight
+(Note [Disarmed signals] in hooks.py). The first signal comes before the model's first module
+runs, so every refresh finished by then is used in this step's update; one that finishes later
+is installed by the step's plan, after the update (Note [Staleness contract] in schedule.py):
+the bound does not change, only when, within it, such an install happens.
 
 Must not: change any algorithm's math (the optimizer's ``refresh_jobs``/``install_refresh`` are
 the only way in), register hooks itself (hooks.py does), or hold logic that a part owns.
@@ -198,7 +198,8 @@ class Runtime:
         self._step_t0 = time.perf_counter()
         self._refreshes.wait_s = 0.0
         self._refreshes.timed_out = False
-        self._refreshes.snapshots.step_begin()
+        if self._refreshes.snapshots.issued:
+            self._refreshes.snapshots.step_begin()  # (the fences of the last step's snapshots)
         waits = self.per_step["barrier_wait_ms"]
         self._executors.step_begin(waits[-1] / 1e3 if waits else 0.0)  # (step time, harvest)
         if self.schedule.continuous:  # Note [Continuous refresh] in schedule.py
@@ -258,15 +259,19 @@ class Runtime:
             wait()  # also when this half raised: the other half must not outlive the step
 
     def end(self) -> None:
+        refreshes, pacer = self._refreshes, self._parts.pacer
         with self._lock:
             if self._plan.waiting:  # (left by an interrupted plan: Note [Interrupted steps])
                 self._plan.install_waited()
-            self._refreshes.step_end()
+            if self.registry.in_flight or refreshes.spill is not None:
+                refreshes.step_end()
             self._bases.step_end()
-        self._parts.pacer.step_end()
+        if pacer.enabled:
+            pacer.step_end()
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._refreshes.wait_s * 1e3)
-        self._open_signals()  # the next step's first signal installs what is ready
+        if self.registry.in_flight:  # the next step's first signal installs what is ready
+            self._open_signals()
         self._plan.end()  # Note [All-or-nothing steps] in plan.py
 
     def sync(self) -> None:
@@ -326,6 +331,8 @@ class Runtime:
         with self._lock:
             self._plan.finish_interrupted()
             state.load(self._refreshes, saved, self.schedule.budget)
+        if self.registry.in_flight:  # (the next signal installs what is ready)
+            self._open_signals()
 
     def check_state_dict(self, saved: Any, groups: list[dict], states: dict) -> None:
         """Raise ``ValueError`` where the optimizer's load of ``groups`` and ``states`` would

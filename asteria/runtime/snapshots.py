@@ -67,6 +67,8 @@ class Snapshots:
     name = "direct"
     #: Whether a ticket waits in ``PendingRefresh.copies`` (else it is finished at once).
     deferred = False
+    #: The snapshots of the last step whose fences the next one issues (``step_begin``)
+    issued: Any = ()
 
     def take(self, batch: Batch) -> Any:
         """Start the snapshot of the inputs of a plan's requests, ``batch``: per block its key,
@@ -150,7 +152,7 @@ class StagedSnapshots(Snapshots):
         self._copies = copies
         self._ring = ring
         self._limit = 0 if ring is None else ring.slot_bytes  # (a tensor larger: unstaged)
-        self._issued: list[Snapshot] = []  # this step's copies (``step_begin`` of the next)
+        self.issued: list[Snapshot] = []  # this step's copies (``step_begin`` of the next)
         self.staged = 0
         self.unstaged = 0
         self._timeout = load_extension().WaitTimeoutError
@@ -178,7 +180,7 @@ class StagedSnapshots(Snapshots):
             self.unstaged += left
         if snap is None:
             return None, batch
-        self._issued.append(snap)
+        self.issued.append(snap)
         self.staged += len(srcs)
         copied, new = iter(snap.tensors), tuple.__new__
         for subs, k in staged:  # the submissions read the snapshot, in the order of ``srcs``
@@ -199,9 +201,9 @@ class StagedSnapshots(Snapshots):
         return None, ticket[1]
 
     def step_begin(self) -> None:
-        for snap in self._issued:
+        for snap in self.issued:
             snap.fence()  # on the device: no copy reads what this step writes
-        self._issued.clear()
+        self.issued.clear()
 
     def staging_bytes(self) -> int:
         return 0 if self._ring is None else self._ring.slots * self._ring.slot_bytes
@@ -218,6 +220,6 @@ class StagedSnapshots(Snapshots):
         }
 
     def clear(self) -> None:
-        self._issued.clear()
+        self.issued.clear()
         self._copies.synchronize()
         self._ring, self._limit = None, 0

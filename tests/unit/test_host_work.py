@@ -419,26 +419,27 @@ def test_a_step_signals_the_runtime_once_however_many_modules_it_has(
     name, layers, staleness, forwards, interrupt
 ):
     """Note [Disarmed signals] (hooks.py): the first module signal of a step disarms the hooks,
-    so the runtime is called once a step whatever the depth and the forwards; the step's end
-    arms them again, or, after a step that raised before its end, the next step's beginning
-    (its forward signals nothing, as the flag alone had it)."""
+    so the runtime is called at most once a step whatever the depth and the forwards; the step's
+    end arms them again where a refresh is in flight (and a fresh runtime starts armed), or,
+    after a step that raised before its end, the next step's beginning (its forward signals
+    nothing, as the flag alone had it)."""
     model = mlp_12_16_3(layers)
     opt = _opt(name, model)
     signals = [0]
-    raised = False
+    armed = True  # (attached: armed)
     with _counting(Runtime, "_on_signal", signals):  # before attach: the hooks' weak method
         rt = Runtime(model, opt, RuntimeConfig(staleness=staleness, workers=1))
         with rt:
             hooked = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
             for t in range(6):
                 before = signals[0]
-                assert all(len(m._forward_pre_hooks) == (not raised) for m in hooked)
+                assert all(len(m._forward_pre_hooks) == armed for m in hooked)
                 gen = torch.Generator().manual_seed(t)
                 x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
                 opt.zero_grad()
                 for _ in range(forwards):
                     torch.nn.functional.mse_loss(model(x), y).backward()
-                assert signals[0] - before == (not raised)
+                assert signals[0] - before == armed
                 assert all(not m._forward_pre_hooks for m in hooked)  # disarmed
                 raised = interrupt and t == 2
                 if raised:  # a step that raises before its end
@@ -447,6 +448,7 @@ def test_a_step_signals_the_runtime_once_however_many_modules_it_has(
                             opt.step()
                 else:
                     opt.step()
+                armed = not raised and bool(rt.registry.in_flight)
         assert all(not m._forward_pre_hooks for m in hooked)  # removed at close
 
 

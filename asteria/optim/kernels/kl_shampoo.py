@@ -20,7 +20,7 @@ import torch
 
 from asteria.optim.batched import batched_gram, batched_mode_products, bmm, mm, stack
 from asteria.optim.groups import BlockGroup, build
-from asteria.optim.kernels import Work, shampoo_beta
+from asteria.optim.kernels import Work
 from asteria.optim.kron import gram, mode_products, mode_scale
 
 __all__ = ["adamw_update", "begin", "end", "passes", "statistics", "whole"]
@@ -155,7 +155,8 @@ def _outer(s: list[torch.Tensor]) -> torch.Tensor:
 def statistics(groups: list[BlockGroup], bases: list, hp: dict[str, Any]) -> None:
     """The factor and eigenvalue EMAs of a piece's blocks, from the bases its update read:
     matrix blocks of one shape together (``_statistics_2d``), the others their own."""
-    beta, clamp = shampoo_beta(hp), hp["max_clamp_value"]
+    sb, clamp = hp["shampoo_beta"], hp["max_clamp_value"]  # (``shampoo_beta``, inline)
+    beta = hp["betas"][1] if sb is None or sb < 0 else sb
     for g, qs in zip(groups, bases):
         grads = g.views["grad"]
         if len(g.keys) > 1 and grads[0].dim() == 2:

@@ -20,7 +20,7 @@ import torch
 from asteria._C import soap_accumulate
 from asteria.optim.batched import batched_gram, batched_mode_products, stack
 from asteria.optim.groups import BlockGroup, build
-from asteria.optim.kernels import Work, shampoo_beta
+from asteria.optim.kernels import Work
 from asteria.optim.kron import gram, mode_products
 
 __all__ = ["after", "back", "begin", "between", "end", "into", "passes", "statistics", "whole"]
@@ -167,7 +167,8 @@ def statistics(groups: list[BlockGroup], hp: dict[str, Any]) -> None:
     """The factor EMAs of the factored ``groups``: ``F_i <- lerp(F_i, G_(i) G_(i)^T, 1 - beta)``,
     a group's Gram matrices of a dim in one ``bmm`` and its EMAs in one foreach op; a block
     alone in one C++ call (matrices) or its own ops."""
-    beta = shampoo_beta(hp)
+    sb = hp["shampoo_beta"]  # (``shampoo_beta``, inline)
+    beta = hp["betas"][1] if sb is None or sb < 0 else sb
     for g in groups:
         grads = g.views["grad"]
         if len(g.keys) == 1:
