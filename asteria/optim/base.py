@@ -182,7 +182,7 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         ``step`` (a multiple of the frequency): it is the same over a refresh interval, so that
         a request made ahead and one made at its step never both pass a due step by, and once
         ``False`` it stays ``False`` at every later step (a runtime asks it until then, once
-        per block and interval)."""
+        per shape group and interval: blocks of one shape get one answer)."""
         return False
 
     def install_cost(self, block: dict[str, Any]) -> float:
@@ -324,12 +324,15 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                 if g.is_sparse or g.is_complex():
                     self._check_grad_kind(g)
                 todo.append((pid, group, p))
-        options = self._check_before_step(todo)  # Note [Refused steps] in overflow.py
-        has_state = False  # some parameter has state (placeholders and other entries do not count)
-        for k, s in self.state.items():  # (inline: the first entry decides, once trained)
-            if isinstance(k, torch.Tensor) and s and s.get("step") != PLACEHOLDER_STEP:
-                has_state = True
-                break
+        # the states by parameter identity: a tensor's ``__hash__`` is a Python call, once per
+        # parameter and lookup (no call per parameter: Note [Batched steps] in groups.py);
+        # whether some parameter has state (placeholders and other entries do not count)
+        by_id, has_state = {}, False
+        for k, s in self.state.items():
+            by_id[id(k)] = s
+            if not has_state and isinstance(k, torch.Tensor) and s:
+                has_state = s.get("step") != PLACEHOLDER_STEP
+        options = self._check_before_step(todo, by_id)  # Note [Refused steps] in overflow.py
         if todo and not has_state and state_init_probe(self.param_groups, todo):
             for _, group, p in todo:
                 if local_tensor(p).numel():
@@ -376,7 +379,9 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                 # and vectorized kernels may round differently on unaligned data: an aligned
                 # copy keeps the arithmetic that of a fresh gradient (Note [Local shards]).
                 grad = grad.clone()
-            state = states[p]
+            state = by_id.get(id(p))
+            if state is None:
+                state = states[p]  # (a new parameter's: made here)
             cached = layouts.get(id(p))
             quick = (local.shape, options[id(group)])
             layout = cached[2] if cached is not None and cached[1] == quick else None

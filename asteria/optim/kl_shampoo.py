@@ -189,6 +189,12 @@ class KLShampoo(KroneckerOptimizer):
 
     def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
         """Install new bases; the eigenvalue estimates carry over unchanged, as the authors do."""
-        block["bases"] = [
-            q.to(dtype=f.dtype, device=f.device) for (q, _), f in zip(results, block["factors"])
-        ]
+        self.install_refresh_many([block], [results])
+
+    def install_refresh_many(self, blocks: list[dict[str, Any]], results: list[list]) -> None:
+        """``install_refresh`` of each block (loops: no call per block)."""
+        for block, result in zip(blocks, results):
+            bases = []
+            for (q, _), f in zip(result, block["factors"]):
+                bases.append(q.to(dtype=f.dtype, device=f.device))
+            block["bases"] = bases

@@ -259,8 +259,11 @@ def qr_refresh_many(
     and gather one op each, the QR one batched ``geqrf`` + ``orgqr``. A block whose result is not
     finite (or whose ``qr_refresh`` failed) gets ``None``: its caller runs ``qr_refresh``, with
     its float64 retry and its error, for it alone."""
-    for f, q in zip(factors, bases):
-        _check_square("factor", f)
+    for f, q in zip(factors, bases):  # (the checks inline: no call per factor)
+        if not (f.is_floating_point() and f.layout == torch.strided and f.dim() == 2):
+            _check_square("factor", f)
+        if f.shape[0] != f.shape[1]:
+            _check_square("factor", f)
         if q.shape != f.shape:
             raise ValueError(f"basis shape {tuple(q.shape)} != factor shape {tuple(f.shape)}")
     on_cpu = bool(factors) and factors[0].device.type == "cpu"
@@ -351,12 +354,16 @@ def inverse_root_many(
     fails, and factors of order ``d`` with ``d^3 < SMALL_BMM`` on the CPU."""
     if len(epsilons) != len(factors):
         raise ValueError(f"{len(factors)} factors but {len(epsilons)} epsilons")
-    for f in factors:
-        _check_square("factor", f)
+    for f in factors:  # (the checks inline: no call per factor)
+        if not (f.is_floating_point() and f.layout == torch.strided and f.dim() == 2):
+            _check_square("factor", f)
+        if f.shape[0] != f.shape[1]:
+            _check_square("factor", f)
     if root <= 0:
         raise ValueError(f"root must be > 0, got {root}")
-    if any(e <= 0 for e in epsilons):
-        raise ValueError(f"every epsilon must be > 0, got {epsilons}")
+    for e in epsilons:
+        if e <= 0:
+            raise ValueError(f"every epsilon must be > 0, got {epsilons}")
     if len({(tuple(f.shape), f.dtype, f.device) for f in factors}) > 1:
         raise ValueError("inverse_root_many: factors of one shape, dtype and device")
     d = factors[0].shape[0] if factors else 0
@@ -387,7 +394,7 @@ def _roots_many(stacked: torch.Tensor, root: float, epsilons: list[float], dtype
     """``inverse_root``'s ``run`` in ``dtype`` along a stack's leading dim (Note [Batched
     roots])."""
     n, d = stacked.shape[0], stacked.shape[1]
-    same = all(e == epsilons[0] for e in epsilons)
+    same = epsilons.count(epsilons[0]) == len(epsilons)
     # each epsilon rounded to dtype as a Python scalar is in the per-matrix ops
     eps = (
         epsilons[0] if same else torch.tensor(epsilons, dtype=dtype, device=stacked.device)[:, None]

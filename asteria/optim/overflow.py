@@ -63,20 +63,22 @@ class GradientChecks:
     ``skip_nonfinite_grads``, ``nonfinite_grads``, ``param_names`` and ``_summed_bounds``,
     are set in its ``__init__``)."""
 
-    def _check_before_step(self, todo: list[tuple[int, dict[str, Any], torch.Tensor]]) -> dict:
+    def _check_before_step(
+        self, todo: list[tuple[int, dict[str, Any], torch.Tensor]], states: dict[int, Any]
+    ) -> dict:
         """Note [Refused steps]: what a step would fail on midway, refused before it
         changes anything: a group's options edited since they were last checked
         (``param_groups[i]["lr"] = -1``: the constructor's checks, ``_validate_group``), and a
         parameter whose shape, dtype or blocking options changed under its state (``p.data =
-        ...`` of another shape, ``max_preconditioner_dim`` edited after the first step). Returns
-        each group's options (by identity)."""
+        ...`` of another shape, ``max_preconditioner_dim`` edited after the first step); ``states``:
+        the parameters' states by identity. Returns each group's options (by identity)."""
         name = type(self).__name__
         seen_options: dict[int, tuple] = {}
         for pid, group, p in todo:
             options = seen_options.get(id(group))
             if options is None:
                 options = seen_options[id(group)] = self._checked_group(group)
-            state = self.state.get(p)
+            state = states.get(id(p))
             if not state or state.get("step") == PLACEHOLDER_STEP:
                 continue
             quick = (p.shape, p.dtype, options)

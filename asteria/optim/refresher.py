@@ -381,7 +381,10 @@ class NativeRefresher:
         done, installs = [], []
         for key, block, block_jobs in zip(keys, blocks, jobs):
             try:
-                results = [None if j is None else _result(j, precomputed) for j in block_jobs]
+                results = []
+                for j in block_jobs:  # (a loop: no call per block but a job's own run)
+                    r = None if j is None else precomputed.get(id(j))
+                    results.append(j.run() if r is None and j is not None else r)
             except mf.MatrixFunctionError as err:
                 self._count_failure(opt, key, due[0].step, err)
                 continue  # Note [Refresh failures]: the previous bases or roots stay
@@ -408,11 +411,6 @@ class NativeRefresher:
         error, self._error = self._error, None
         if error is not None:
             raise error
-
-
-def _result(job: RefreshJob, precomputed: dict[int, Any]) -> Any:
-    result = precomputed.get(id(job))
-    return job.run() if result is None else result
 
 
 def run_batched(jobs: Sequence[RefreshJob]) -> list[Any | None]:
@@ -457,7 +455,8 @@ def _run_group(group: list[Any]) -> list[Any | None]:
 
 def _dampings(group: list[RootRefresh]) -> list[float]:
     """``job.damping(job.factor)`` of each job, the relative ones' norms in one op."""
-    if all(j.rel_epsilon == 0.0 for j in group):
+    rel = [j.rel_epsilon for j in group]
+    if rel.count(0.0) == len(rel):
         return [j.epsilon for j in group]
     stacked = torch.stack([j.factor for j in group]).double()
     bounds = torch.linalg.matrix_norm(stacked, ord=float("inf")).tolist()

@@ -298,9 +298,15 @@ class Shampoo(KroneckerOptimizer):
         return jobs
 
     def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
-        block["roots"] = [
-            r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
-        ]
+        self.install_refresh_many([block], [results])
+
+    def install_refresh_many(self, blocks: list[dict[str, Any]], results: list[list]) -> None:
+        """The new roots, in the factors' dtype and device (loops: no call per block)."""
+        for block, result in zip(blocks, results):
+            roots = []
+            for r, f in zip(result, block["factors"]):
+                roots.append(r.to(dtype=f.dtype, device=f.device))
+            block["roots"] = roots
 
 
 def merge_small_dims_reversed(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:

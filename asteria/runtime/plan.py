@@ -87,6 +87,7 @@ class Plan:
         bound = max(freq, budget) + budget  # (``basis_age_bound``, inline)
         installs_seen, hist, bare = schedule.installs_seen, schedule.age_histogram, self._bare
         urgency, betas, field = self._urgency, hp.get("betas"), self.bases_field
+        ages: list[tuple] = []  # the blocks installed since their last age: measured together
         for g in groups:
             step = g.step
             due_ahead = opt.refresh_due(step + lead, hp)
@@ -98,6 +99,7 @@ class Plan:
                 continue
             mixed = due_now != due_ahead  # the lead or a block's urgency decides (``decide``)
             due_at, slot = -(-step // freq) * freq, step % freq
+            asked = None  # ``urgent``'s answer for the group: its blocks' shapes are one
             for key, block in zip(g.keys, g.blocks):
                 e = entries.get(key)
                 due, urgent = due_ahead, None
@@ -114,7 +116,10 @@ class Plan:
                         urgent = seen[3]
                         due = due_now if urgent else due_ahead
                     else:
-                        urgent = self.urgent(key, block, step, hp)
+                        if asked is None:
+                            asked = self.urgent(key, block, step, hp)
+                        urgent = asked
+                        urgency[key] = (due_at, freq, betas, urgent)
                         due = due_now if urgent else due_ahead
                 if due or e is None or e.owed or e.pending is not None:
                     self.decide(key, block, hp, step, due_ahead, due_now, e=e, urgent=urgent)
@@ -134,7 +139,7 @@ class Plan:
                     continue
                 seen = installs_seen.get(e.name)
                 if seen is None or seen[0] != e.installs:
-                    schedule.record_age(e, step, freq)  # (an install since: its interval)
+                    ages.append((e, step, freq))  # (an install since: its interval)
                 else:  # the age of a quiet block: ``Schedule.record_age``, inline
                     age = step - version
                     e.age = age
@@ -144,6 +149,8 @@ class Plan:
                         e.bound = bound
                     hist[age] += 1
                 e.boundary_step = step
+        if ages:
+            schedule.record_ages(ages)
         if self.requests:
             self._request()
         if self.waiting:
@@ -262,13 +269,23 @@ class Plan:
         refreshes.help(waiting[-1][1], since + refreshes.config.barrier_timeout_s)
         refreshes.barrier_since = since
         try:
-            while waiting:
-                key, e, step, block, freq = waiting[0]
-                if e.pending is not None:
-                    self._install(key, e, step, block, False)
-                if schedule.precedes_update:
-                    schedule.record_age(e, step, freq)  # installed above, read by this step
-                del waiting[0]
+            batch = []
+            for key, e, step, block, _ in waiting:
+                if e.pending is None:
+                    continue  # (installed before an interruption)
+                try:
+                    refreshes.wait(e, step)
+                except StalenessTimeoutError as err:
+                    self._dropped(e, err)
+                    continue
+                batch.append((key, e, step, block))
+            try:
+                refreshes.install_many(batch)  # (one batch: Note [Grouped install copies])
+            except RefreshFailedError as err:
+                self.error = self.error or err
+            if schedule.precedes_update:  # installed above, read by this step
+                schedule.record_ages([(e, step, freq) for _, e, step, _, freq in waiting])
+            waiting.clear()
         finally:
             refreshes.barrier_since = None
 
@@ -292,13 +309,19 @@ class Plan:
         [All-or-nothing steps]). A timed-out refresh is dropped: the block keeps its basis."""
         try:
             self.refreshes.install_now(key, e, step, block, replicated)
-        except (RefreshFailedError, StalenessTimeoutError) as err:
-            if isinstance(err, StalenessTimeoutError) and e.pending is not None:
-                owed = e.owed
-                self.refreshes.drop(e)
-                e.owed = owed
-            if self.error is None:
-                self.error = err
+        except RefreshFailedError as err:
+            self.error = self.error or err
+        except StalenessTimeoutError as err:
+            self._dropped(e, err)
+
+    def _dropped(self, e: Any, err: StalenessTimeoutError) -> None:
+        """A refresh not ready at the barrier: dropped (the block keeps its basis and what it
+        owes), the error kept for the step's end."""
+        if e.pending is not None:
+            owed = e.owed
+            self.refreshes.drop(e)
+            e.owed = owed
+        self.error = self.error or err
 
     # -- around the steps ------------------------------------------------------------------------
 
@@ -398,7 +421,7 @@ def _refresh_cost(block: dict) -> float:
 #     was, some parameters updated and some not, and the next step is a complete one (Note
 #     [Interrupted steps]). A rollback of every parameter and state tensor would cost a copy of
 #     all of them at every step, to undo what the user chose to interrupt.
-# The runtime's own invariants are checked where its state changes (``Registry.record_install``:
+# The runtime's own invariants are checked where its state changes (``Registry.record_installs``:
 # an install outside ``[t, t + B]`` is a bug of the runtime, an AssertionError the tests find);
 # no fault of the user's or of the machine reaches one. tests/unit/test_all_or_nothing_steps.py
 # has every fault of issue 22 (hypothesis over optimizer x runtime x fault x the step and the

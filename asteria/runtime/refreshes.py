@@ -245,21 +245,21 @@ class Refreshes:
             self.collect(e, wait=True)
         if self.timed_out:
             return
-        last = next((f for f in reversed(pending.futures) if f is not None), None)
-        while last is not None and self._fits(deadline):
+        last = None
+        for f in pending.futures:
+            last = last if f is None else f
+        durations = getattr(self.pool, "durations", None)
+        measured = (None if durations is None else durations.longest("pool")) or 0.0
+        # each job only where one as long as the longest measured (by the placement's averages
+        # or here) ends before ``deadline``
+        while last is not None and deadline - time.perf_counter() > max(
+            self.longest_helped_s, measured
+        ):
             t0 = time.perf_counter()
             if not last.run_ahead():
                 break
             self.longest_helped_s = max(self.longest_helped_s, time.perf_counter() - t0)
             self.helped += 1
-
-    def _fits(self, deadline: float) -> bool:
-        """Whether a job of the pool, as long as the longest measured (by the placement's
-        averages or here), ends before ``deadline``."""
-        left = deadline - time.perf_counter()
-        durations = getattr(self.pool, "durations", None)
-        measured = None if durations is None else durations.longest("pool")
-        return left > max(self.longest_helped_s, measured or 0.0)
 
     def wait(self, e: BlockEntry, step: int) -> None:
         """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh, at most
@@ -268,7 +268,11 @@ class Refreshes:
         t0 = time.perf_counter()
         since = t0 if self.barrier_since is None else self.barrier_since
         limit = 0.0 if self.timed_out else self.config.barrier_timeout_s
-        self.help(e, since + limit)
+        finished = not e.pending.copies
+        for f in e.pending.futures:  # (inline: a finished one costs no more call)
+            finished = finished and (f is None or f.done())
+        if not finished:
+            self.help(e, since + limit)
         timeout_error = self.timeout_error
         for f in e.pending.futures:
             if f is None or f.done():
@@ -361,8 +365,9 @@ class Refreshes:
         caller's autocast off (a signal installs inside the model's forward: Note [Autocast]),
         recorded, and charged to the pacer (``charge``: not charged already). A refresh stays in
         flight until its results are installed, so that one interrupted on the way is installed
-        again (Note [Interrupted steps] in plan.py)."""
-        ready, spill = [], self.spill
+        again (Note [Interrupted steps] in plan.py). A failure past the limit or a crash is
+        raised once the batch's other refreshes are installed (Note [All-or-nothing steps])."""
+        ready, spill, error = [], self.spill, None
         for key, e, step, block in batch:
             pending = e.pending
             block = self.block_state(key) if block is None else block
@@ -375,17 +380,25 @@ class Refreshes:
                     results = self.results(key, e, pending, block)
             except self.errors as err:
                 e.pending = None
-                self.count_failure(e, "", str(err), cause=err)
+                try:
+                    self.count_failure(e, "", str(err), cause=err)
+                except RefreshFailedError as failed:
+                    error = error or failed
                 continue  # keep the previous version
             except Exception as err:
                 e.pending = None
                 self.failed += 1
-                raise RefreshFailedError(
+                crash = RefreshFailedError(
                     f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) "
                     f"failed in a worker: {err}"
-                ) from err
+                )
+                crash.__cause__ = err
+                error = error or crash
+                continue
             ready.append((key, e, pending, block, step, results))
         self._installed(ready, charge)
+        if error is not None:
+            raise error
 
     def _installed(self, ready: list[tuple], charge: bool) -> None:
         if not ready:
@@ -398,10 +411,9 @@ class Refreshes:
                 break
         else:
             self.bases.install_many(items)
-        record, charge = self.registry.record_install, charge and self.pacer.enabled
-        for key, e, pending, block, step, _ in ready:
-            record(e, pending.requested, step, pending)  # (no longer in flight)
-            if charge:
+        self.registry.record_installs([(e, p.requested, step, p) for _, e, p, _, step, _ in ready])
+        if charge and self.pacer.enabled:
+            for key, _, _, block, step, _ in ready:
                 self.pacer.charge(key, block, step)
 
     def sync_replicated(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None) -> None:

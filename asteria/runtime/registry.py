@@ -20,7 +20,7 @@ Note [In-flight index]: ``Registry.in_flight`` holds, by key, exactly the entrie
 ``pending`` is not None: ``BlockEntry.pending``'s setter keeps it on every assignment, wherever
 it happens (drops, failures, loads, distributed syncs), and a plan's requests and an install
 batch set it through the registry, in one call for all their blocks (``start``,
-``record_install``). Reading ``pending`` goes through C only (``operator.attrgetter``), and the
+``record_installs``). Reading ``pending`` goes through C only (``operator.attrgetter``), and the
 entry's other attributes are plain: the plan writes some of them for every block at every step,
 and a ``__setattr__`` that looked at every assignment cost a Python call each (issue 37). What
 looks
@@ -221,24 +221,25 @@ class Registry:
             e._pending = pending
             index[e.key] = e
 
-    def record_install(
-        self, e: BlockEntry, requested: int, installed: int, pending: Any = None
-    ) -> None:
-        """Version ``requested`` installed at step ``installed``; ``pending``, where it is still
-        ``e``'s refresh in flight, no longer is (``e.pending = None``, here: one call)."""
-        if pending is not None and e._pending is pending:
-            e._pending = None
-            self.in_flight.pop(e.key, None)
-        staleness = installed - requested
-        if not 0 <= staleness <= self.staleness:  # an invariant of refreshes.py, not user input
-            raise AssertionError(
-                f"block {e.name}: version {requested} installed at step {installed} breaks the "
-                f"staleness bound {self.staleness}"
-            )
-        e.version, e.requested_step, e.installed_step = requested, requested, installed
-        e.installs += 1
-        e.consecutive_failures = 0
-        self.histogram[staleness] += 1
+    def record_installs(self, installed: list[tuple[BlockEntry, int, int, Any]]) -> None:
+        """Per ``(entry, requested, at, refresh)`` of ``installed``: version ``requested``
+        installed at step ``at``; the refresh, where it is still the entry's in flight, no
+        longer is (``entry.pending = None``, here: no call per block)."""
+        index, histogram, bound = self.in_flight, self.histogram, self.staleness
+        for e, requested, at, pending in installed:
+            if e._pending is pending:
+                e._pending = None
+                index.pop(e.key, None)
+            staleness = at - requested
+            if not 0 <= staleness <= bound:  # an invariant of refreshes.py, not user input
+                raise AssertionError(
+                    f"block {e.name}: version {requested} installed at step {at} breaks the "
+                    f"staleness bound {bound}"
+                )
+            e.version, e.requested_step, e.installed_step = requested, requested, at
+            e.installs += 1
+            e.consecutive_failures = 0
+            histogram[staleness] += 1
 
     def views(self) -> dict[tuple[int, int], BlockView]:
         """Every block's ``BlockView``, by key."""

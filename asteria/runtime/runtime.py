@@ -272,6 +272,10 @@ class Runtime:
         self.per_step["barrier_wait_ms"].append(self._refreshes.wait_s * 1e3)
         if self.registry.in_flight:  # the next step's first signal installs what is ready
             self._open_signals()
+        elif self._signals_open:  # (opened by this step's beginning: nothing to install)
+            self._signals_open = False
+            if self._parts.signals is not None and self._parts.signals.armed:
+                self._parts.signals.disarm()
         self._plan.end()  # Note [All-or-nothing steps] in plan.py
 
     def sync(self) -> None:

@@ -289,23 +289,29 @@ class Schedule:
 
     def record_age(self, entry: Any, step: int, frequency: int) -> None:
         """Measure the age of the basis ``entry``'s block reads in ``step``."""
-        if entry.version is None:
-            return  # no basis yet (Shampoo before its first roots)
-        seen = self.installs_seen.get(entry.name)
-        if seen is None or seen[0] != entry.installs:
-            if seen is not None and seen[0] > 0:  # steps since the block's previous install
-                gap = entry.installed_step - seen[1]
-                c = self.intervals.setdefault(entry.name, [0, 0, 0])
-                c[0], c[1], c[2] = c[0] + 1, c[1] + gap, max(c[2], gap)
-            self.installs_seen[entry.name] = (entry.installs, entry.installed_step)
-        age = step - entry.version
-        entry.age = age
-        if age > entry.max_age:  # (per block and step: only what changed is written)
-            entry.max_age = age
-        bound = max(frequency, self.budget) + self.budget  # basis_age_bound, inline
-        if entry.bound != bound:
-            entry.bound = bound
-        self.age_histogram[age] += 1
+        self.record_ages([(entry, step, frequency)])
+
+    def record_ages(self, measured: list[tuple[Any, int, int]]) -> None:
+        """``record_age`` of each ``(entry, step, frequency)`` (no call per block)."""
+        seen_of, budget, hist = self.installs_seen, self.budget, self.age_histogram
+        for entry, step, frequency in measured:
+            if entry.version is None:
+                continue  # no basis yet (Shampoo before its first roots)
+            seen = seen_of.get(entry.name)
+            if seen is None or seen[0] != entry.installs:
+                if seen is not None and seen[0] > 0:  # steps since the block's previous install
+                    gap = entry.installed_step - seen[1]
+                    c = self.intervals.setdefault(entry.name, [0, 0, 0])
+                    c[0], c[1], c[2] = c[0] + 1, c[1] + gap, max(c[2], gap)
+                seen_of[entry.name] = (entry.installs, entry.installed_step)
+            age = step - entry.version
+            entry.age = age
+            if age > entry.max_age:  # (per block and step: only what changed is written)
+                entry.max_age = age
+            bound = max(frequency, budget) + budget  # basis_age_bound, inline
+            if entry.bound != bound:
+                entry.bound = bound
+            hist[age] += 1
 
     def report(self, entries: list[Any]) -> dict[str, Any]:
         """``Runtime.stats()["basis_age"]``: the ages measured so far."""
