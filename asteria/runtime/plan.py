@@ -140,7 +140,7 @@ class Plan:
                 seen = installs_seen.get(e.name)
                 if seen is None or seen[0] != e.installs:
                     ages.append((e, step, freq))  # (an install since: its interval)
-                else:  # the age of a quiet block: ``Schedule.record_age``, inline
+                else:  # the age of a quiet block: ``Schedule.record_ages``, inline
                     age = step - version
                     e.age = age
                     if age > e.max_age:
@@ -211,7 +211,7 @@ class Plan:
         wait = due and schedule.wait_first and e.pending is None and (first or urgent)
         schedule.urgent_waits += wait and urgent and e.version is not None
         if not schedule.precedes_update:
-            schedule.record_age(e, step, freq)  # the update of this step read it already
+            schedule.record_ages([(e, step, freq)])  # the update of this step read it already
         if e.pending is not None and schedule.install_now(
             e.pending, step, due or e.owed, exact, self.pacer, key
         ):
@@ -233,7 +233,7 @@ class Plan:
                 self._request()
             return  # the rest of the decision runs with the plan's requests (``_request``)
         if schedule.precedes_update:
-            schedule.record_age(e, step, freq)  # installed above, read by this step
+            schedule.record_ages([(e, step, freq)])  # installed above, read by this step
         e.boundary_step = step
 
     def _request(self) -> None:
@@ -244,7 +244,7 @@ class Plan:
         undone (Note [Interrupted steps])."""
         queued, self.requests = self.requests, []
         self.refreshes.request_many(queued)
-        schedule = self.schedule
+        schedule, ages = self.schedule, []
         for key, e, block, hp, step, wait, replicated in queued:
             freq = hp["precondition_frequency"]
             if e.pending is not None and (schedule.budget == 0 or wait):
@@ -254,8 +254,10 @@ class Plan:
                     continue
                 self._install(key, e, step, block, replicated)
             if schedule.precedes_update:
-                schedule.record_age(e, step, freq)  # installed above, read by this step
+                ages.append((e, step, freq))  # installed above, read by this step
             e.boundary_step = step
+        if ages:
+            schedule.record_ages(ages)
 
     def install_waited(self) -> None:
         """Install the refreshes the plan waits for, in plan order, after running the jobs

@@ -77,6 +77,8 @@ class Refreshes:
         self.errors = errors
         self.timeout_error = timeout_error
         self.submitted = self.failed = self.cancelled = self.helped = 0
+        #: the plans' snapshots not submitted yet (``request_many``, ``step_end``)
+        self.deferred: list[list] = []
         self.wait_s = 0.0
         #: the longest job this thread ran while helping (Note [Helping within the deadline])
         self.longest_helped_s = 0.0
@@ -169,18 +171,24 @@ class Refreshes:
             made.append((e, pending))
         if not batch:
             return
-        taken = [self.snapshots.take(batch), owners]  # (the ticket, per submission its owner)
-        if self.snapshots.deferred and not self.snapshots.ready(taken[0]):
+        ticket, now = self.snapshots.take(batch)
+        taken = [ticket, owners]  # (per submission, its owner)
+        if now:
+            self._submit(taken, fresh=True)
+        else:
             for _, pending in made:
                 pending.copies.append(taken)
-        else:
-            self._submit(taken, fresh=True)
+            self.deferred.append(taken)
         self.registry.start(made)
 
     def _submit(self, taken: list, fresh: bool = False) -> None:
         """The submission of a finished snapshot (a spilled block's inputs kept too: an exact
         recompute); a block dropped since its request (unless ``fresh``: not in flight yet) is
         left out (its jobs counted as cancelled already: ``drop``)."""
+        for i, t in enumerate(self.deferred):
+            if t is taken:
+                del self.deferred[i]
+                break
         futures, batch = self.snapshots.finish(taken[0])
         subs, owners, live, k = [], [], [], 0
         for _, block_subs, _ in batch:
@@ -212,9 +220,9 @@ class Refreshes:
 
     def step_end(self) -> None:
         """Submit what landed this step; spill and page in (the spill tier)."""
-        for e in list(self.registry.in_flight.values()):
-            if e.pending.copies:  # (a snapshot's first block submits the others with it)
-                self.collect(e, wait=False)
+        for taken in list(self.deferred):
+            if self.snapshots.ready(taken[0]):
+                self._submit(taken)
         if self.spill is not None:
             entries = self.registry.entries
             self.spill.page_in(
@@ -550,6 +558,7 @@ class Refreshes:
         for e in self.registry.entries.values():
             if e.pending is not None:
                 self.drop(e)
+        self.deferred.clear()
 
 
 def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> Any:

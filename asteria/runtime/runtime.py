@@ -263,7 +263,7 @@ class Runtime:
         with self._lock:
             if self._plan.waiting:  # (left by an interrupted plan: Note [Interrupted steps])
                 self._plan.install_waited()
-            if self.registry.in_flight or refreshes.spill is not None:
+            if refreshes.deferred or refreshes.spill is not None:
                 refreshes.step_end()
             self._bases.step_end()
         if pacer.enabled:
@@ -271,7 +271,9 @@ class Runtime:
         self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
         self.per_step["barrier_wait_ms"].append(self._refreshes.wait_s * 1e3)
         if self.registry.in_flight:  # the next step's first signal installs what is ready
-            self._open_signals()
+            self._signals_open = True  # (``_open_signals``, inline)
+            if self._parts.signals is not None and not self._parts.signals.armed:
+                self._parts.signals.arm()
         elif self._signals_open:  # (opened by this step's beginning: nothing to install)
             self._signals_open = False
             if self._parts.signals is not None and self._parts.signals.armed:

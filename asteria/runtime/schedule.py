@@ -287,12 +287,9 @@ class Schedule:
         ``step``: the native schedule's last refresh (the first step's, 0, at the latest)."""
         return max(0, frequency * ((step - 1) // frequency))
 
-    def record_age(self, entry: Any, step: int, frequency: int) -> None:
-        """Measure the age of the basis ``entry``'s block reads in ``step``."""
-        self.record_ages([(entry, step, frequency)])
-
     def record_ages(self, measured: list[tuple[Any, int, int]]) -> None:
-        """``record_age`` of each ``(entry, step, frequency)`` (no call per block)."""
+        """Per ``(entry, step, frequency)`` of ``measured``: the age of the basis the entry's
+        block reads in ``step`` (no call per block)."""
         seen_of, budget, hist = self.installs_seen, self.budget, self.age_histogram
         for entry, step, frequency in measured:
             if entry.version is None:

@@ -16,8 +16,9 @@ runtime attaches (``parts.choose_snapshots``) from where the parameters live:
   the staging path ``asteria.lowlevel`` offers too.
 
 A strategy turns a plan's requests (per block its submissions, placement.py's ``Submission``,
-one per factored dim) into one *ticket* (``take``: one snapshot, or one lane call per block);
-``ready(ticket)`` says whether it can be submitted without waiting, and ``finish(ticket)`` waits
+one per factored dim) into one *ticket* (``take``: one snapshot, or one lane call per block,
+and whether it may be submitted at once); ``ready(ticket)`` says whether it can be submitted
+without waiting, and ``finish(ticket)`` waits
 for it and returns the futures of jobs it submitted already (the lane's) or None, and the
 requests with the inputs it copied (what the pool is to copy, and what a spilled block keeps).
 The runtime keeps a ticket in the ``PendingRefresh.copies`` of each of its blocks while it is
@@ -70,11 +71,11 @@ class Snapshots:
     #: The snapshots of the last step whose fences the next one issues (``step_begin``)
     issued: Any = ()
 
-    def take(self, batch: Batch) -> Any:
+    def take(self, batch: Batch) -> tuple[Any, bool]:
         """Start the snapshot of the inputs of a plan's requests, ``batch``: per block its key,
         its submissions and whether its inputs are also wanted as host tensors afterwards (a
-        spilled block's)."""
-        return batch
+        spilled block's). The ticket, and whether it may be submitted now (``ready``)."""
+        return batch, True
 
     def ready(self, ticket: Any) -> bool:
         return True
@@ -117,7 +118,8 @@ class LaneSnapshots(Snapshots):
         # submitted from the lane, behind them (what the lane runs holds the pool and the
         # submissions only, no reference to the runtime or the optimizer)
         call, pool = self._lane.call, self._pool
-        return [call(key, _lane_submit, pool, subs, keep) for key, subs, keep in batch], batch
+        ticket = [call(key, _lane_submit, pool, subs, keep) for key, subs, keep in batch], batch
+        return ticket, self.ready(ticket)
 
     def ready(self, ticket: Any) -> bool:
         return all(work.query() for work in ticket[0])
@@ -179,7 +181,7 @@ class StagedSnapshots(Snapshots):
             self._copies.host_sync()  # (Note [Host writes] in asteria/memory/copies.py)
             self.unstaged += left
         if snap is None:
-            return None, batch
+            return (None, batch), True
         self.issued.append(snap)
         self.staged += len(srcs)
         copied, new = iter(snap.tensors), tuple.__new__
@@ -188,7 +190,7 @@ class StagedSnapshots(Snapshots):
             factor = next(copied)
             basis = None if sub[5] is None else next(copied)
             subs[k] = new(Submission, (*sub[:4], factor, basis))
-        return snap, batch
+        return (snap, batch), snap.landed
 
     def ready(self, ticket: Any) -> bool:
         snap = ticket[0]

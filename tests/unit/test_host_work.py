@@ -514,4 +514,4 @@ def test_a_quiet_plan_makes_no_call_per_block(name, staleness, start):
     for calls in quiet.values():
         assert calls
         names = set(min(calls, key=len))
-        assert not names & {"decide", "record_age", "urgent", "entry"}, names
+        assert not names & {"decide", "record_ages", "urgent", "entry"}, names
