@@ -339,8 +339,13 @@ class NativeRefresher:
         fn(*args)
 
     def plan(self, groups, hp) -> None:
-        opt = self._opt()
-        due = [g for g in groups if opt.refresh_due(g.step, hp)]
+        opt, due, asked = self._opt(), [], {}
+        for g in groups:  # (the schedule asked once per step of the groups)
+            now = asked.get(g.step)
+            if now is None:
+                now = asked[g.step] = opt.refresh_due(g.step, hp)
+            if now:
+                due.append(g)
         if due:
             self._refresh(opt, due, hp)
 

@@ -212,7 +212,8 @@ class Shampoo(KroneckerOptimizer):
     def refresh_due(self, step: int, group: dict[str, Any]) -> bool:
         """Meta's ``perform_amortized_computation``: at the start, and at every multiple of the
         frequency after it."""
-        start = kernel.start_step(group)
+        start = group["start_preconditioning_step"]  # (``kernel.start_step``, inline)
+        start = group["precondition_frequency"] if start is None or start == -1 else start
         return step > 0 and (
             step == start or (step > start and step % group["precondition_frequency"] == 0)
         )

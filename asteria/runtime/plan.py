@@ -88,10 +88,15 @@ class Plan:
         installs_seen, hist, bare = schedule.installs_seen, schedule.age_histogram, self._bare
         urgency, betas, field = self._urgency, hp.get("betas"), self.bases_field
         ages: list[tuple] = []  # the blocks installed since their last age: measured together
+        dues: dict[int, tuple[bool, bool]] = {}  # per step: (due ahead, due now)
         for g in groups:
             step = g.step
-            due_ahead = opt.refresh_due(step + lead, hp)
-            due_now = due_ahead if lead == first_lead else opt.refresh_due(step, hp)
+            due = dues.get(step)
+            if due is None:
+                due_ahead = opt.refresh_due(step + lead, hp)
+                due_now = due_ahead if lead == first_lead else opt.refresh_due(step, hp)
+                due = dues[step] = (due_ahead, due_now)
+            due_ahead, due_now = due
             if decide_all or (due_now and due_ahead):  # every block decides
                 for key, block in zip(g.keys, g.blocks):
                     e = entries.get(key)
@@ -273,10 +278,15 @@ class Plan:
         try:
             batch = []
             for key, e, step, block, _ in waiting:
-                if e.pending is None:
+                pending = e.pending
+                if pending is None:
                     continue  # (installed before an interruption)
+                finished = not pending.copies  # (inline: a finished one needs no wait)
+                for f in pending.futures:
+                    finished = finished and (f is None or f.done())
                 try:
-                    refreshes.wait(e, step)
+                    if not finished:
+                        refreshes.wait(e, step)
                 except StalenessTimeoutError as err:
                     self._dropped(e, err)
                     continue

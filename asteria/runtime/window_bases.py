@@ -310,7 +310,11 @@ class WindowBases(BasesAccess):
             bases = block[field]
             for i, q in enumerate(bases):
                 if q is not None and info(q) is None:  # q's layout: the same arithmetic
-                    h = view_like(empty([q.numel()], q.dtype, q.is_cuda, True), q)
+                    h = empty([q.numel()], q.dtype, q.is_cuda, True)
+                    if q.dim() == 2 and (q.is_contiguous() or q.mT.is_contiguous()):
+                        h = h.as_strided(q.shape, q.stride())  # (``view_like``, inline)
+                    else:
+                        h = view_like(h, q)
                     moved.append((bases, i, h))
         if moved:  # a block takes its host tensors only once their copies are issued
             self.window.copies.to_host([h for _, _, h in moved], [b[i] for b, i, _ in moved])

@@ -127,17 +127,17 @@ def test_a_steps_waited_refreshes_are_all_requested_before_the_first_install(mon
 
 
 def _interrupting(nth: int, original):
-    """``Refreshes.wait`` (the barrier of every install a step waits for) raising
-    KeyboardInterrupt at its ``nth`` call (once)."""
+    """``Refreshes.install_many`` (every install batch: a step's waited refreshes, a signal's)
+    raising KeyboardInterrupt at its ``nth`` call (once)."""
     calls = [0]
 
-    def wait(refreshes, e, step):
+    def install_many(refreshes, batch, charge=True):
         calls[0] += 1
         if calls[0] == nth:
             raise KeyboardInterrupt
-        return original(refreshes, e, step)
+        return original(refreshes, batch, charge)
 
-    return wait
+    return install_many
 
 
 @SETTINGS
@@ -149,9 +149,9 @@ def test_an_interrupted_install_is_finished_at_its_step(nth, staleness, frequenc
     params = _params(3)
     opt = Shampoo(params, precondition_frequency=frequency)
     config = RuntimeConfig(staleness=staleness, workers=1, statistics_lane=False)
-    original = Refreshes.wait
+    original = Refreshes.install_many
     with Runtime(None, opt, config) as rt:
-        Refreshes.wait = _interrupting(nth, original)
+        Refreshes.install_many = _interrupting(nth, original)
         try:
             interrupted_at = None
             for t in range(12):
@@ -163,7 +163,11 @@ def test_an_interrupted_install_is_finished_at_its_step(nth, staleness, frequenc
                     interrupted_at = t + 1
                     left = list(rt._plan.waiting)
         finally:
-            Refreshes.wait = original
+            Refreshes.install_many = original
+        if interrupted_at == 12:  # (the last step: the next one finishes it)
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            opt.step()
         stats = rt.stats()
         assert not rt._plan.waiting
     if interrupted_at is not None and left:  # (an install at its decision defers nothing)
