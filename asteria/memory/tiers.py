@@ -10,37 +10,30 @@ State kinds:
   * ``factors``: the Kronecker factors L, R. Written and read every step: always on the device.
   * ``moments``: Adam/grafting moments, KL-Shampoo's eigenvalue estimates. Every step: device.
   * ``bases``: refresh results in use (eigenbases, inverse roots), read every step by the device.
-    ``auto``: host memory. The device reads them through mapped views on unified-memory machines
-    (GH200, GB10) and directly on a CPU-only machine; on a discrete GPU they stay on the device
-    when they fit the bases budget (Note [Bases by budget]), else they are copied into a device
-    window just before use (Note [Bases window] in window.py), which needs an optimizer that
-    reads its bases block by block through the runtime (``bases_window``; Asteria's SOAP,
-    Shampoo and KL-Shampoo do); without it they stay on the device.
+    ``auto``: host memory, read through mapped views on unified-memory machines (GH200, GB10)
+    and directly on a CPU-only one; on a discrete GPU on the device when they fit the bases
+    budget (Note [Bases by budget]), else copied into a device window just before use (Note
+    [Bases window] in window.py), which needs an optimizer that reads its bases in the pieces
+    the runtime hands out (``bases_window``; Asteria's three do), else on the device.
   * ``results``: finished refreshes waiting for their install step (``fixed_delay``). Host;
     the coldest (last in access order) go to NVMe when ``host_budget_bytes`` binds.
   * ``snapshots``: a spilled refresh's inputs (factor, basis at request time), kept with it on
     NVMe so that a corrupt slot is recomputed exactly.
   * ``staging``: pinned host slots for device snapshots (CUDA only): host.
 
-Note [Bases by budget]: on a discrete GPU the window costs the step host work per block (a fill,
-its event and its waits; bench/host_overhead.py counts it: 60 more ATen ops and 1.6x the Python
-calls of native SOAP's ``tiny`` step before issue 37) and device time for the copies, while
-bases on the device cost nothing per step. So under ``auto`` the bases stay on the device when
-the device's optimizer state with them (factors, moments, bases) fits ``bases_device_bytes``
-(the runtime passes ``RuntimeConfig.device_bases_fraction`` of the device memory free at attach)
-and ``device_budget_bytes``; only larger states go to host memory behind the window. An
-explicit ``placement`` is followed as given. The placement's notes say which was chosen and why
-(``memory_report()["placement"]["notes"]``).
+Note [Bases by budget]: on a discrete GPU the window costs the step host work per piece and
+device time for the copies, bases on the device nothing. So under ``auto`` the bases stay on the
+device when the device's optimizer state with them fits ``bases_device_bytes`` (the runtime
+passes ``RuntimeConfig.device_bases_fraction`` of the device memory free at attach) and
+``device_budget_bytes``; only larger states go behind the window. An explicit ``placement`` is
+followed as given; ``memory_report()["placement"]["notes"]`` says which was chosen and why.
 
-Note [Window by shape group]: the optimizers update a step's blocks per shape group, reading a
-piece's bases with one ``bases_many`` call, pieces cut at the window's slot (``bases_room``). A
-slot of one block's bases cut every group to single blocks: a fill, an event and the per-block
-ops for each, 4.4x (``tiny``) to 15.6x (16 layers) native SOAP's ATen ops per step, growing with
-the layers. So a slot holds the largest shape group's bases (``BlockSizes.group``: the blocks
-that one batched update reads together), as far as the room the budgets leave beside the
-factors and moments allows (at least the largest block's): a step then fills the window about
-once per shape group, whatever the number of layers, at a device cost of ``window_blocks`` such
-groups instead of ``window_blocks`` blocks.
+Note [Window by shape group]: the update reads a piece's bases per shape group, pieces cut at the
+window's slot (``Refresher.pieces``). A slot of one block's bases cut every group to single
+blocks (a fill, an event and the per-block ops each: 4.4x to 15.6x native SOAP's ATen ops per
+step, growing with the layers). So a slot holds the largest shape group's bases
+(``BlockSizes.group``), as far as the room beside the factors and moments allows (at least the
+largest block's): a step fills the window about once per shape group, whatever the layers.
 """
 
 from __future__ import annotations

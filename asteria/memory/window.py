@@ -2,51 +2,37 @@
 
 Owns: ``BasesWindow``, the ordering rules of the ring (Note [Bases window]): which slot a block's
 bases are copied into, what each copy waits for, what the main stream waits for before it reads
-a slot, and how long a copy's host source stays alive. The copies themselves go through the copy
-stream of ``asteria.memory.copies`` (``CudaCopies``, or its CPU stand-in ``HostCopies``, with
-which the ordering logic is tested without a GPU: tests/unit/test_window.py; on a GPU
-tests/gpu/test_window_gpu.py).
+a slot, and how long a copy's host source stays alive. The copies go through the copy stream of
+``asteria.memory.copies`` (``CudaCopies``, or the CPU stand-in ``HostCopies``, with which
+tests/unit/test_window.py tests the ordering; on a GPU tests/gpu/test_window_gpu.py).
 
 Must not: decide what lives in host memory, which block comes next or when a slot may grow (the
 runtime does, from the tier policy and the budgets), or know an optimizer.
 
-Note [Bases window]: on a discrete GPU the bases in use (SOAP's eigenbases, Shampoo's inverse
-roots, KL-Shampoo's bases) live in pinned host memory, and the device holds copies of only a few
-blocks' bases: ``slots`` buffers of ``slot_bytes`` each (tiers.plan's ``window_bytes``).
+Note [Bases window]: on a discrete GPU the bases in use may live in pinned host memory, the
+device holding copies of a few blocks' only: ``slots`` buffers of ``slot_bytes`` each.
 
-* ``use(key, srcs, upcoming)`` hands out device copies of ``srcs`` (the block's host tensors):
-  from the slot that already holds exactly these tensors (a hit; tensors are compared by
-  identity, and an install replaces them, so a copy of an older version never matches), or from
-  a slot it fills now. The main stream waits for the slot's copy event before the caller's
-  kernels read it. It then starts copying the ``upcoming`` block (the next one in the step's
-  known order) into another slot: the prefetch, which overlaps the current block's kernels.
-* A slot is refilled only after the event recorded on the main stream after the last kernel that
-  read it: the block handed out last counts as being read until the next ``use`` or ``finish``
-  (the end of the step), which record that event; the copy stream waits for it before the copy.
-  The slot in use is never the target of a prefetch, so with one slot nothing is prefetched and
-  each block's copy waits for the previous block's kernels.
-* A slot keeps the host tensors it was copied from alive; when it is refilled they are retired
-  with the event of the copy that read them and dropped once that event completed, so an install
-  that replaces a block's host tensors never frees memory a copy still reads.
-* ``parts(many)`` hands out, as hits, the copies of tensors that a slot holds as part of what it
-  was filled with (blocks of a shape group's slot: an install reading the bases it replaces),
-  or None; it fills nothing.
+* ``use(key, srcs, upcoming)`` hands out device copies of ``srcs`` (a block's host tensors) from
+  the slot that holds exactly these tensors (a hit: by identity, and an install replaces them)
+  or from a slot it fills now; the main stream waits for the slot's copy event. It then starts
+  copying ``upcoming`` (the next read, which the caller knows) into another slot: the prefetch.
+* A slot is refilled only after the event recorded after the last kernel that read it (the next
+  ``use`` or ``finish`` records it; the copy stream waits for it). The slot in use is never a
+  prefetch's target: with one slot nothing is prefetched.
+* A slot keeps its host sources alive; refilled, they are retired with the copy's event and
+  dropped once it completed, so an install never frees memory a copy still reads.
+* ``parts(many)`` hands out, as hits, copies of tensors a slot holds among what it was filled
+  with (an install reading the bases it replaces), or None; it fills nothing.
 
 Note [Reads together]: ``use(..., together=True)`` hands out a block's copies while those handed
-out since the last ``finish`` stay valid: a read of several slots at once (a piece of a step
-larger than a slot, whose shape groups the ring holds in as many slots). The slots handed out
-are all "in use": none is a refill's or a prefetch's victim, and ``finish`` records one event
-after their readers for all of them. A read together that needs more slots than the ring has
-raises (the caller sizes its reads: ``WindowBases``).
+out since the last ``finish`` stay valid (a piece whose runs the ring holds in as many slots):
+none of their slots is a refill's or a prefetch's victim, and ``finish`` records one event for
+them all. A read together needing more slots than the ring has raises.
 
 Note [Slot views by layout]: a fill hands out views of the slot's buffer with its sources'
-shapes, dtypes and strides. Making them costs some five view ops per tensor (a slice, a dtype
-view, the layout check's permute, the strided view, a detach), which a step of a window that
-cannot hold every shape group pays at every fill: 230 of the 552 view ops of an OLMo-150m step
-at 3 layers, and, on a GPU, host time per tensor. The views depend only on the sources' layout
-(dtype, shape, strides, in order), not on their data, so each slot keeps the views it made per
-layout (``_PACKED`` layouts, the oldest dropped first) and a refill with a layout it has packed
-before reuses them: the step's fills then dispatch their copies only.
+shapes, dtypes and strides, some five view ops per tensor (230 of the 552 view ops of an
+OLMo-150m step at 3 layers). They depend on the sources' layout alone, so each slot keeps the
+views it made per layout (``_PACKED`` layouts, oldest dropped first) and a refill reuses them.
 """
 
 from __future__ import annotations

@@ -1,51 +1,36 @@
 """The statistics lane: factor statistics of CPU-resident parameters, off the training thread.
 
-Owns: one background thread that runs, in submission order, the per-step statistics updates an
-optimizer hands to its refresher (``Refresher.accumulate``: SOAP's and Shampoo's factor EMAs,
-KL-Shampoo's factor and eigenvalue EMAs), the runtime's work that must follow them (refresh
-submissions, SOAP's installs), and the per-block waits that keep them coherent.
+Owns: one background thread that runs, in submission order, the statistics an optimizer hands
+its refresher (``Refresher.accumulate``), the runtime's work that must follow them (refresh
+submissions, SOAP's installs, half of a split update), and the per-block waits that keep them
+coherent.
 
-Note [Statistics lane]: on a GPU the factor statistics are cheap device kernels that overlap the
-host anyway; on a CPU-only run they are a third of SOAP's step and most of KL-Shampoo's, paid on
-the one core that trains. Nothing in the step after them reads their result until the block's
-next refresh (SOAP, Shampoo) or its next update (KL-Shampoo's eigenvalue estimates), so the runtime
-runs them on this lane, on the core the refresh pool shares, while the training thread goes on.
-Coherence, per block:
-  * an update that reads what the statistics write (KL-Shampoo's) waits for its blocks' work
-    first (``Runtime.pieces``: ``wait_many``), and a refresh's snapshot of the factors is queued
-    behind them (``call``: the lane submits the job, the pool copies the factors then), so the
-    training thread never waits for the lane at a refresh step;
-  * the lane reads the step's gradient in place (no copy, hence bit-for-bit the native
-    arithmetic): the gradient is only ever written again by a backward that accumulates into
-    it (guarded by a gradient hook: Note [Gradient guards] in hooks.py) or by
-    ``zero_grad(set_to_none=False)`` (which syncs first);
-  * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``);
-  * an install that computes (SOAP rotates ``m`` and permutes ``v``) is queued here as well,
-    and the block's next read of its bases waits for it, as does a new request for the block;
-  * half of the step's update can run here too (Note [Split updates]).
-The work is the optimizer's own function on the same tensors with the same thread count, so
-native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py). Measured:
-docs/benchmarks.md, "The training step".
+Note [Statistics lane]: on a CPU-only run the factor statistics are a third of SOAP's step and
+most of KL-Shampoo's, on the one core that trains, and nothing in the step reads them before the
+block's next refresh (SOAP, Shampoo) or update (KL-Shampoo's eigenvalues). So the runtime runs
+them here, on the core the pool shares. Per block: an update that reads them waits for its
+blocks first (``Runtime.pieces``: ``wait_many``); a refresh's submission is queued behind them
+(``call``: the pool copies the factors then), so a refresh step never waits for the lane; the
+lane reads the gradient in place (bitwise the native arithmetic), which only an accumulating
+backward (Note [Gradient guards] in hooks.py) or ``zero_grad(set_to_none=False)`` (which syncs
+first) writes again; an install that computes is queued here too and the block's next read
+waits for it; ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything
+(``wait_all``). The work is the optimizer's own function on the same tensors and threads, so
+native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py; measured:
+docs/benchmarks.md, "The training step").
 
-Note [Split updates]: with a statistics lane, training takes one core and the lane and the
-refresh pool share the other, which idles while the training thread does the optimizer's
-update. So ``Runtime.run`` splits a piece's update (SOAP's and KL-Shampoo's ``whole``) in two
-halves of about equal flops, a parameter's blocks on one side (``halves``), and hands one to
-the lane (``beside``), which runs it after everything queued before it (installs included)
-while the training thread does the other; the step goes on once both are done. Each block's
-update is the same ops on the same tensors with the same thread count on either thread, so the
-parameters stay bitwise those of native mode (on bench/step_time.py's tiny LM SOAP's step went
-from 141 ms to 73 ms, KL-Shampoo's from 137 to 73-86 ms).
+Note [Split updates]: with the lane, the pool and the lane share a core that idles while the
+training thread updates. So ``Runtime.run`` splits a piece's update in two halves of about equal
+flops, a parameter's blocks on one side (``halves``), and the lane runs one (``beside``) after
+what is queued before it, while the training thread runs the other; bitwise native, as each
+block's update is the same ops on either thread (bench/step_time.py's tiny LM: SOAP 141 -> 73 ms).
 
 Note [State between steps]: with the lane, ``step()`` returns while the lane may still write
-that step's statistics (and a queued install, or the lane's half of a split update) into the
-tensors of ``optimizer.state``. Nothing of Asteria's own reads them early (the waits above), and
-``state_dict()``, ``load_state_dict()`` and ``close()`` wait for the lane; code that reads
-``opt.state`` directly calls ``runtime.sync()`` first: once it returns, ``opt.state`` holds
-still until the next ``step()`` or the next forward. Finishing the lane's work inside every
-``step()`` would give back the overlap the lane exists for (bench/state_sync.py: a sync after
-every step made SOAP's and KL-Shampoo's median steps 1.21x and 1.48x as long).
-tests/unit/test_state_between_steps.py checks it.
+that step's statistics (or an install, or half an update) into ``optimizer.state``. Asteria's own
+reads wait (above), and ``state_dict()``, ``load_state_dict()`` and ``close()`` wait for the
+lane; code that reads ``opt.state`` directly calls ``runtime.sync()`` first. Finishing the lane
+inside every ``step()`` would give back its overlap (bench/state_sync.py: 1.21x and 1.48x SOAP's
+and KL-Shampoo's median steps). tests/unit/test_state_between_steps.py checks it.
 
 Must not: decide what the statistics are (the optimizer's function does), or be used for
 parameters on a GPU (the runtime does not create it there).
@@ -261,8 +246,7 @@ class StatisticsLane:
 
     def check(self) -> None:
         """Raise the first error of a failed block (``StatisticsLaneError``) without waiting:
-        a step calls it before it changes anything (Note [All-or-nothing steps] in
-        boundary.py)."""
+        a step calls it before it changes anything (Note [All-or-nothing steps] in plan.py)."""
         with self._lock:
             failed = next(iter(self._errors.items()), None)
             if failed is not None:

@@ -325,16 +325,14 @@ def connect(
         for pid, name in p.names.items():  # messages name parameters (issue 7)
             optimizer.param_names.setdefault(pid, name)
         if model is not None and config.hooks:
-            # issue 7: the hooks hold the runtime weakly and go when it is collected without
-            # close(), so a model that outlives its optimizer keeps no runtime (or pool) alive;
-            # none where they could not change anything (Note [Backward signals] in hooks.py)
+            # the hooks hold the runtime weakly and go when it is collected without close(), so
+            # a model that outlives its optimizer keeps no runtime alive; none where they could
+            # not change anything (``installs_on_signal``)
             p.signalled = frozenset(
                 pid for pid in p.pid_of.values() if installs_on_signal(config, p.coherence, pid)
             )
             signalled = [i for i, pid in p.pid_of.items() if pid in p.signalled]
-            # forward signals only: the first one installs the step's batch (Note [One install
-            # batch per step] in runtime.py), a backward one would find nothing to do
-            p.signals = ModuleSignals(model, signalled, _weak_signal(runtime), backward=False)
+            p.signals = ModuleSignals(model, signalled, _weak_signal(runtime))
             weakref.finalize(runtime, p.signals.remove)
         p.finalizer = weakref.finalize(runtime, _shutdown, p.pool, p.spill, p.lane, p.grad_guards)
     except BaseException:

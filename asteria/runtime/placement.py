@@ -1,51 +1,33 @@
 """Where a refresh runs: the executors, and the rule that places each job on one of them.
 
 Owns: ``Submission`` (a job with its name, version, deadline and inputs: what every executor
-takes), ``Executors``, what the runtime's refreshes and snapshots submit to, which places each
-job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh placement]); the moving
-averages of the jobs' measured durations per executor, kind and size (``Durations``); each
-executor's backlog; the room the executors have for more work (what continuous refresh asks,
-Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one thread running jobs
-with torch, in deadline order, on its own least-priority CUDA stream, or on the CPU (the
-stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
+takes), ``Executors`` (what the runtime submits to: the C++ CPU pool, and a ``StreamExecutor``
+where one exists, each job placed by Note [Refresh placement]), the moving averages of the jobs'
+measured durations (``Durations``), each executor's backlog, the room they have for more work
+(Note [Continuous refresh] in schedule.py), and ``StreamExecutor``: one thread running jobs with
+torch, in deadline order, on a least-priority CUDA stream, or on the CPU (the tests' stand-in).
 
 Must not: decide when a refresh is requested or installed (schedule.py), install, or change what
-a job computes (the optimizer's ``RefreshJob`` does; both executors run the same functions: the
-C++ twins on the pool, asteria.optim.matrix_functions on the stream).
+a job computes (the optimizer's ``RefreshJob`` does on either executor).
 
 Note [One submission path]: a refresh's job is made once, by the optimizer's ``refresh_jobs``,
-and reaches an executor once: the refresh's request wraps it in a ``Submission`` with its name,
-version and deadline, the snapshot strategy puts the inputs it copied in (snapshots.py), and
-``snapshots.pool_submit`` hands it to ``Executors.submit``, which places it and submits it to the
-pool (``job.submit``: the C++ call, which copies the inputs) or the stream (which copies them
-and runs ``job.compute`` on the copies). No job is made again on the way.
+and reaches an executor once: the plan's requests wrap each in a ``Submission`` (name, version,
+deadline), the snapshot strategy puts in the inputs it copied (snapshots.py), and
+``Executors.submit_many`` checks, places and submits them: to the pool (``job.submit``, the C++
+call that copies the inputs) or the stream (which copies them and runs ``job.compute``).
 
 Note [Refresh placement]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-A job requested at step ``t`` must be installed by ``t + B``: about ``B`` step times from now.
-Each finished job's duration (``finished_at - started_at``) updates a moving average per
-executor, kind and factor size; a size not seen yet is predicted from the nearest one seen, as
-``d^3``. At submission a job goes to the pool unless a device stream exists, the step time and
-the pool's duration for the job are known, and the pool would finish it later than its
-deadline: ``(backlog + duration) / workers > B * step_time``, where the backlog is the predicted
-seconds of the jobs the pool has not finished. Then it goes to the stream if the stream would
-finish it sooner (its own backlog plus its duration there; unknown: tried, and so measured).
-With a fast pool nothing moves: the stream exists but stays idle. Decisions are per job (a
-block's two factors may run on different executors); ``stats()["placement"]`` counts them per
-executor and names where each block's last job ran.
-
-What a device refresh costs the training: the job's inputs are copied to the device at
-submission (the factor and basis, ``d^2`` values each, on a least-priority stream of their own,
-which the submitting thread waits for, so that the staging slot or the lane's snapshot may be
-reused at once; a device input is copied after the training stream's writes to it, and the
-wait then includes them), and
-its eigh or QR then runs on a stream of the least priority (0, which the default stream has
-too: the training's kernels are scheduled first only where it runs on a higher-priority stream,
-``asteria.runtime.training_stream``, Note [Stream priorities] in streams.py), the refresh still
-takes SMs and memory bandwidth while it runs, and
-torch's ``eigh`` on CUDA synchronizes its own stream with the host (a cusolver info check), which
-is why it runs on a thread of its own. Its results stay on the device (no copy back), and the
-install reads them after the thread has seen the stream finish.
+A job requested at ``t`` must be installed by ``t + B``. Each finished job's duration updates a
+moving average per executor, kind and factor size (an unseen size predicted from the nearest as
+``d^3``). A job goes to the pool unless a device stream exists, the step time and the pool's
+duration are known, and the pool would finish it after its deadline (``(backlog + duration) /
+workers > B * step_time``); then to the stream if that finishes sooner. With a fast pool nothing
+moves. Decisions are per job; ``stats()["placement"]`` counts them. A device refresh's inputs are
+copied on a least-priority stream of their own at submission; its eigh or QR runs on a stream of
+the least priority (the training's kernels go first only on a higher-priority stream,
+``asteria.runtime.training_stream``, Note [Stream priorities] in streams.py), on a thread of its
+own (torch's CUDA ``eigh`` syncs with the host); its results stay on the device.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class BlockEntry:
     age: int = 0  # the age of the basis the block's last update read
     max_age: int = 0
     bound: int | None = None  # the bound on that age (None: not measured yet)
-    # the step whose boundary last ran to its end (Note [Interrupted steps] in boundary.py)
+    # the step whose decision last ran to its end (Note [Interrupted steps] in plan.py)
     boundary_step: int = -1
     key: tuple[int, int] | None = None
     # the registry's index of the entries with a refresh in flight (Note [In-flight index])

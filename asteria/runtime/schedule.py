@@ -1,144 +1,92 @@
 """The schedule: when a block's refresh is requested and installed, and the bound that keeps.
 
 Owns: the staleness contract (Note [Staleness contract]) in one place: the decision taken at
-each block boundary (install the refresh in flight, request a new one, coalesce a due request
-into the one in flight), the budget ``B`` that bounds every install, how far ahead an optimizer
-that uses its own step's refresh requests it (Note [Refresh lead]) and waits for its first one
-(Note [First roots]), the pacing of installs that finished early (Note [Paced installs]), the
-bound on the age of the basis in use, and the per-block measurement of that age.
+each block's plan (install the refresh in flight, request a new one, coalesce a due request into
+the one in flight), the budget ``B`` that bounds every install, the lead and first-refresh rules
+(Notes [Refresh lead], [First roots]), the pacing of installs (Note [Paced installs]), and the
+measured age of the basis in use against its bound. docs/runtime.md tells the same rules at
+length, with their measurements.
 
 Must not: submit, wait or install (``refreshes.py`` does, on this module's decisions); know how a
 snapshot is taken or where a basis lives.
 
 Note [Staleness contract]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-Let ``f`` be a group's ``precondition_frequency`` and ``B`` the budget: ``fixed_delay`` when set,
-else ``staleness`` (``S``); under torch.distributed, replicated blocks use the same ``B``. A
-block's refresh requested at (the block's optimizer) step ``t`` is *version* ``t``: it reads the
-factors of step ``t``.
-
-1. *Installs are bounded*: version ``t`` is installed at a step ``s`` with ``t <= s <= t + B``
-   (exactly ``t + B`` under ``fixed_delay`` and for replicated blocks); at ``t + B`` the step
-   waits for it (the bounded barrier).
-2. *No request starves another*: a refresh that becomes due while one is in flight is
-   *coalesced* into it: the one in flight is installed first (at once if it is ready, else at
-   its own deadline, never later), and the due request is made at that same boundary, from the
-   factors of that step. Nothing in flight is ever cancelled by a newer request, so every block
-   installs at least once every ``max(f, B)`` steps.
-3. *The basis in use is fresh*: the *age* of a step's basis is the step minus the version it
-   reads. After a block's first basis exists (SOAP and KL-Shampoo: from its first step; Shampoo:
-   from its first roots), every step's age is at most::
-
-       bound(f, B) = max(f, B) + B
-
-   For ``B <= f`` (the usual ``f = 10``, ``S = 5``) that is ``f + B``: the native schedule's
-   ``f`` plus the budget. ``B = 0`` is native mode (``bound = f``), bit for bit. Under
-   ``fixed_delay = d > f`` refreshes run every ``d`` steps instead of every ``f``: each is
-   installed exactly ``d`` steps after its request, and the next is requested there.
-   Proof sketch: version ``t`` is installed by ``t + a`` (``a <= B``); the next request is at
-   ``t' = t + f`` when ``a <= f`` (the due step) and at ``t' = t + a`` otherwise (coalesced),
-   so ``t' - t <= max(f, B)``; ``t'`` is in use by ``t' + B``.
-
-Under continuous refresh (Note [Continuous refresh]) the same bound holds: ``f`` is then the
-longest interval between a block's requests instead of the only one, and a request in between
-only makes the next version newer (the proof above, with ``t' - t <= max(f, B)`` still).
-
-Two things take a block outside the bound, and both are visible: a refresh that fails (the
-previous basis stays in use; counted, and ``max_consecutive_failures`` in a row raise) and a
-barrier that times out (``StalenessTimeoutError``). ``Runtime.stats()["basis_age"]`` reports the
-age of every step's basis (max, histogram, per block) next to the install staleness, and whether
-every block stayed within its bound; tests/unit/test_staleness_contract.py checks the bound at
-every step over optimizer x frequency x budget x ``fixed_delay`` x pool speed x lane x hooks.
+``f`` is a group's ``precondition_frequency``, ``B`` the budget (``fixed_delay`` when set, else
+``S``; the same for replicated blocks). A refresh requested at a block's step ``t`` is version
+``t``, from that step's factors. (1) Version ``t`` is installed at a step in ``[t, t + B]``
+(exactly ``t + B`` under ``fixed_delay`` and for replicated blocks), the step ``t + B`` waiting
+for it. (2) A refresh due while one is in flight is *coalesced*: the one in flight is installed
+first (at once if ready, else at its own deadline) and the due request is made at that step;
+nothing in flight is cancelled, so a block installs at least once every ``max(f, B)`` steps.
+(3) Once a block has a basis, every step reads one at most ``bound(f, B) = max(f, B) + B`` steps
+old (``f + B`` for ``B <= f``; ``f`` at ``B = 0``, native mode, bit for bit): the next request
+comes at most ``max(f, B)`` after version ``t``, and is in use ``B`` after it. Continuous refresh
+keeps it (``f`` is then the longest interval). Only a failed refresh (counted; a run of
+``max_consecutive_failures`` raises) and a barrier timeout (``StalenessTimeoutError``) take a
+block past it. ``Runtime.stats()["basis_age"]`` measures it;
+tests/unit/test_staleness_contract.py checks it at every step.
 
 Note [Staggered refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-The default (``RuntimeConfig(refresh="staggered")``). Natively every block of a group refreshes
-at the same step, every ``f``, and a pool that has a few blocks' work per step gets the whole
-round at once, so the round's last blocks install late. Staggered refresh keeps each block's
-interval, ``f``, and gives every block its own *slot* of it (``step % f``): a block is requested
-when its last request is ``f`` steps old, or earlier, once, at its slot, so that the pool gets
-about ``1/f`` of the round at every step. Slots are given at a block's first decision with a
-basis, greedily: the least loaded slot by refresh cost (``d^3`` per ``d x d`` factor), ties to
-the one that keeps the longest first interval. The early request is made only where nothing of
-the block is in flight or it is ready to install (it never waits nor coalesces). The bound of
-Note [Staleness contract] holds: every interval between requests is at most ``f``. Where
-installs happen at fixed steps (``fixed_delay``, replicated blocks) the optimizer's schedule
-stays, and ``B = 0`` is native mode, bit for bit. ``refresh="interval"`` keeps the native
-phase. What it bought, measured: docs/benchmarks.md, "The schedule's rules".
+The default. Each block keeps its interval ``f`` and gets its own *slot* of it (``step % f``,
+the least loaded by refresh cost ``d^3`` per factor, given at its first decision with a basis):
+it is requested when its last request is ``f`` steps old, or once earlier, at its slot, where
+nothing of it is in flight (or what is, is ready), so the pool gets about ``1/f`` of a round
+each step. Fixed installs (``fixed_delay``, replicated blocks) keep the optimizer's schedule;
+``B = 0`` is native mode; ``refresh="interval"`` keeps the native phase.
 
 Note [Continuous refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``RuntimeConfig(refresh="continuous")`` spends idle executor time on freshness. A block is
-requested again as soon as its previous refresh is installed and the executors have room
-(``placement.Executors.has_room``: at most ``min(2, B)`` steps of predicted work queued per pool
-worker and device stream, or nothing queued at all). At each step's beginning the blocks
-without a refresh in flight (or with a finished one) are taken oldest version first, and each is
-granted room in that order until the room runs out (``pick``). ``f`` stays the longest interval
-allowed: a block whose last request is ``f`` steps old (``f - 1`` with the refresh lead) is due
-whatever the room, and coalesced as in Note [Staleness contract] if its refresh is still in
-flight; the optimizer's own due steps count only before a block's first basis. Where installs
-happen at fixed steps there is no room to measure: a block is requested again at each install,
-every ``B`` steps, the same on every rank and at any pool speed. ``B = 0`` is native mode.
+``refresh="continuous"``: at each step's beginning the blocks without a refresh in flight (or
+with a finished one) are granted room, oldest version first, while the executors have at most
+``min(2, B)`` steps of predicted work queued per worker and stream, or nothing queued (``pick``,
+``placement.Executors.has_room``); such a block is requested at its decision. ``f`` stays the
+longest interval (a block ``f`` steps old is due whatever the room). Where installs are fixed, a
+block is requested again at each install, every ``B`` steps, on every rank alike.
 
 Note [Refresh lead]
 ~~~~~~~~~~~~~~~~~~~
-Native Shampoo computes a due root inside the step that first uses it (the roots of L_t
-precondition step t). A runtime cannot hand back a result in the step that requests it (unless
-B = 0), so with a budget of at least one step an optimizer whose step plans before its update
-(``refresh_precedes_update``) requests the refresh one step ahead, at step t-1, from L_{t-1}:
-the job runs during step t's forward and backward, and step t installs it when it is ready (at
-the latest at t-1+B). Every step of the interval then uses roots one gradient older than
-native's, none f steps older. A block's first roots are the exception (Note [First roots]).
-B = 0 keeps the native schedule, bit for bit; SOAP and KL-Shampoo read the bases of an earlier
-refresh natively and keep their schedule. The plan (plan.py) decides the lead, nowhere else.
+Native Shampoo's roots of step ``t`` precondition step ``t``, which a runtime cannot hand back
+in the step that requests them (unless ``B = 0``). So with a budget of at least one step an
+optimizer whose step plans before its update (``refresh_precedes_update``) requests a due refresh
+at ``t - 1``, from ``L_{t-1}``: it runs during step ``t``'s forward and backward and is installed
+when ready (by ``t - 1 + B``). The plan (plan.py) decides the lead, nowhere else.
 
 Note [First roots]
 ~~~~~~~~~~~~~~~~~~
-With the lead a block's first roots would be one gradient short at the start, where a sum
-factor holds the fewest gradients and one more moves the roots most: most of Asteria Shampoo's
-gap to native once (docs/benchmarks.md). So, where the budget is at least one step
-(``RuntimeConfig.wait_first_refresh``, on by default except under ``fixed_delay``;
-``Schedule.wait_first``), a block's first refresh comes without the lead: the plan requests it
-at its own step, from that step's factors, and waits for it (``Plan.decide``), as native
-mode does, once per block. Under ``fixed_delay`` the first roots keep the fixed delay unless
-``wait_first_refresh=True``.
+With the lead a block's first roots would miss a gradient where one moves them most. So where
+the budget is at least one step (``wait_first_refresh``, on by default except under
+``fixed_delay``; ``Schedule.wait_first``) a block's first refresh is requested at its own step,
+without the lead, and waited for (``Plan.decide``), once per block, as natively.
 
 Note [Rank-deficient factors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A Shampoo factor of a block of ``n`` elements gains at most ``n / d`` dims of rank a step, so it
-is rank-deficient for its first ``d^2 / n`` steps. The root of such a factor scales the
-directions outside its range far above those inside it, so applied to a first moment that holds
-a newer gradient it returns almost only that gradient's part outside the range, which the
-grafting then gives the block's whole step: roots one gradient short cost several percent of
-loss (docs/benchmarks.md). So a block the optimizer calls urgent (``refresh_urgent``: from its
-shape and step alone, the same on every rank) is refreshed as natively wherever first roots are
-waited for: the plan keeps the optimizer's schedule for it (not the staggered slot or
-continuous room), installs what may still be in flight, then requests from this step's factors
-and waits (``urgent_waits`` in ``stats()``). ``B = 0`` is untouched. SOAP and KL-Shampoo are
+A Shampoo factor of a block of ``n`` elements gains at most ``n / d`` dims of rank a step; the
+root of a rank-deficient one, applied to a moment that holds a newer gradient, returns mostly
+that gradient's part outside its range, which grafting then scales up: late roots there cost
+several percent of loss (docs/benchmarks.md). So a block the optimizer calls urgent
+(``refresh_urgent``: from its shapes and step alone, the same on every rank and for every block
+of a shape group) is refreshed as natively wherever first roots are waited for: at its own step,
+from its own factors, waited for (``urgent_waits`` in ``stats()``). SOAP and KL-Shampoo are
 never urgent.
 
 Note [Young factors]
 ~~~~~~~~~~~~~~~~~~~~
-A full-rank factor is still young while the last interval brought a large share of its
-statistics (``Shampoo.new_mass_share``: at ``betas[1] = 1`` the refresh of step ``t`` adds ``f /
-t`` of ``L_t``). So ``Shampoo.refresh_urgent`` also holds while that share is at least
-``YOUNG_SHARE`` (1/4): the refreshes of ``2f``, ``3f`` and ``4f`` at ``b2 = 1``. The share is
-predicted from the group's betas and frequency, not read from the factor (a device sync per
-block). Both rules are judged at the due step at or after the step asked about, so their answer
-holds over an interval and a request made ahead and one made at its step never both pass a due
-step by.
+A full-rank factor is still young while the last interval brought at least ``YOUNG_SHARE`` (1/4)
+of its statistics (``Shampoo.new_mass_share``, predicted from the betas and frequency, not read
+from the factor): ``refresh_urgent`` holds then too (the refreshes of ``2f`` to ``4f`` at ``b2 =
+1``). Both rules are judged at the due step at or after the step asked, so the answer holds over
+an interval, and once false stays false.
 
 Note [Paced installs]
 ~~~~~~~~~~~~~~~~~~~~~
-Refreshes requested at the same step tend to finish together, and an install that computes
-(SOAP rotates its first moment into the new basis) would then put all of them on one step. The
-budget allows installing any of them at any step up to the deadline, so the schedule spreads
-them: each step gets an allowance, the sum over the finished refreshes of install cost / steps
-left before its deadline, and a finished refresh is installed while the step has spent less (at
-least one per step). The deadline still forces an install (charged to the allowance). Costs
-are the optimizer's ``install_cost``; a free install, or one the statistics lane runs, is never
-held back. ``fixed_delay``, ``staleness=0`` and replicated blocks do not pace. Opt-in
-(``pace_installs``): the spread costs staleness.
+Refreshes requested together finish together, and installs that compute (SOAP's rotation of its
+first moment) would then land on one step. With ``pace_installs`` each step gets an allowance,
+the sum over the finished refreshes of install cost (``install_cost``) / steps left before its
+deadline, and a finished refresh is installed while the step has spent less (at least one a
+step); the deadline still forces an install. A free install, or one the lane runs, is never held
+back; ``fixed_delay``, ``staleness=0`` and replicated blocks do not pace.
 """
 
 from __future__ import annotations

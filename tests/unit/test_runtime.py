@@ -18,7 +18,6 @@ from asteria.runtime import (
     RuntimeConfig,
     StalenessTimeoutError,
 )
-from asteria.runtime.hooks import ModuleSignals
 from asteria.runtime.testing import slow_pool, wrapped_statistics
 from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
 
@@ -330,36 +329,12 @@ def test_hook_installs_count_staleness_as_the_optimizer_uses_the_version(name):
     assert sum(hist.values()) >= 2 * 5
 
 
-def test_backward_signal_precedes_the_module_backward_and_allows_inplace_ops():
-    """Note [Backward signals]: the backward signal of a module arrives once its output's
-    gradient is complete and before its own backward; an in-place op on that output (which a
-    full backward pre-hook refuses) trains."""
+def test_forward_signals_allow_inplace_ops():
+    """The module signals are forward pre-hooks: an in-place op on a hooked module's output
+    (which a full backward pre-hook refuses) trains, and the runtime installs."""
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 6), torch.nn.ReLU(inplace=True), torch.nn.Linear(6, 3)
     )
-    events: list[tuple[str, int]] = []
-    signals = ModuleSignals(
-        model,
-        [id(p) for p in model.parameters()],
-        lambda ids, event: events.append((event, ids[0])),
-    )
-    for m in (model[0], model[2]):
-        m.weight.register_post_accumulate_grad_hook(lambda p: events.append(("accumulated", id(p))))
-    model(torch.randn(4, 6)).sum().backward()
-    w0, w2 = id(model[0].weight), id(model[2].weight)
-    assert events == [
-        ("forward", w0),
-        ("forward", w2),
-        ("backward", w2),
-        ("accumulated", w2),
-        ("backward", w0),
-        ("accumulated", w0),
-    ]
-    with torch.no_grad():
-        model(torch.randn(4, 6))  # no graph: the forward signals, nothing is armed
-    assert events[-2:] == [("forward", w0), ("forward", w2)]
-    signals.remove()
-
     opt = SOAP(model.parameters(), precondition_frequency=2)
     with Runtime(model, opt, RuntimeConfig(staleness=2, workers=1)) as rt:
         for _ in range(8):
