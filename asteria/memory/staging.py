@@ -2,35 +2,26 @@
 
 Owns: ``Snapshot`` and ``snapshot()``: host copies of a few tensors taken asynchronously on a
 copy stream (``asteria.memory.copies``) into slots of a ``StagingRing``, with the three fences a
-snapshot needs (Note [Snapshot fences]). This is the staging path of the runtime's staged
-snapshots (asteria/runtime/snapshots.py, Note [Staged snapshots]) for a caller of its own.
+snapshot needs (Note [Snapshot fences]): the runtime's staged snapshots (Note [Staged snapshots]
+in asteria/runtime/snapshots.py), for a caller of its own too.
 
-Note [Snapshot fences]:
-* reader: the copies wait (on the device) for an event the main stream records when the snapshot
-  is taken, so they see every kernel issued before it; the main stream does not wait for them;
-* slot: each slot is fenced with the copy's completion on the copy stream, so the ring hands it
-  out again only once the copy has landed (and the snapshot's tensors are gone and its leases
-  released), never under a copy still writing it;
-* writer: ``fence()`` makes the main stream's later kernels wait for the copies: call it before
-  the sources are written again (the runtime does it at the start of the next step), so that a
-  copy never reads a value written after the snapshot.
-On the CPU stand-in (``HostCopies``) the copies run at once and every fence is complete.
+Note [Snapshot fences]: reader: the copies wait on the device for an event the main stream
+records when the snapshot is taken, so they see every kernel before it; slot: each slot is
+fenced with its copy's completion, so the ring hands it out again only once the copy landed (and
+the views are gone and the lease released); writer: ``fence()`` makes the main stream's later
+kernels wait for the copies, called before the sources are written again (the runtime: at the
+next step's beginning). On the CPU stand-in (``HostCopies``) every fence is complete at once.
 
-Note [Host sources of a snapshot]: a source in host memory (a block's basis behind the bases
-window, asteria/runtime/window_bases.py) makes its pair a copy between two CPU tensors, which
-CUDA runs on the host at once: the copy stream's waits (the reader fence, the ``to_host`` event)
-order device work only. Such a source may be the destination of a ``to_host`` copy still queued
-on the main stream (the same step's first read hosted the block's new bases, then its boundary
-requested a refresh: Note [Host writes] in asteria/memory/copies.py), so ``snapshot`` waits on
-the host for those copies first (``host_sync``, free once they landed). Without the wait a QR
-refresh started from stale or uninitialised pinned memory, and nothing counted it (issue 50;
-``HostCopies`` orders host memory the same way, Note [Stand-in host writes], so the CPU tests
-see it).
+Note [Host sources of a snapshot]: a host source (a basis behind the window) makes its pair a
+copy between two CPU tensors, which CUDA runs on the host at once, past the copy stream's waits.
+Such a source may be the destination of a ``to_host`` copy still queued on the main stream
+(Note [Host writes] in asteria/memory/copies.py), so ``snapshot`` waits on the host for those
+copies first (``host_sync``): else a QR refresh started from stale pinned memory, unseen (issue
+50; the stand-in orders host memory alike, Note [Stand-in host writes]).
 
-A source must outlive the copy that reads it. For device memory the copy stream's
-``record_stream`` keeps the caching allocator from reusing it; host memory it does not track
-(a device view of an Asteria host block, a CPU tensor) is kept here, with the copy's event, until
-that event completes: past the ``Snapshot`` itself, dropped at a later ``snapshot()`` or wait.
+A source must outlive its copy: device memory through the copy stream's ``record_stream``; host
+memory (a CPU tensor, a device view of a host block) is kept here with the copy's event until
+that completes, dropped at a later ``snapshot()`` or wait.
 
 Must not: decide what to snapshot or when.
 """

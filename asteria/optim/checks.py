@@ -78,6 +78,21 @@ def check_shampoo_beta(value: Any) -> None:
         check_range("shampoo_beta", value, 0.0, 1.0, high_inclusive=False)
 
 
+# Note [torch.optim conventions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# SOAP, KL-Shampoo and Shampoo keep every generic convention of ``torch.optim.Optimizer`` that
+# torch's own tests check (test/test_optim.py), as tests/unit/test_torch_conformance.py checks on
+# an ``OptimizerInfo`` per optimizer, natively and with a runtime: params as tensors, groups or
+# ``(name, tensor)`` pairs (names into ``param_names`` and the ``state_dict``; anything else a
+# ``TypeError`` in torch's words; duplicates warn and are kept once, Note [Duplicate
+# parameters]; a parameter in two groups a ``ValueError``; an empty list one empty group);
+# a 1-element tensor ``lr``; ``state_dict``/``load_state_dict`` with their pre- and post-hooks,
+# deterministic, loading into equal parameters and surviving ``torch.load(weights_only=True)``;
+# ``copy.deepcopy`` and pickling (less the hooks, the refresher and the layout cache); step
+# hooks in torch's order. Not offered: foreach, fused, capturable, differentiable (a
+# ``TypeError``), maximize, complex or sparse parameters or gradients (a ``RuntimeError``).
+
+
 def param_list(name: str, params: Any) -> list:
     """``params`` as a list; an empty one becomes one empty group (an optimizer with nothing to
     do steps as a no-op, where ``torch.optim`` raises). What is not an ordered iterable is a

@@ -1,28 +1,25 @@
 """Shape groups: the blocks of a step that one product and one elementwise op can take together.
 
-Owns: ``BlockGroup`` (blocks of one shape, dtype, layout, bases and factors layout and step,
-with their keys, states and per-block views of the step's tensors), ``build`` (a step's blocks
-in shape groups, made from the cached layouts each step, with no Python call per block),
-``batches`` (groups cut at ``BATCH_ELEMENTS``), ``pack`` (groups in pieces of at most a number
-of elements and bytes, whole where a group fits: Note [Pieces by shape group]), and the keys
-that say which tensors may be stacked (``tensor_key``, ``block_key``).
+Owns: ``BlockGroup`` (blocks of one shape, dtype, layout, factor and basis layout and step, with
+their keys, states and per-block views of the step's tensors), ``build`` (a step's blocks in
+shape groups, from the cached layouts, with no Python call per block), ``batches`` (groups cut at
+``BATCH_ELEMENTS``), ``pack`` (groups in pieces of at most a number of elements and bytes: Note
+[Pieces by shape group]), and the keys that say which tensors may be stacked (``tensor_key``,
+``block_key``).
 
 Must not: hold any algorithm's math (the kernels do: asteria/optim/kernels/), or know who
 hands out the bases (a refresher cuts a step's groups into its pieces with ``pack``).
 
-Note [Batched steps]: the math of SOAP, KL-Shampoo and Shampoo is the authors'
-(docs/fidelity.md); only the launch pattern is Asteria's. A step's blocks are grouped by shape,
-dtype, device, layout, which dims have a factor or basis (and their layouts) and step; a
-group's tensors are stacked (``batched.stack``) and every product is one ``batched.bmm`` for
-the group, every elementwise op one ``torch._foreach_*`` over the step's blocks; state stays per
-block, in the state_dict's format. The host work per step then grows with the shape groups, not
-the blocks: the groups are made without a Python call per block (``build`` loops in one
-frame), and a kernel's calls are per group. On the CPU the results are bitwise the per-block
-ops (``bmm`` is one aligned ``mm`` per matrix: Note [Aligned operands] in csrc/core/aligned.cpp;
-tests/unit/test_batched_steps.py): blocks whose Gram matrices ``bmm`` would round otherwise
-(order 3 or more) or whose products ATen computes with its own loop (under ``SMALL_BMM``
-multiply-adds) are groups of one on the CPU (``block_key``). On a GPU cuBLAS may choose other
-kernels for a batch: the results agree to rounding there (docs/fidelity.md).
+Note [Batched steps]: the math is the authors' (docs/fidelity.md); only the launch pattern is
+Asteria's. A group's tensors are stacked (``batched.stack``), every product is one
+``batched.bmm`` a group, every elementwise op one ``torch._foreach_*`` over a batch's blocks;
+state stays per block. The host work per step grows with the shape groups, not the blocks:
+groups are built in one frame, a kernel's calls are per group, and the per-parameter work of a
+step (its state, checks, working copies) makes no Python call per parameter. On the CPU the
+results are bitwise the per-block ops (``bmm`` is one aligned ``mm`` per matrix: Note [Aligned
+operands] in csrc/core/aligned.cpp; tests/unit/test_batched_steps.py); blocks a CPU ``bmm``
+would round otherwise (order 3 or more, products under ``SMALL_BMM``) are groups of one
+(``block_key``). On a GPU cuBLAS may pick other kernels: equal to rounding (docs/fidelity.md).
 """
 
 from __future__ import annotations

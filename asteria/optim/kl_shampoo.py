@@ -3,33 +3,18 @@
 Owns: KL-Shampoo's math for one block, as the authors' code defines it (yorkerlin/KL-Methods,
 ``optim/kl_opt.py``, ``KLOpt`` with ``using_klsoap=False``; docs/fidelity.md): factors coupled
 through the other factors' bases and eigenvalue estimates, per-factor eigenvalue estimates
-re-estimated every step in the current (possibly stale) basis, the ``-1/2`` exponent per factor,
-the update's damping ``s / (1 + eps * s)`` (``s`` the outer product of the factors'
-``lambda^{-1/2}``, ``eps`` the group's eps: the authors' ``klshampoo_update``), no Adam and no
-grafting, bases refreshed by one power iteration + QR every ``precondition_frequency`` steps.
+re-estimated every step in the current basis, the ``-1/2`` exponent per factor, the update's
+damping ``s / (1 + eps * s)``, no Adam and no grafting, bases refreshed by one power iteration +
+QR every ``precondition_frequency`` steps; the authors' 2-D and 3-D paths to the operation order
+(3-D: dims 2 and 1's eigenvalues updated before dim 0 reads them, ``_statistics_3d``).
 
-The authors' code has a 2-D and a 3-D path; both are followed to the operation order:
-  * 2-D: every factor and eigenvalue update of a step reads the bases and eigenvalues from
-    before that step;
-  * 3-D: the authors update the eigenvalues of dims 2 and 1 before the factor and eigenvalue of
-    dim 0 read them (``_statistics_3d``: which estimate each statistic reads, old or new).
-
-Where Asteria goes beyond the authors' code (their code has no such path):
-  * tensors of order >= 4 (the authors assert order 2 or 3): every factor and eigenvalue update
-    reads the bases and eigenvalues from before the step, the 2-D rule;
-  * 1-D parameters run AdamW with the group's lr, betas, eps and weight decay (the authors hand
-    them to a separate AdamW; their ``KLOpt`` cannot take them);
-  * large dims are split into blocks of at most ``max_preconditioner_dim``, each block its own
-    KL-Shampoo (the authors precondition every dim whole); a block's clamp uses the block's dim;
-  * state and arithmetic are fp32, or the parameter's dtype when wider (the authors default to
-    bf16 everywhere except QR/eigh, which run in fp32; ``refresh_dtype`` chooses here).
-Not implemented: the authors' non-default options ``using_damping=True`` (a damping of the
-curvature estimates), ``using_clamping=False``, ``normalize_grads=True`` and KL-SOAP.
-
-How it differs from heavyball's ``KLShampoo``: heavyball takes the eigenvalues from
-``diag(Q^T S Q)`` at each step instead of a separate EMA, seeds the factors with
-``init_factor * I``, debiases ``shampoo_beta`` and balances the factors' scales; none of that is
-in the authors' algorithm, so Asteria follows the authors.
+Beyond the authors' code: order >= 4 tensors (the 2-D rule), 1-D parameters on AdamW with the
+group's options, dims split into blocks of at most ``max_preconditioner_dim`` (a block's clamp
+uses its dim), fp32 state (the authors' bf16 but for QR/eigh). Not implemented: the authors'
+non-default ``using_damping=True``, ``using_clamping=False``, ``normalize_grads=True`` and
+KL-SOAP. heavyball's ``KLShampoo`` differs from the authors' algorithm (eigenvalues from
+``diag(Q^T S Q)``, ``init_factor * I`` factors, a debiased ``shampoo_beta``); Asteria follows
+the authors.
 
 Must not: know about runtimes, pools or memory tiers.
 """

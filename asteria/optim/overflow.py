@@ -2,37 +2,24 @@
 gradients that would overflow the optimizer's statistics.
 
 Owns: ``GradientChecks``, the part of ``KroneckerOptimizer`` (base.py) that refuses a step whose
-groups or parameters no longer fit (Note [Refused steps]; a group's options as a step compares
-them, ``options_of``) and decides, before any update, which parameters a step skips
-(``gradient_verdicts``: one fused reduction per gradient, agreed over a DTensor's mesh), counts
-the skips and warns once.
+groups or parameters no longer fit (Note [Refused steps]; ``options_of``) and decides, before any
+update, which parameters a step skips (``gradient_verdicts``: one fused reduction per gradient,
+agreed over a DTensor's mesh), counts the skips and warns once.
 
-Note [Non-finite gradients]: before any update, every gradient of the step is checked with one
-fused reduction per gradient (its 2-norm; when that is not finite, its inf-norm, a max of absolute
-values, so that large finite values cannot overflow into a false alarm) and one host sync per
-device. A parameter whose gradient has a NaN or an Inf is skipped for that step as a whole: its
-step count, factors, moments, pending refreshes and the parameter itself stay exactly as they were
-(the algorithms' math runs per parameter, so a per-block skip would leave the parameter
-half-updated). Other parameters update as usual, with arithmetic identical to a step without the
-check. Skips are counted in ``nonfinite_grads`` (``Runtime.stats()["nonfinite_grads"]``) and the
-first one warns (``RuntimeWarning`` naming the parameter). ``skip_nonfinite_grads = False`` turns
-the check off.
+Note [Non-finite gradients]: every gradient of the step is checked before any update, one fused
+reduction each (its 2-norm; where not finite, its inf-norm, which cannot overflow) and one host
+sync per device. A parameter whose gradient has a NaN or an Inf skips the step whole (its count,
+factors, moments, refreshes and values stay), the others update with unchanged arithmetic; skips
+count in ``nonfinite_grads`` and the first warns. ``skip_nonfinite_grads = False`` turns it off.
 
-Note [Overflowing gradients]: a gradient can be finite and still make the optimizer's statistics
-inf (a gradient of 1e30 squares to 1e60, past float32's 3.4e38), and an inf factor or moment
-then fails every refresh, or stops the parameter, far from the step that caused it. So the same
-check skips, counts (``nonfinite_grads``) and warns about (once, with the parameter's name and the
-2-norm) a gradient whose 2-norm is above the limit its update allows (``_gradient_limit``, from
-the 2-norms the check computes anyway: no extra reduction or sync): every new statistic term is
-at most ``gain * ||g||^2`` (an entry of ``G G^T`` or ``g^2``; KL-Shampoo's whitening by
-``lambda^{-1/2} <= clamp`` along the other dims is its ``gain``), an average (EMA) of finite
-terms stays finite, and a sum (Shampoo's factors at ``betas[1] == 1``, Adagrad grafting) needs
-room for it: a host-side bound on its largest entry, taken from the state once and raised by
-each accepted term. The limit keeps a margin of 4 below the dtype's largest value. Nothing
-non-finite then reaches a matrix function from a step; one that still fails (a checkpoint's inf
-factor) is a counted refresh failure, whose error names the parameter's block.
-tests/unit/test_overflow.py has the cases of issue 22 (1e30 gradients, sums creeping up to
-float32's limit) for every optimizer, natively and with a runtime.
+Note [Overflowing gradients]: a finite gradient can still make the statistics inf (1e30 squares
+past float32), which then fails every refresh far from its cause. So the same check skips,
+counts and warns about a gradient whose 2-norm is above the limit its update allows
+(``_gradient_limit``, from the same norms: every new statistic term is at most ``gain *
+||g||^2``, KL-Shampoo's ``gain`` its clamp; an EMA of finite terms stays finite, and a sum,
+Shampoo's factors at ``betas[1] == 1`` or Adagrad grafting, keeps a host-side bound of its
+largest entry), with a margin of 4 below the dtype's largest value. tests/unit/test_overflow.py
+has issue 22's cases for every optimizer, natively and with a runtime.
 
 Must not: update any state (a skipped parameter's state stays as it was) or know the runtime.
 """
@@ -307,36 +294,6 @@ def _sharded_verdicts(
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         for i, v in zip(members, flags.tolist()):
             verdicts[i] = NONFINITE if v == 2.0 else OVERFLOW if v == 1.0 else None
-
-
-# Note [torch.optim conventions]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# SOAP, KL-Shampoo and Shampoo keep every generic convention of ``torch.optim.Optimizer`` that
-# torch's own optimizer tests check (test/test_optim.py, TestOptimRenewed), and the project's
-# conformance suite checks the same on an ``OptimizerInfo`` per optimizer
-# (tests/unit/test_torch_conformance.py), natively and with a runtime attached:
-#   * params: tensors, parameter groups, or ``(name, tensor)`` pairs (``named_parameters()``),
-#     whose names go to the group's ``param_names`` and so into the ``state_dict``; what is not
-#     an ordered iterable of those is a ``TypeError`` in torch's words (a single tensor
-#     included), duplicates warn (and are kept once: Note [Duplicate
-#     parameters]) and a parameter in two groups is a ``ValueError``, as in torch;
-#     an empty list is one empty group that steps as a no-op (torch raises).
-#   * ``lr`` may be a 1-element floating-point tensor (checked before the parameters, as torch
-#     does, "Tensor lr must be 1-element"); schedulers fill it in place.
-#   * ``state_dict``: pre-hooks, then the dict, then post-hooks, whose result is what is
-#     returned; entries of ``state`` that are not a parameter's (a hook's) are kept as they
-#     are. ``load_state_dict``: pre-hooks on a shallow copy of what is given (a result
-#     replaces it), the groups (saved options; live ``param_names`` where the saved have none)
-#     and the state restored, then post-hooks. Saving is deterministic, loads into equal but
-#     not identical parameters, and survives ``torch.save`` / ``torch.load(weights_only=True)``.
-#   * ``copy.deepcopy`` and pickling keep every attribute but the hooks (as torch), the
-#     refresher (a copy steps natively; a runtime's refreshes in flight go along as a loaded
-#     checkpoint's would) and the layout cache (keyed by parameter identity, rebuilt).
-#   * Step pre/post hooks, global and per optimizer, run in torch's order (torch's own wrapper of
-#     ``step``).
-# Not offered: foreach, fused, capturable and differentiable (implementation flags of torch's
-# element-wise optimizers; a constructor given one raises TypeError), maximize, complex and
-# sparse parameters or gradients (a RuntimeError that names them).
 
 
 def options_of(group: dict[str, Any]) -> tuple:

@@ -470,17 +470,10 @@ def _dampings(group: list[RootRefresh]) -> list[float]:
 
 # Note [Batched refreshes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# Natively a due refresh is computed in the step, from the factors the step's statistics
-# updated. ``NativeRefresher.plan`` runs the due blocks of a parameter group's step together
-# (after the update for SOAP and KL-Shampoo, before it for Shampoo, whose roots of step t
-# precondition step t: the optimizer's ``phases``): QR refreshes of one shape (SOAP,
-# KL-Shampoo) as one ``qr_refresh_many`` (on a GPU one batched power iteration, sort and
-# ``geqrf``/``orgqr``; on the CPU one operator that runs the pool's ``qr_refresh`` on each
-# factor, unstacked: Note [Refreshes one by one on the CPU] in csrc/core/aligned.cpp),
-# Shampoo's roots of one shape and root as one ``inverse_root_many`` (one batched ``eigh``,
-# Meta's shifts and the
-# round-off floor per matrix: Note [Batched roots] in matrix_functions.py; bitwise each
-# ``inverse_root`` on the CPU) (``run_batched``), then the installs, in one
-# ``install_refresh_many`` (SOAP's per shape group: Note [Batched installs] in soap.py; bitwise
-# each block's ``install_refresh`` on the CPU). A runtime's pool runs one job a core: its jobs
-# stay per block.
+# ``NativeRefresher.plan`` computes a parameter group's due refreshes together, where the
+# optimizer's ``phases`` put it (``run_batched``: QR refreshes of one shape as one
+# ``qr_refresh_many``, on the CPU one operator running the pool's ``qr_refresh`` per factor,
+# Note [Refreshes one by one on the CPU] in csrc/core/aligned.cpp; roots of one shape as one
+# ``inverse_root_many``, Note [Batched roots] in matrix_functions.py), then installs them in one
+# ``install_refresh_many`` (SOAP's per shape group: Note [Batched installs] in soap.py): bitwise
+# the per-block path on the CPU. A runtime's pool runs one job a core: its jobs stay per block.

@@ -27,29 +27,13 @@ Owns: Shampoo's math for one block, with Meta's option names, meanings and defau
     Without momentum that is ``W (1 - lr wd) - lr P``; before the start with Adam grafting it is
     exactly ``torch.optim.AdamW`` (same operations, same order).
 
-Where Asteria differs from Meta (docs/fidelity.md has the table):
-  * the default grafting is Adam's (``AdamPreconditionerConfig``'s defaults: ``grafting_beta2``
-    0.999, ``grafting_epsilon`` 1e-10), where ``DistributedShampoo`` defaults to none. Meta's
-    README says to graft from the method being replaced, and without grafting the step size is
-    set by ``epsilon^{-1/(2k)}`` on a rank-deficient factor's round-off (frequency 1 roots a
-    rank-1 factor at step 1): the test suite's small fp32 problems went to NaN within 3 steps at
-    lr 3e-3. ``grafting="none"`` is Meta's default exactly;
-  * a block whose roots were never computed (a runtime's first roots arriving up to ``S``
-    steps late, or a first root that failed) takes the grafting direction; Meta starts from
-    identity roots (the block's ``M`` rescaled to the grafting norm, which puts the whole step
-    of an embedding on its few frequent rows: one such step on the ``tiny`` LM took the loss
-    from 3.3 to 5.1);
-  * a ``start_preconditioning_step`` below ``precondition_frequency`` is allowed (Meta refuses
-    it): the first roots are computed at the start, the next at the next multiple;
-  * a failed root keeps the block's previous roots (all of the block's factors, where Meta
-    keeps the failed factor's only); ``max_consecutive_failures`` failures in a row raise
-    ``RefreshFailedError`` at the end of the step (Note [Refresh failures] in refresher.py);
-  * step counts are per parameter (a parameter without a gradient, or with a non-finite one,
-    does not count the step), where Meta counts the group's steps;
-  * grafting ``"rmsprop"`` takes the one ``grafting_beta2`` default, 0.999 (Meta's
-    ``RMSpropPreconditionerConfig`` defaults to 0.99); ``refresh_dtype`` is the precision of
-    the roots (Meta's ``factor_matrix_dtype``); factors and roots are in the state dtype (fp32,
-    or the parameter's when wider).
+Where Asteria differs from Meta (docs/fidelity.md has the table and the reasons): Adam grafting
+by default (``grafting="none"`` is Meta's default exactly); a block without roots yet takes the
+grafting direction (Meta: identity roots); a ``start_preconditioning_step`` below the frequency
+is allowed; a failed root keeps all the block's previous roots, and ``max_consecutive_failures``
+in a row raise (Note [Refresh failures] in refresher.py); step counts are per parameter;
+``"rmsprop"`` grafting takes ``grafting_beta2`` 0.999; ``refresh_dtype`` is Meta's
+``factor_matrix_dtype``.
 
 Must not: know about runtimes, pools or memory tiers.
 """

@@ -5,20 +5,13 @@ step only initialises factors and bases; the first moment lives in the eigenbasi
 moment is permuted (not rotated) when a refresh re-orders the basis; refreshes are one
 warm-started power iteration + QR, every ``precondition_frequency`` steps.
 
-Where Asteria differs from the authors' code (same math, different arithmetic):
-  * the authors take the first moment back to the original space and project it again on every
-    step; Asteria rotates it only when a basis actually changes (``m <- R_L^T m R_R`` with
-    ``R = Q_old^T Q_new``), which is the same in exact arithmetic and saves four matmuls a step;
-  * a dim larger than ``max_preconditioner_dim`` is split into blocks (Distributed Shampoo's
-    rule) instead of being left unrotated; ``block_large_dims=False`` restores the authors' rule.
-    Blocking preconditions both dims of an embedding (the authors' rule leaves the vocab dim to
-    Adam) and is the layout Asteria's memory tiers and benchmarks assume; at the authors' default
-    ``max_preconditioner_dim=10000`` it costs a 10000 x 10000 factor and basis per block (a 50k-row
-    embedding: five, 4 GB in fp32, and five such QRs per refresh), so large models set 2048 or
-    ``block_large_dims=False`` (docs/fidelity.md);
-  * ``normalize_grads`` rescales the update of the whole parameter to unit RMS, as the authors
-    do, also when the parameter is split into blocks;
-  * the refresh runs in ``refresh_dtype`` (float32 as the authors; float64 on request).
+Where Asteria differs from the authors' code (docs/fidelity.md): the first moment is rotated only
+when a basis changes (``m <- R_L^T m R_R``, ``R = Q_old^T Q_new``: the same in exact arithmetic,
+four matmuls a step fewer); dims above ``max_preconditioner_dim`` are split into blocks
+(Distributed Shampoo's rule; ``block_large_dims=False`` leaves them unrotated, the authors' rule;
+at the default 10000 a large embedding's blocks are costly, so large models set 2048);
+``normalize_grads`` rescales the whole parameter's update, blocks included; the refresh runs in
+``refresh_dtype``.
 
 Must not: know about runtimes, pools or memory tiers.
 """

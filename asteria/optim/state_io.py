@@ -23,43 +23,28 @@ from asteria.optim.tensors import _is_placeholder, _to_device, local_tensor
 
 # Note [Transactional loads]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``load_state_dict`` either loads the whole state_dict or raises a ``ValueError`` that names the
-# first entry that does not fit and what was expected, and leaves the optimizer (and a runtime
-# attached to it) exactly as it was. Everything is checked before anything changes
-# (``_loaded_state``): the dict's form; the number of groups and of parameters; every group
-# option this class keeps (a missing one means another optimizer class's state_dict, unless
-# the class added it later, ``options_added_later``: an older state_dict takes its default) and its
-# type and range (the constructor's own checks, ``_validate_group``); ``param_names``; every
-# parameter's state against its ``_state_template`` under the loaded options: each key, tensor
-# shape, floating-point dtype, an integer ``step``, and nothing more (state_format.py); with a
-# runtime attached, that the options keep every parameter's blocks (the runtime planned for
-# them) and the ``"asteria_runtime"`` part against the state about to be loaded
-# (``Runtime.check_state_dict``: blocks, steps, result shapes, and that each refresh can be
-# installed within the budget: Note [Checkpoints with work in flight] in
-# asteria/runtime/state.py). Only then are the groups and the state replaced, and the refresher
-# told (``state_replaced``): a runtime drops its refreshes in flight, which were requested from
-# the old state (a loaded ``"asteria_runtime"`` part puts its own back), and takes each block's
-# version from the loaded state, so the staleness contract holds across the load.
-# ``Runtime.load_state_dict`` is transactional the same way. tests/unit/test_transactional_loads.py
-# draws corruptions of a state_dict (another class, other shapes, missing and extra keys, wrong
-# types, ranges and dtypes, truncated tensors) with hypothesis, for every optimizer with and
-# without a runtime, and compares the whole state before and after each refused load.
+# ``load_state_dict`` loads the whole state_dict or raises a ``ValueError`` naming the first
+# entry that does not fit, and leaves the optimizer (and an attached runtime) as it was: all is
+# checked before anything changes (``_loaded_state``): the dict's form, the numbers of groups and
+# parameters, every option (missing: another class's state_dict, unless added later,
+# ``options_added_later``) by the constructor's checks, ``param_names``, every parameter's state
+# against its ``_state_template`` (keys, shapes, dtypes, an integer ``step``: state_format.py),
+# and with a runtime, that the options keep its blocks and its ``"asteria_runtime"`` part
+# (``Runtime.check_state_dict``). Only then are groups and state replaced and the refresher told
+# (``state_replaced``: a runtime drops its refreshes in flight and takes each block's version
+# from the loaded state). tests/unit/test_transactional_loads.py draws corruptions with
+# hypothesis and compares the whole state before and after each refused load.
 
 
 # Note [Runtime state in the optimizer's checkpoint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Frameworks (the HF Trainer, Lightning, torchtitan) save ``model.state_dict()`` and
-# ``optimizer.state_dict()`` and know nothing of a runtime. So, with a runtime attached and
-# refreshes in flight, ``optimizer.state_dict()`` carries the runtime's part under
-# ``"asteria_runtime"`` (``Runtime.state_dict()``: each refresh finished first, with its request
-# step and results; Note [Checkpoints with work in flight] in asteria/runtime/state.py).
-# ``load_state_dict`` hands it to the runtime attached at the time, or keeps it for the runtime
-# attached next (``attach_refresher``), which installs each refresh at the step it would have
-# been installed at: the plain torch pattern (save both, load both in a fresh process, attach a
-# runtime) resumes a ``fixed_delay`` run bit for bit (tests/unit/test_checkpoint.py). A native
-# step before any runtime attaches drops it (native mode computes its own refreshes). Nothing
-# is added when no refresh is in flight, and ``torch.distributed.checkpoint``'s state-dict API
-# keeps only ``state`` and ``param_groups`` (use asteria.checkpoint there).
+# Frameworks (HF Trainer, Lightning, torchtitan) save ``optimizer.state_dict()`` and know nothing
+# of a runtime. So with refreshes in flight it carries the runtime's part under
+# ``"asteria_runtime"`` (Note [Checkpoints with work in flight] in asteria/runtime/state.py);
+# ``load_state_dict`` hands it to the runtime attached then, or keeps it for the next one
+# (``attach_refresher``): save both, load both in a fresh process, attach, and a ``fixed_delay``
+# run resumes bit for bit (tests/unit/test_checkpoint.py). A native step before any runtime
+# attaches drops it. DCP's state-dict API keeps only ``state`` and ``param_groups``.
 
 
 #: The key of a runtime's refreshes in flight in ``KroneckerOptimizer.state_dict()``.

@@ -47,18 +47,12 @@ def no_autocast() -> Iterator[None]:
 
 # Note [Autocast]
 # ~~~~~~~~~~~~~~~
-# Under ``torch.autocast`` (the usual mixed-precision training: bf16 on a GPU) matrix products
-# run and return in the lower precision. The optimizers' math is in their state dtype (fp32 at
-# least, ``state_dtype``), so it must not run under the caller's autocast: the runtime installs
-# a ready refresh from a module's forward pre-hook, inside the model's autocast region, and
-# there SOAP's rotation of ``exp_avg`` into the new basis came back in bf16 and was stored so;
-# the next step's fp32 rotation then raised "expected mat1 and mat2 to have the same dtype"
-# (seen on the H200, the first GPU run; reproduced with CPU autocast). An optimizer step called
-# inside an autocast region (after a closure that needs it, say) would have done the same to
-# every projection. So ``KroneckerOptimizer.step`` (after its closure) and the runtime's one way
-# into ``install_refresh`` (``Refreshes.install_results``, whichever entry reaches it: a module
-# signal, ``close()``, a step's boundary) run with autocast off; threads of their own (the pool,
-# the statistics lane, the device-stream executor) never inherit it, autocast being per thread.
+# Under ``torch.autocast`` products run in the lower precision, but the optimizers' math is in
+# their state dtype: an install from a forward pre-hook inside the model's autocast stored
+# SOAP's rotated ``exp_avg`` in bf16, and the next step raised a dtype mismatch (the first H200
+# run). So ``KroneckerOptimizer.step`` (after its closure) and the runtime's installs run with
+# autocast off (where it is on: ``AUTOCAST_DEVICES``); the pool, the lane and the stream never
+# inherit it (per thread).
 
 
 #: Bytes: gradient shards not aligned to this are copied before use (``KroneckerOptimizer._step``).

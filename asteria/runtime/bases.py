@@ -1,41 +1,28 @@
 """How the optimizer reaches the bases in use: one strategy per runtime, chosen at attach time.
 
-Owns: where a block's bases (SOAP's and KL-Shampoo's eigenbases, Shampoo's inverse roots) live
-while the runtime is attached, how an install puts new ones there, and what the optimizer reads
-(``Refresher.pieces``: the pieces a step's shape groups are read in, and their bases).
-``parts.choose_bases`` picks one from the tier policy's ``bases_access``:
-
-* ``DeviceBases`` (``direct``): in the block's own tensors, on the parameters' device, as in
-  native mode. On CPU with the statistics lane, an install that computes (SOAP's rotation of
-  ``m``) is queued on the lane, and the block's next read of its state waits for it
-  (``settle``; Note [Statistics lane] in lane.py);
-* ``MappedBases`` (``mapped``, unified-memory GPUs): in pinned host memory, read by the device
-  through mapped views (``asteria.memory.device_view``);
-* ``WindowBases`` (``window``, discrete GPUs; window_bases.py): in pinned host memory; the
-  optimizer reads device copies from a ring of buffers filled just before use, the next piece's
-  copy overlapping the current piece's kernels (Note [Bases window] in
-  asteria/memory/window.py).
-
-Every strategy hands back, at ``close()``, the bases as native mode keeps them (on the
-parameters' device).
+Owns: where a block's bases (eigenbases, Shampoo's inverse roots) live while the runtime is
+attached, how an install puts new ones there, and the pieces a step's shape groups are read in
+(``Refresher.pieces``). ``parts.choose_bases`` picks one from the tier policy's
+``bases_access``: ``DeviceBases`` (``direct``: the blocks' own tensors, as natively; with the
+lane an install that computes is queued there and the block's next read waits for it,
+``settle``), ``MappedBases`` (``mapped``, unified-memory GPUs: pinned host memory read through
+mapped views) or ``WindowBases`` (``window``, discrete GPUs, window_bases.py). Every strategy
+hands back, at ``close()``, the bases as native mode keeps them.
 
 Note [Bases made by a step]: the host strategies move a block's bases to host memory when an
-install makes them, and at a step's end the bases the step itself made (the optimizer's first
-step of a block). Looking for those at every step end would visit every block at every step, a
-host cost that grows with the blocks (issue 37); the look stops once a step end moved nothing
-and every parameter has its state (no block can be made later), and starts again when the
-optimizer loads a state (``state_replaced``).
+install makes them, and at a step's end those the step made (a block's first step). The look at
+step ends stops once one moved nothing and every parameter has its state, and starts again when
+the optimizer loads a state (``state_replaced``): no visit of every block at every step.
 
-Note [Grouped install copies]: a refresh result is host memory (the C++ pool's), pageable, and
-a blocking copy from it to a GPU synchronizes the training stream. ``install_many`` moves every
-result of a batch (a step's finished refreshes, installed at the first module signal) to the
-device at once: per device and dtype, one pinned buffer filled by one ``torch._foreach_copy_``
-and one non-blocking copy to the device, the results becoming views of it with their own
-layouts; the window then copies the new bases back to host memory in one ``to_host`` (one
-event). A step's installs thus cost a constant number of copies, not a few per block.
+Note [Grouped install copies]: a result is pageable host memory (the pool's), and a blocking
+copy of it to a GPU syncs the training stream. ``install_many`` moves a batch's results to the
+device at once: per device and dtype, one pinned buffer filled by one ``_foreach_copy_`` and one
+non-blocking copy, the results becoming views of it with their own layouts (and the window
+copies the new bases back to host memory in one ``to_host``): a constant number of copies a
+step, not a few per block.
 
-Must not: decide what to install or when (refreshes.py, schedule.py), change the optimizer's
-math (``install_refresh`` carries state over), or place anything the tier policy did not.
+Must not: decide what to install or when (refreshes.py, plan.py), change the optimizer's math
+(``install_refresh_many`` carries state over), or place anything the tier policy did not.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The plan of a step: every refresh decision of a parameter group's blocks at their step.
 
-Owns: ``Plan``, what ``Runtime.plan`` carries out once per parameter group and step over its
-shape groups (Note [One plan per step]): which blocks are due (the optimizer's schedule, the
-staggered slot or continuous room of schedule.py, the refresh lead and the urgency of Notes
-[Refresh lead], [First roots] and [Rank-deficient factors], decided here and nowhere else),
-which refresh in flight is installed (at its deadline, when ready and a due request waits for
-it, when the pacer allows it), which due request is coalesced into the refresh in flight, which
-is requested, and which the step waits for (``B = 0``, first roots, urgent ones: requested
-first, then helped and waited for together, then installed); the age of the basis each block's
-update reads; the error kept for the step's end (Note [All-or-nothing steps]); the decisions a
-step that raised skipped, finished before anything else changes (Note [Interrupted steps]);
-the blocks a continuous refresh may request; the reset of every block at a load.
+Owns: ``Plan``, what ``Runtime.plan`` carries out once per parameter group and step (Note [One
+plan per step]): which blocks are due (the optimizer's schedule, schedule.py's slots and room,
+the lead and the urgency: decided here and nowhere else), which refresh in flight is installed,
+coalesced or waited for, which is requested (all of a plan's together); the age of the basis
+each update reads; the error kept for the step's end (Note [All-or-nothing steps]); the
+decisions a step that raised skipped (Note [Interrupted steps]); the blocks continuous refresh
+may request; the reset of every block at a load.
 
 Must not: submit, wait or install itself (refreshes.py does), know how a snapshot is taken or
 where a basis lives, or take the runtime's lock (the facade holds it around every call).
@@ -400,58 +396,38 @@ def _refresh_cost(block: dict) -> float:
 
 # Note [One plan per step]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# The runtime decides a step's refreshes once per parameter group, over its shape groups
-# (``Plan.step``, from ``Runtime.plan``), not in a callback per block: most blocks of a step
-# decide nothing (not due, nothing in flight or owed), and for them the plan only measures the
-# age of the basis the step reads, in this frame, with no Python call (the staggered slot, the
-# interval and the age are compared inline). A block decides (``decide``) where its group's
-# step is due under the optimizer's schedule or the lead, where it has a refresh in flight or
-# owes a request, where its staggered slot or interval comes, under continuous refresh, and
-# before its first basis. The refreshes a step waits for (``B = 0``, first roots, urgent ones:
-# Notes [First roots], [Rank-deficient factors] in schedule.py) are all requested first and
-# installed together (``install_waited``), after the training thread has run the jobs queued up
-# to the last of them (Note [Helping waiters] in csrc/core/worker_pool.cpp): the workers and the
-# training thread compute a step's spike together, as the same results, versions and ages as
-# installing at once (tests/unit/test_deferred_installs.py). A replicated block installs at its
-# decision (its install is a collective, in an order every rank shares). The decisions are the
-# staleness contract's (tests/unit/test_staleness_contract.py, test_properties.py); the calls,
-# tests/unit/test_seam.py.
+# The runtime decides a step's refreshes once per parameter group (``Plan.step``), not in a
+# callback per block: most blocks decide nothing, and for them the plan measures the age of the
+# basis inline, with no Python call. A block decides (``decide``) where its step is due (the
+# schedule, the lead), it has a refresh in flight or owes one, its slot or interval comes, under
+# continuous refresh, and before its first basis; urgency is asked once per shape group. The
+# plan's requests are made together (``_request``: one snapshot, one submission loop), and the
+# refreshes the step waits for (``B = 0``, first roots, urgent ones) installed as one batch after
+# the training thread ran the jobs queued up to them (``install_waited``; Note [Helping
+# waiters] in csrc/core/worker_pool.cpp): the same results, versions and ages as one by one
+# (tests/unit/test_deferred_installs.py). A replicated block requests and installs at its
+# decision (its install is a collective, in an order every rank shares).
 
 # Note [All-or-nothing steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What an exception inside ``optimizer.step()`` leaves, with a runtime attached:
-#   * a refresh failing ``max_consecutive_failures`` times in a row (or crashing in a worker), a
-#     barrier timeout: the step runs to its end, every parameter updated with the bases it has
-#     (a timed-out refresh is dropped, the block keeps its basis and requests again at its next
-#     due decision; later barriers of that step do not wait), and ``end`` raises the first such
-#     error: the step is complete, the next ``step()`` is an ordinary one. Native mode does the
-#     same for refresh failures (Note [Refresh failures] in asteria/optim/refresher.py);
-#   * a block whose statistics failed on the lane: every later ``step()`` raises
-#     ``StatisticsLaneError`` at its start, before it changes anything (``StatisticsLane.check``);
-#     the step that was running when the lane failed stops at the failed block's first wait;
-#   * anything else (a KeyboardInterrupt, an error of a split update): the step stops where it
-#     was, some parameters updated and some not, and the next step is a complete one (Note
-#     [Interrupted steps]). A rollback of every parameter and state tensor would cost a copy of
-#     all of them at every step, to undo what the user chose to interrupt.
-# The runtime's own invariants are checked where its state changes (``Registry.record_installs``:
-# an install outside ``[t, t + B]`` is a bug of the runtime, an AssertionError the tests find);
-# no fault of the user's or of the machine reaches one. tests/unit/test_all_or_nothing_steps.py
-# has every fault of issue 22 (hypothesis over optimizer x runtime x fault x the step and the
-# point at which it strikes), each ending in a clear error with the state unchanged, or in a run
-# that keeps the staleness contract, with no thread left after ``close()``.
+# What an exception inside ``optimizer.step()`` leaves, with a runtime attached: a refresh
+# failing ``max_consecutive_failures`` times in a row (or crashing), a barrier timeout: the step
+# runs to its end with the bases it has (a timed-out refresh is dropped; later barriers of the
+# step do not wait) and ``end`` raises the first such error (natively too: Note [Refresh
+# failures] in asteria/optim/refresher.py); a block whose statistics failed on the lane: every
+# later ``step()`` raises ``StatisticsLaneError`` before it changes anything; anything else (a
+# KeyboardInterrupt, a split update's error): the step stops where it was, and the next one is
+# complete (Note [Interrupted steps]) rather than a rollback of every tensor at every step. The
+# runtime's own invariants are asserted where its state changes (``Registry.record_installs``).
+# tests/unit/test_all_or_nothing_steps.py draws every fault of issue 22 at every point of a step.
 
 # Note [Interrupted steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# A step that raised before its end (``Plan.in_step`` still set) may have updated a block
-# without running its decision, where a refresh at its deadline was due to be installed: left
-# so, the next decision would install it a step past its budget. Every block's entry keeps the
-# step whose decision last ran to its end (``boundary_step``); before the next step changes
-# anything (and before ``state_dict``, ``close``, or a module signal installs), the facade calls
-# ``Plan.finish_interrupted``, which finishes the skipped decisions: a refresh whose deadline is
-# the block's step is installed there (waiting for it, as the decision would have), and a
-# refresh is requested (or coalesced into the one in flight) as if that decision were due: the
-# request it may have owed, from the same step, so that the age of the basis stays within its
-# bound. Requests and installs are atomic against interruption: a refresh is in flight once all
-# its jobs are submitted, and stays in flight until its results are installed (refreshes.py), so
-# an interrupted one is installed again, never twice, and never half. A statistics lane wait
-# that is interrupted keeps its work for the next wait.
+# A step that raised before its end (``Plan.in_step`` still set) may have skipped decisions,
+# among them an install due at its deadline. Every entry keeps the step whose decision last ran
+# to its end (``boundary_step``); before anything else changes (a step, ``state_dict``,
+# ``close``, a signal's install), ``Plan.finish_interrupted`` runs the skipped ones as due: what
+# is at its deadline installed, a request made (or coalesced) from the same step. Requests and
+# installs are atomic against interruption: a refresh is in flight once its jobs are submitted
+# (or its snapshot taken), and stays so until its results are installed, so an interrupted one is
+# installed again, never twice, never half. An interrupted lane wait keeps its work.

@@ -575,15 +575,10 @@ def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> 
 
 # Note [Helping within the deadline]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A barrier waits at most ``barrier_timeout_s`` (a plan's waited-for installs, Note [One plan
-# per step] in plan.py, share one such wait), and the error names the block, the step and
-# the knob (``StalenessTimeoutError``). The training thread helps while it waits (Note [Helping
-# waiters] in csrc/core/worker_pool.cpp): it runs the jobs queued before the one it waits for. A
-# job once started runs to its end, so helping without a limit kept a barrier behind 60 slow
-# jobs going for the whole queue (SOAP, 60 blocks of 300 x 300, timeout 0.3 s: waits of 0.7 to
-# 3.1 s, no timeout). So the helper takes a job only when one as long as the longest measured
-# (the placement's averages of the pool's jobs, any kind and size, or the longest it ran
-# itself) ends before the deadline; else it stops helping and waits out what is left, and the
-# deadline wins. Before anything was measured it takes the first job (its length then is
-# known), so a barrier can pass its deadline by at most one job, once per runtime.
-# tests/unit/test_deadlines.py checks every wait's deadline over the optimizers, helping or not.
+# A barrier waits at most ``barrier_timeout_s`` (a plan's waited-for installs share one), and
+# the error names the block, the step and the knob. The training thread helps meanwhile (Note
+# [Helping waiters] in csrc/core/worker_pool.cpp), but a started job runs to its end: helping
+# without a limit kept a barrier behind 60 slow jobs for the whole queue. So it takes a job only
+# where one as long as the longest measured (the placement's averages, or its own) ends before
+# the deadline, the first one unmeasured: a barrier passes its deadline by one job at most, once
+# per runtime. tests/unit/test_deadlines.py checks every wait's deadline.

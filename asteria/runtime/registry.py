@@ -1,32 +1,25 @@
 """The coherence registry: per block, which version is in use and how stale it may get.
 
-Owns: one ``BlockEntry`` per preconditioner block (its name, the version in use, the step its
+Owns: one ``BlockEntry`` per preconditioner block (its name, the version in use, the steps its
 refresh was requested and installed, the refresh in flight, failure counts), the staleness
 histogram of every installed version, and the check of the bound.
 
-Note [Staleness bound]: a block's refresh requested at (optimizer) step ``t`` is version ``t``. It
-is installed at some step ``s`` with ``t <= s <= t + S``: at the first step boundary (or hook) at
-which it is ready, and at step ``t + S`` at the latest, where the step waits for it (the bounded
-barrier, ``Refreshes.wait`` in refreshes.py). "Installed at step ``s``" means after the update of
-step ``s``, exactly where native mode installs a refresh requested at ``s``; the version is used
-from step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode. Shampoo computes a due
-refresh before its update (its roots of step ``t`` precondition step ``t``), so there the same
-version is used from step ``s``, and an install between steps ``s`` and ``s + 1`` (a hook) counts as
-installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``). With a budget of at least
-1, Shampoo requests the refresh due at step ``t`` at step ``t - 1`` (version ``t - 1``), so that it
-can be installed in time for step ``t`` (Note [Refresh lead] in schedule.py).
+Note [Staleness bound]: a block's refresh requested at step ``t`` is version ``t``, installed at
+a step ``s`` with ``t <= s <= t + S`` (the first signal or plan where it is ready, ``t + S`` at
+the latest, waiting for it: ``Refreshes.wait``). "Installed at ``s``" means after the update of
+``s``, where native mode installs a refresh requested at ``s``; its staleness is ``s - t``, and
+``S = 0`` is native mode. Shampoo refreshes before its update (``refresh_precedes_update``), so
+there a version is used from ``s`` itself, and an install between ``s`` and ``s + 1`` (a signal)
+counts as at ``s + 1``; with a budget it requests the refresh due at ``t`` at ``t - 1`` (Note
+[Refresh lead] in schedule.py).
 
 Note [In-flight index]: ``Registry.in_flight`` holds, by key, exactly the entries whose
-``pending`` is not None: ``BlockEntry.pending``'s setter keeps it on every assignment, wherever
-it happens (drops, failures, loads, distributed syncs), and a plan's requests and an install
-batch set it through the registry, in one call for all their blocks (``start``,
-``record_installs``). Reading ``pending`` goes through C only (``operator.attrgetter``), and the
-entry's other attributes are plain: the plan writes some of them for every block at every step,
-and a ``__setattr__`` that looked at every assignment cost a Python call each (issue 37). What
-looks
-for finished refreshes (a step's install batch, ``pending_count``) reads it, so its cost follows
-the refreshes in flight, never the number of blocks (issue 37: thousands of blocks on a large
-model, a few in flight at a time).
+``pending`` is not None: ``BlockEntry.pending``'s setter keeps it at every assignment, and a
+plan's requests and an install batch keep it through the registry in one call for all their
+blocks (``start``, ``record_installs``). Reading ``pending`` is C only
+(``operator.attrgetter``), the other attributes plain (a ``__setattr__`` watching them cost a
+call per write). What looks for finished refreshes reads the index, so its cost follows the
+refreshes in flight, never the number of blocks.
 
 Must not: submit work or wait (``refreshes.py`` does both); this module is bookkeeping.
 """

@@ -7,17 +7,13 @@ routes each call of the optimizer's step to the part that owns it (``plan`` to p
 ``pieces`` to the bases strategy, ``accumulate`` and ``run`` to the statistics lane), and takes
 everything down again at ``close()``.
 
-Note [One install batch per step]: every module that owns parameters signals a step (its
-forward pre-hook: hooks.py), so a signal that looked for finished refreshes cost the step a scan
-per module (94 on ``tiny``: 11-14 ms of a 73 ms H200 step, docs/gpu.md). The first signal after
-a step begins installs, in one batch, every refresh in flight that has finished and the pacing
-allows (``Refreshes.install_ready``: the in-flight index, Note [In-flight index] in
-registry.py; its results moved in grouped copies, Note [Grouped install copies] in bases.py);
-that signal disarms the hooks, and the step's end arms them again where a refresh is in flight
-(Note [Disarmed signals] in hooks.py). The first signal comes before the model's first module
-runs, so every refresh finished by then is used in this step's update; one that finishes later
-is installed by the step's plan, after the update (Note [Staleness contract] in schedule.py):
-the bound does not change, only when, within it, such an install happens.
+Note [One install batch per step]: a signal that looked for finished refreshes at every module
+cost a scan per module (94 on ``tiny``: 11-14 ms of a 73 ms H200 step, docs/gpu.md). So the
+first signal after a step installs, in one batch, every finished refresh the pacing allows
+(``Refreshes.install_ready``: the in-flight index, grouped copies), and disarms the hooks until
+a step ends with a refresh in flight (Note [Disarmed signals] in hooks.py). It comes before the
+model's first module runs, so what finished by then is used in this step's update; what finishes
+later the plan installs after the update: within the bound, only when changes.
 
 Must not: change any algorithm's math (the optimizer's ``refresh_jobs``/``install_refresh`` are
 the only way in), register hooks itself (hooks.py does), or hold logic that a part owns.

@@ -1,92 +1,66 @@
 """The schedule: when a block's refresh is requested and installed, and the bound that keeps.
 
-Owns: the staleness contract (Note [Staleness contract]) in one place: the decision taken at
-each block's plan (install the refresh in flight, request a new one, coalesce a due request into
-the one in flight), the budget ``B`` that bounds every install, the lead and first-refresh rules
-(Notes [Refresh lead], [First roots]), the pacing of installs (Note [Paced installs]), and the
-measured age of the basis in use against its bound. docs/runtime.md tells the same rules at
-length, with their measurements.
+Owns: the staleness contract (Note [Staleness contract]) in one place: the rules of each block's
+decision at its plan (install the refresh in flight, request, coalesce a due request into the
+one in flight), the budget ``B``, the lead and first-refresh rules, the pacing of installs, and
+the measured age of the basis in use against its bound. docs/runtime.md tells each rule at
+length, with its measurements and the tests that check it.
 
 Must not: submit, wait or install (``refreshes.py`` does, on this module's decisions); know how a
 snapshot is taken or where a basis lives.
 
 Note [Staleness contract]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``f`` is a group's ``precondition_frequency``, ``B`` the budget (``fixed_delay`` when set, else
-``S``; the same for replicated blocks). A refresh requested at a block's step ``t`` is version
-``t``, from that step's factors. (1) Version ``t`` is installed at a step in ``[t, t + B]``
-(exactly ``t + B`` under ``fixed_delay`` and for replicated blocks), the step ``t + B`` waiting
-for it. (2) A refresh due while one is in flight is *coalesced*: the one in flight is installed
-first (at once if ready, else at its own deadline) and the due request is made at that step;
-nothing in flight is cancelled, so a block installs at least once every ``max(f, B)`` steps.
-(3) Once a block has a basis, every step reads one at most ``bound(f, B) = max(f, B) + B`` steps
-old (``f + B`` for ``B <= f``; ``f`` at ``B = 0``, native mode, bit for bit): the next request
-comes at most ``max(f, B)`` after version ``t``, and is in use ``B`` after it. Continuous refresh
-keeps it (``f`` is then the longest interval). Only a failed refresh (counted; a run of
-``max_consecutive_failures`` raises) and a barrier timeout (``StalenessTimeoutError``) take a
-block past it. ``Runtime.stats()["basis_age"]`` measures it;
+``f``: a group's ``precondition_frequency``; ``B``: ``fixed_delay`` when set, else ``S``. A
+refresh requested at a block's step ``t`` (version ``t``) is installed in ``[t, t + B]`` (exactly
+``t + B`` under ``fixed_delay`` and for replicated blocks), the step ``t + B`` waiting for it; a
+refresh due while one is in flight is coalesced (that one installed first, the request made
+then), so every step reads a basis at most ``bound(f, B) = max(f, B) + B`` steps old (``f`` at
+``B = 0``: native mode, bit for bit). docs/runtime.md, "The staleness contract", has the proof;
 tests/unit/test_staleness_contract.py checks it at every step.
 
 Note [Staggered refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-The default. Each block keeps its interval ``f`` and gets its own *slot* of it (``step % f``,
-the least loaded by refresh cost ``d^3`` per factor, given at its first decision with a basis):
-it is requested when its last request is ``f`` steps old, or once earlier, at its slot, where
-nothing of it is in flight (or what is, is ready), so the pool gets about ``1/f`` of a round
-each step. Fixed installs (``fixed_delay``, replicated blocks) keep the optimizer's schedule;
-``B = 0`` is native mode; ``refresh="interval"`` keeps the native phase.
+The default: each block keeps its interval ``f`` and its own slot of it (``step % f``, the least
+loaded by cost ``d^3`` at its first decision with a basis), requested there once early, then
+every ``f`` steps: the pool gets about ``1/f`` of a round each step (docs/runtime.md).
 
 Note [Continuous refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``refresh="continuous"``: at each step's beginning the blocks without a refresh in flight (or
-with a finished one) are granted room, oldest version first, while the executors have at most
-``min(2, B)`` steps of predicted work queued per worker and stream, or nothing queued (``pick``,
-``placement.Executors.has_room``); such a block is requested at its decision. ``f`` stays the
-longest interval (a block ``f`` steps old is due whatever the room). Where installs are fixed, a
-block is requested again at each install, every ``B`` steps, on every rank alike.
+``refresh="continuous"``: a block is requested again once installed where the executors have
+room (``pick``, ``placement.Executors.has_room``), oldest first; ``f`` stays the longest interval.
+Where installs are fixed, at each install (docs/runtime.md).
 
 Note [Refresh lead]
 ~~~~~~~~~~~~~~~~~~~
-Native Shampoo's roots of step ``t`` precondition step ``t``, which a runtime cannot hand back
-in the step that requests them (unless ``B = 0``). So with a budget of at least one step an
-optimizer whose step plans before its update (``refresh_precedes_update``) requests a due refresh
-at ``t - 1``, from ``L_{t-1}``: it runs during step ``t``'s forward and backward and is installed
-when ready (by ``t - 1 + B``). The plan (plan.py) decides the lead, nowhere else.
+With a budget, an optimizer whose roots of step ``t`` precondition step ``t``
+(``refresh_precedes_update``: Shampoo) requests a due refresh at ``t - 1``, so that it can arrive
+for ``t``. The plan (plan.py) decides the lead, nowhere else.
 
 Note [First roots]
 ~~~~~~~~~~~~~~~~~~
-With the lead a block's first roots would miss a gradient where one moves them most. So where
-the budget is at least one step (``wait_first_refresh``, on by default except under
-``fixed_delay``; ``Schedule.wait_first``) a block's first refresh is requested at its own step,
-without the lead, and waited for (``Plan.decide``), once per block, as natively.
+A block's first refresh (``wait_first_refresh``: on with a budget, unless ``fixed_delay``;
+``Schedule.wait_first``) is requested at its own step, without the lead, and waited for
+(``Plan.decide``), as natively, once per block.
 
 Note [Rank-deficient factors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A Shampoo factor of a block of ``n`` elements gains at most ``n / d`` dims of rank a step; the
-root of a rank-deficient one, applied to a moment that holds a newer gradient, returns mostly
-that gradient's part outside its range, which grafting then scales up: late roots there cost
-several percent of loss (docs/benchmarks.md). So a block the optimizer calls urgent
-(``refresh_urgent``: from its shapes and step alone, the same on every rank and for every block
-of a shape group) is refreshed as natively wherever first roots are waited for: at its own step,
-from its own factors, waited for (``urgent_waits`` in ``stats()``). SOAP and KL-Shampoo are
-never urgent.
+A block the optimizer calls urgent (``refresh_urgent``: from its shapes and step, the same on
+every rank and for a whole shape group; Shampoo's factors that may be rank-deficient, whose late
+roots cost several percent of loss: docs/benchmarks.md) is refreshed as natively wherever first
+roots are waited for: at its step, waited for (``urgent_waits``).
 
 Note [Young factors]
 ~~~~~~~~~~~~~~~~~~~~
-A full-rank factor is still young while the last interval brought at least ``YOUNG_SHARE`` (1/4)
-of its statistics (``Shampoo.new_mass_share``, predicted from the betas and frequency, not read
-from the factor): ``refresh_urgent`` holds then too (the refreshes of ``2f`` to ``4f`` at ``b2 =
-1``). Both rules are judged at the due step at or after the step asked, so the answer holds over
-an interval, and once false stays false.
+``refresh_urgent`` also holds while the last interval brought at least ``YOUNG_SHARE`` of a
+factor's statistics (``Shampoo.new_mass_share``, predicted, not read). Judged at the due step at
+or after the step asked: constant over an interval, and once false, false.
 
 Note [Paced installs]
 ~~~~~~~~~~~~~~~~~~~~~
-Refreshes requested together finish together, and installs that compute (SOAP's rotation of its
-first moment) would then land on one step. With ``pace_installs`` each step gets an allowance,
-the sum over the finished refreshes of install cost (``install_cost``) / steps left before its
-deadline, and a finished refresh is installed while the step has spent less (at least one a
-step); the deadline still forces an install. A free install, or one the lane runs, is never held
-back; ``fixed_delay``, ``staleness=0`` and replicated blocks do not pace.
+With ``pace_installs``, each step's allowance is the sum over the finished refreshes of install
+cost / steps left to its deadline, and a finished one is installed while the step has spent less
+(at least one a step; the deadline forces it). Free installs, or the lane's, are never held.
 """
 
 from __future__ import annotations

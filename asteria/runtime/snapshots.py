@@ -1,46 +1,29 @@
 """How a refresh's inputs are snapshotted and handed to the pool: one strategy per runtime.
 
-Owns: the three ways a job's inputs (a block's factor and, for a QR refresh, its current basis)
-reach the C++ refresh pool, each as a class with the same interface, chosen once when the
-runtime attaches (``parts.choose_snapshots``) from where the parameters live:
-
-* ``DirectSnapshots`` (CPU parameters, no statistics lane): the pool copies the inputs at
-  submission, on the training thread; nothing is deferred;
-* ``LaneSnapshots`` (CPU parameters with the statistics lane): the submission is queued on the
-  lane behind the block's statistics of this step, which it must see (Note [Statistics lane] in
-  lane.py); the training thread never waits for the lane at a refresh step;
-* ``StagedSnapshots`` (device parameters): an asynchronous copy into a slot of the pinned
-  staging ring (``asteria.memory.StagingRing``) on the copy stream
-  (``asteria.memory.copies``, the one the bases window uses too), submitted once it has landed
-  (Note [Staged snapshots]); the copies and their fences are ``asteria.memory.staging.snapshot``,
-  the staging path ``asteria.lowlevel`` offers too.
-
-A strategy turns a plan's requests (per block its submissions, placement.py's ``Submission``,
-one per factored dim) into one *ticket* (``take``: one snapshot, or one lane call per block,
-and whether it may be submitted at once); ``ready(ticket)`` says whether it can be submitted
-without waiting, and ``finish(ticket)`` waits
-for it and returns the futures of jobs it submitted already (the lane's) or None, and the
-requests with the inputs it copied (what the pool is to copy, and what a spilled block keeps).
-The runtime keeps a ticket in the ``PendingRefresh.copies`` of each of its blocks while it is
-``deferred`` and never looks inside one.
+Owns: the three ways a job's inputs (a factor, and the basis a QR refresh starts from) reach the
+C++ pool, one class each, chosen at attach (``parts.choose_snapshots``) from where the
+parameters live: ``DirectSnapshots`` (CPU parameters, no lane: the pool copies the inputs at
+submission), ``LaneSnapshots`` (CPU parameters with the lane: submitted on the lane behind the
+block's statistics, Note [Statistics lane] in lane.py) and ``StagedSnapshots`` (device
+parameters: asynchronous copies into the pinned staging ring on the copy stream, submitted once
+landed: Note [Staged snapshots]; the copies and fences are ``asteria.memory.staging.snapshot``).
+A strategy turns a plan's requests (per block its ``Submission``s) into one *ticket* (``take``,
+which says whether it may go at once); ``ready`` says whether it can go without waiting, and
+``finish`` waits for it and returns the futures of jobs it submitted (the lane's) or None, and
+the requests with the inputs it copied. The runtime never looks inside a ticket.
 
 Note [Staged snapshots]: the ring has one slot per tensor a refresh of the attach-time blocks
-copies (a factor, and the basis a QR refresh starts from), each as large as the largest, so a
-snapshot never waits for a slot: a block has at most one refresh in flight, and its slots are
-free again once its jobs are submitted (the pool copies them at submission; the views that pin
-the slots are dropped then). A copy waits (on the device) for an event the main stream records
-at the request, so it sees every statistics update issued before it; the main stream never waits
-for it then. The factors are written again by the next step's statistics, so the next step
-begins by making the main stream wait for this step's copies (a device-side wait, long satisfied
-by then): a copy never reads a factor the next step already overwrites. Each slot's fence is the
-copy's completion on the copy stream, so a slot is never refilled under a copy still writing it,
-even when a refresh is dropped. A tensor with no slot (a parameter added after attaching, a
-larger state) is handed to the pool as it is, which copies it synchronously (``unstaged``).
+copies, each as large as the largest, so a snapshot never waits for a slot (a block has one
+refresh in flight at most, its slots free again once its jobs are submitted: the pool copies
+them then). A copy waits on the device for an event the main stream records at the request, so
+it sees every statistics update before it; the next step begins by making the main stream wait
+for this step's copies (``step_begin``), so no copy reads a factor the next step overwrites.
+Each slot's fence is its copy's completion, so a slot is never refilled under a copy. A tensor
+with no slot (a parameter added after attaching) goes to the pool as it is (``unstaged``).
 
-Must not: decide when a refresh is requested or submitted (schedule.py, refreshes.py), count
-or name jobs (refreshes.py), or keep a reference to the runtime or the optimizer in what it
-queues on the lane (the runtime stays collectable without ``close()``:
-tests/unit/test_shutdown.py).
+Must not: decide when a refresh is requested or submitted (plan.py, refreshes.py), count or name
+jobs, or queue on the lane anything that references the runtime or the optimizer (the runtime
+stays collectable without ``close()``: tests/unit/test_shutdown.py).
 """
 
 from __future__ import annotations

@@ -1,39 +1,29 @@
 """The window strategy of the bases: pinned host memory behind a device window (discrete GPUs).
 
-Owns: ``WindowBases``, the ``window`` bases strategy of bases.py (its interface, the other
-strategies and Notes [Bases made by a step] and [Grouped install copies] are there): which host
-tensors a block's bases are, how a step's shape groups are cut into the pieces the ring hands
-out, in what order, with what prefetched (Note [Pieces of the window]), how an install reads the
-bases it replaces and when its new bases are copied back to host memory, and the process-wide
-count of open windows that frees the cache of reused host blocks.
+Owns: ``WindowBases`` (bases.py has the interface and Notes [Bases made by a step], [Grouped
+install copies]): which host tensors a block's bases are, how a step's shape groups are cut into
+the pieces the ring hands out, in what order, with what prefetched (Note [Pieces of the
+window]), how an install reads the bases it replaces and when its new bases go back to host
+memory, and the count of open windows that frees the cache of reused host blocks.
 
-Note [Host copies of a step's installs]: the window keeps the bases in host memory, so the new
-bases an install leaves on the device are copied there. ``install_many`` lists its blocks, and
-one ``to_host`` moves the bases of every block listed at the first of the step's end, the next
-read and ``host_sync`` (``Runtime.sync``: before the host reads the state). Until then the
-block's bases are device tensors, as ``DeviceBases`` keeps them: what a request at the same
-step reads (the next refresh's input) and what ``close`` keeps. An install that reads the bases
-it replaces (SOAP's rotation of ``m``) takes their device copies from the slot that holds them
-where one does (the block's shape group, just updated by the step: ``BasesWindow.parts``)
-instead of a fill.
+Note [Host copies of a step's installs]: ``install_many`` lists its blocks, and one ``to_host``
+moves their new bases to host memory at the first of the step's end, the next read and
+``host_sync`` (``Runtime.sync``). Until then they are device tensors, as ``DeviceBases`` keeps
+them. An install that reads the bases it replaces (SOAP's) takes their copies from the slot that
+holds them where one does (``BasesWindow.parts``: the groups the step just updated), else from
+fills of a slot each, and installs the blocks read together at once.
 
 Note [Pieces of the window]: a slot holds the largest shape group's bases (Note [Window by shape
 group] in asteria/memory/tiers.py), so ``pieces`` cuts a step's groups into runs of a slot each
-(``groups.pack``, whole groups where they fit). Where the ring holds every run at once, the step
-is one piece, its runs read together, each in its slot (Note [Reads together] in
-asteria/memory/window.py): a quiet step fills nothing and runs its update as one piece, as native
-mode does. Where the runs outnumber the slots (OLMo-150m's widths: three groups, a ring of two),
-each run is a piece, and the pieces the ring still holds come first, the most recently used
-first: a step reads what the last one left before it fills. For a step that reads its pieces
-once (Shampoo, KL-Shampoo) that is the reverse of the last step's order, and it fills ``n - k``
-slots of its ``n`` pieces; for SOAP's two passes (P0 P1 P2, then P2 P1 P0: Note [Two passes] in
-asteria/optim/kernels/soap.py) the order is the same at every step, and it fills ``2 (n - k)``.
-The window knows the whole sequence it hands out, so each read prefetches the next one's copy
-into a slot no piece in use holds.
+(``groups.pack``). Where the ring holds every run, the step is one piece read together (Note
+[Reads together] in asteria/memory/window.py): a quiet step fills nothing. Else each run is a
+piece, those the ring still holds first, most recently used first: a step that reads its pieces
+once (Shampoo, KL-Shampoo) fills ``n - k`` slots of its ``n`` pieces, SOAP's two passes (P0 P1
+P2, then P2 P1 P0: Note [Two passes] in asteria/optim/kernels/soap.py) ``2 (n - k)``. The window
+knows the sequence it hands out, so each read prefetches the next one's copy.
 
-Must not: decide what to install or when (refreshes.py, schedule.py), change the optimizer's
-math (``install_refresh`` carries state over), size the window (the tier policy and the
-runtime's ``fit`` do) or order its copies (window.py does).
+Must not: decide what to install or when, change the optimizer's math, size the window (the tier
+policy and the runtime's ``fit`` do) or order its copies (window.py does).
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """Training data for `asteria.train`: a byte-level corpus that works offline everywhere.
 
-Owns: reading the corpus (by default the embedded snapshot of CPython 3.11.7's standard library
-``.py`` sources, the same bytes on every Python and platform: corpus.py, Note [Embedded corpus]),
+Owns: reading the corpus (by default the embedded snapshot: corpus.py, Note [Embedded corpus]),
 byte-level tokenization, the corpus checksum, the fixed train/validation split, and
 deterministic batches. Must not: download anything, depend on the model or the optimizer, or hold
 global random state (every batch stream has its own seeded ``torch.Generator``).
 
-Tokenization: token ids 0-255 are the bytes themselves and id 256 (``EOD``) separates documents
-(files), so ``VOCAB_SIZE == 257``. There is no BOS and no padding token: every window is full.
-
-Sources (``--data``): ``"stdlib"`` (the embedded snapshot); a text file or a directory of text
-files (byte-level, as above; a file with NUL bytes is not text and is refused, naming the file);
-or a pre-tokenized token file in OLMo's numpy layout: a flat array of ``uint16`` or ``uint32``
-token ids with no header (``np.memmap``), read when ``token_dtype`` is given, or a ``.npy`` file
-with a header holding a 1-D ``uint16``/``uint32`` array. A token file's vocabulary is
-``vocab_size`` when given, else its largest id + 1; it already holds its own document
-separators.
-
-Split: the corpus is one token stream cut into ``SLICES`` (100) equal slices; every
-``VAL_EVERY``-th slice (the 20th, 40th, ..., 100th: 5 % of the tokens, spread over the whole corpus
-so that validation looks like training) is validation, the rest is training, each concatenated in
-order. Training windows are drawn only from the training part and validation windows only from
-the validation part, so they never share a token. (A single 5 % tail would be one region of the
-corpus; for the first 4 MB of the standard library that region is the codec tables of
-``encodings/``, which look nothing like the rest.)
-
-Checksum (``Corpus.sha256``): the SHA-256 of the whole token stream before the split, each token
-a little-endian uint32, for every kind of source (corpus.py, Note [Embedded corpus]).
+Tokens: ids 0-255 are the bytes, 256 (``EOD``) separates documents (files): ``VOCAB_SIZE ==
+257``, no BOS, no padding. Sources (``--data``): ``"stdlib"``; a text file or a directory of
+them (a file with NUL bytes is refused, named); or a pre-tokenized file in OLMo's numpy layout
+(a headerless ``uint16``/``uint32`` array read with ``token_dtype``, or a 1-D ``.npy``), whose
+vocabulary is ``vocab_size`` or its largest id + 1. Split: the stream is cut into ``SLICES``
+(100) slices, every ``VAL_EVERY``-th (5 %, spread over the corpus so that validation looks like
+training: a 5 % tail of the standard library would be ``encodings/``' codec tables) is
+validation, the rest training, and windows never cross the two. Checksum: ``Corpus.sha256``.
 """
 
 from __future__ import annotations
