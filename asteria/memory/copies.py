@@ -1,29 +1,22 @@
 """The copy stream: the one way Asteria copies between host and device memory.
 
-Owns: ``Copies``, what a copy stream offers (device buffers, events recorded on the main stream,
-copies on the copy stream that wait for such events, making the main stream wait for a copy),
-and its two implementations: ``CudaCopies`` (one ``torch.cuda.Stream`` of the least priority
-per device: 0, the default stream's too, Note [Stream priorities] in asteria/runtime/streams.py;
-``torch.cuda.Event``s, ``non_blocking`` copies to and from pinned host memory) and
-``HostCopies``, the CPU stand-in with the same interface (the "device" is the CPU, the copy
-stream a queue of plain copies run in order once the events they wait for completed; events
-record the order and can be completed by hand). The runtime makes one per device and runs both
-directions through it: device-to-host snapshots of a refresh's inputs (asteria/runtime/
-snapshots.py) and host-to-device copies of the bases window (window.py).
+Owns: ``Copies``, what a copy stream offers (device buffers, events on the main stream, copies
+on the copy stream that wait for such events, the main stream waiting for a copy), and two
+implementations: ``CudaCopies`` (a least-priority ``torch.cuda.Stream`` per device, Note [Stream
+priorities] in asteria/runtime/streams.py; events, ``non_blocking`` copies to and from pinned
+memory) and ``HostCopies``, the CPU stand-in (the copy stream a queue of plain copies run in
+order once their events completed; events completed at once or by hand). The runtime makes one
+per device for both directions: snapshots of a refresh's inputs and the bases window's fills.
 
 Must not: decide what is copied or when, or own the memory it copies (the callers keep sources
 and destinations alive until the copy's event has completed).
 
-Note [Host writes]: the bases window keeps the bases in use in pinned host memory, so each
-install copies new bases from the device back there (``to_host``). A blocking copy would make
-the host wait for the GPU to drain the step's queued kernels at every install: with installs
-from module hooks, in the middle of the forward pass. ``to_host`` issues the copies on the main
-stream instead (they read what its kernels just wrote, and the caching allocator reuses a freed
-source only in that stream's order, so the source may be dropped at once) and remembers the
-event after them. Two kinds of reader see the host tensors before that event may have
-completed, and each waits for it: every later ``copy`` on the copy stream (the window's fills,
-the snapshots) waits for it on the device, and a reader on the host (a snapshot the pool copies
-itself, ``state_dict`` through ``Runtime.sync``) calls ``host_sync()`` first.
+Note [Host writes]: behind the window each install copies new bases back to pinned host memory
+(``to_host``). A blocking copy would make the host wait for the GPU at every install (from a
+forward hook, mid-forward), so ``to_host`` issues the copies on the main stream (after the
+kernels that wrote the sources, which may be dropped at once) and remembers the event after
+them; later copy-stream copies wait for it on the device, and a host reader (a snapshot the
+pool copies, ``Runtime.sync``) calls ``host_sync()`` first.
 """
 
 from __future__ import annotations
@@ -169,23 +162,15 @@ class HostCopies:
     """The CPU stand-in of ``CudaCopies``: buffers are CPU tensors, and the copy stream is a
     queue of plain copies, each run (in order) once every event it waits for has completed.
 
-    ``auto_complete``: events recorded on the "main stream" are complete at once (the CPU runs
-    the kernels before it returns; what the runtime uses). ``False``: they stay pending until a
-    test completes them by hand (``HostEvent.complete``) and calls ``run()``. ``log`` lists
-    ``("record", event)``, ``("copy", event, waits)`` and ``("to_host", event)`` in the order
-    they happened.
+    ``auto_complete``: events recorded on the "main stream" are complete at once (what the
+    runtime uses); ``False``: pending until a test completes them (``HostEvent.complete``) and
+    calls ``run()``. ``log`` lists the records, copies and copies to host in their order.
 
     Note [Stand-in host writes]: the stand-in orders host memory as CUDA does, so that a host
-    reader that forgets to wait fails on the CPU too. ``to_host`` writes its destinations only
-    when its event completes: with ``auto_complete``, when the host waits for it
-    (``host_sync``, ``synchronize`` or the event's ``synchronize``), as a device-to-host copy
-    behind a busy main stream may land no earlier than that, while later copies on the
-    "device" read what it writes (they are ordered after it); by hand otherwise. Until then the
-    host sees in the destinations what they held. And a pair
-    of a ``copy`` whose source and destination are both Asteria host memory (a staging slot
-    filled from a window's host basis) is what CUDA runs on the host at once, waiting for
-    nothing (``copy_`` between two CPU tensors, whatever stream is current): the stand-in runs
-    it at once too, before the queued device-side pairs and their waits.
+    reader that forgets to wait fails on the CPU too: ``to_host`` writes its destinations only
+    when its event completes (with ``auto_complete``, when the host waits for it), while later
+    "device" copies read what it writes; and a copy between two Asteria host tensors runs at once
+    and waits for nothing, as CUDA runs it on the host.
     """
 
     stream = None  # no stream: fences of its copies are the CPU stand-in's

@@ -1,18 +1,14 @@
 """Host memory that Asteria owns: aligned tensors (pinned and mapped where a GPU is visible), the
 staging ring, and zero-copy device views.
 
-Owns: the Python face of ``csrc/memory`` in ``asteria._C``. ``host_empty`` makes tensors over 4 KiB
-aligned host blocks (``posix_memalign``; ``cudaHostRegister``-ed in chunks of at most 256 MiB on a
-CUDA build with a GPU, exactly the requested size rounded to 4 KiB, never a power of two).
-``StagingRing`` hands out N reusable slots of one such block, each again only after the copies
-that touched it completed and no tensor view of it is alive. ``device_view`` gives a CUDA tensor
-that aliases pinned host memory (zero-copy reads over the interconnect, or directly on
-unified-memory machines). Every tensor made here owns its memory through its storage: views keep
-it alive, and the last one to go frees it (``host_memory_stats`` counts live blocks and bytes).
+Owns: the Python face of ``csrc/memory``. ``host_empty`` makes tensors over 4 KiB aligned host
+blocks (registered with CUDA in chunks of at most 256 MiB on a CUDA build with a GPU);
+``StagingRing`` hands out reusable slots of one block, each again only once its copies completed
+and no view of it lives; ``device_view`` aliases pinned memory as a CUDA tensor. Every tensor
+owns its memory through its storage (``host_memory_stats`` counts the live blocks).
 
-Must not: decide what lives in host memory or when (the tier policy and the runtime do), or hand
-out memory whose lifetime it does not track. See docs/memory.md for how to use these from an
-optimizer of your own.
+Must not: decide what lives in host memory or when, or hand out memory whose lifetime it does not
+track. docs/memory.md shows their use from an optimizer of your own.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """The NVMe tier: tensors spilled to a preallocated scratch file and paged back ahead of use.
 
-Owns: ``SpillStore``, the Python face of ``csrc/io`` (``asteria._C.SpillStore``): string keys,
-tensors in and out (their shapes and dtypes are kept here), asynchronous ``put``/``get_async``
-returning futures, ``prefetch`` (page-in ahead of use, in the order given), ``delete``, ``stats``,
-and ``close``, which deletes the file. The I/O is C++: a small pool of its own threads (not the
-refresh workers) doing pread/pwrite on one file preallocated to the capacity, with O_DIRECT where
-the filesystem allows it and buffered I/O where it refuses (``mode`` says which), and an XXH64
-checksum per slot, checked on every read.
+Owns: ``SpillStore``, the Python face of ``csrc/io``: string keys, tensors in and out (shapes and
+dtypes kept here), asynchronous ``put``/``get_async`` futures, ``prefetch`` (in the order
+given), ``delete``, ``stats`` and ``close`` (which deletes the file). The I/O is C++: its own
+threads doing pread/pwrite on one file preallocated to the capacity (O_DIRECT where allowed:
+``mode``), with an XXH64 checksum per slot checked on every read.
 
-Must not: decide what to spill or when (the tier policy does), or hide an error: a failed write or
-read raises ``SpillIOError`` (an ``OSError`` carrying the errno, e.g. ENOSPC or EIO), and data that
-does not match its checksum raises ``SpillChecksumError`` naming the key; the caller decides
-whether to recompute.
+Must not: decide what to spill or when, or hide an error: a failed write or read raises
+``SpillIOError`` (an ``OSError`` with the errno), a checksum mismatch ``SpillChecksumError``
+naming the key; the caller decides whether to recompute.
 """
 
 from __future__ import annotations

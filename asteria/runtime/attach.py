@@ -1,21 +1,15 @@
 """What the runtime decides once, when it attaches to an optimizer.
 
 Owns: every choice that depends only on the optimizer's parameters, the config and the machine,
-made here at attach time so that nothing later tests what a block or a pending refresh holds
-to find out: the placement of the state (the tier policy, ``asteria.memory.tiers.plan``, over
-the optimizer's state sizes, ``asteria.memory.accounting``), the staging ring's size, whether
-the statistics lane runs, the pool workers' priority, the snapshot strategy (snapshots.py) and
-the bases strategy (bases.py), which share the device's one copy stream
-(``asteria.memory.copies``), and the parameters' names in messages. The parts made from these
-choices are parts.py's.
+made at attach so that nothing later tests what a block holds to find out: the placement of the
+state (``asteria.memory.tiers.plan`` over ``asteria.memory.accounting``'s sizes), the staging
+ring's size, whether the statistics lane runs, the workers' priority, and the parameters' names
+in messages. parts.py makes the parts from these choices.
 
-Note [Test overrides at build]: the test hooks of ``asteria.runtime.testing`` (a slowed pool, a
-pretended GPU, forced staged snapshots, wrapped statistics, a device-stream stand-in) are
-looked up here, when the runtime attaches, and only where a test or benchmark imported that
-module (``test_overrides``); the parts are handed what they use (``Parts.testing``, the
-``delayed`` of ``Executors``, the runtime's statistics wrapper). Production code imports no test
-module and reads no test global on a step's path; in a test process the hooks stay live after
-attach (a test may enter ``slow_pool`` between steps), through the functions handed in.
+Note [Test overrides at build]: the hooks of ``asteria.runtime.testing`` are looked up at
+attach, and only where a test or benchmark imported that module (``test_overrides``); the parts
+are handed what they use (``Executors``' testing hooks, the statistics wrapper), so production
+code imports no test module and reads no test global on a step's path.
 
 Must not: decide anything per step, or make a part.
 """

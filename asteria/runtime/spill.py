@@ -1,19 +1,12 @@
 """Refresh results (and their inputs) in the NVMe spill store, for the runtime.
 
-Owns: the spill tier of the runtime, for the blocks the tier policy spills (``SpillTier``): a
-finished refresh that waits for its install step (``fixed_delay`` of 2 or more) has its results
-written under ``{block}/v{version}/r{dim}.{j}`` and its inputs (the factor and basis snapshots
-taken at the request) under ``.../s{dim}.{j}``; host copies are dropped only once their write
-succeeded; spilled results are paged back ahead of use (``page_in``, in access order, at the
-step before their install) and read back, checksum-verified, at install (``results``); a slot
-that does not read back is recomputed on the pool (``SpillTier.results``). ``Spiller`` is the
-protocol with ``asteria.memory.SpillStore`` underneath.
-
-Failures: a write that fails (ENOSPC, EIO, a full store) keeps that refresh in host memory and
-warns once per runtime; nothing is lost. A read that fails or does not match its checksum raises
-``SpillLost``; the refresh is then recomputed from its snapshot (the same inputs, so the same
-result, installed at the same step) or, if the snapshot is lost too, from the block's current
-factors (a fresher refresh than the lost one).
+Owns: ``SpillTier``: a finished refresh waiting for its install step (``fixed_delay`` >= 2) of a
+block the tier policy spills has its results written under ``{block}/v{version}/r{dim}.{j}`` and
+its inputs under ``.../s{dim}.{j}`` (host copies dropped once written), is paged back ahead of
+use (``page_in``) and read back, checksum-verified, at install (``results``). A failed write
+keeps the refresh in host memory (one warning); a failed read (``SpillLost``) recomputes it from
+its inputs (the same result, at the same step) or, lost too, from the block's current factors.
+``Spiller`` is the protocol with ``asteria.memory.SpillStore`` underneath.
 
 Must not: decide what to spill (``asteria.memory.tiers``) or install anything (``refreshes.py``).
 """

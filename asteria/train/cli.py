@@ -1,15 +1,13 @@
 """Command line of `asteria.train` (``python -m asteria.train`` / ``asteria-train``).
 
-Owns: argument parsing, turning bad inputs into clear usage errors (exit 2, nothing written),
-the run folder (refused when it exists without ``--resume``; ``run.json`` keeps the settings a
-resume must match), running one optimizer or a comparison with identical model init and data
-order, repeating the runs over seeds (``--seeds``), Ctrl-C (stop after the step in progress,
-checkpoint, exit 130), and printing the results, each run's time to the target loss among them
-(the first run's final validation loss, or ``--target-loss``). Must not: contain training math
-(loop.py), the time-to-target figures (targets.py) or output formats (report.py, plots.py).
-
-With no arguments it compares AdamW, native SOAP and Asteria-orchestrated SOAP on the ``tiny``
-model for 200 steps on the CPU and writes ``runs/tiny-adamw-soap_native-soap_asteria/``.
+Owns: argument parsing (bad inputs: a usage error, exit 2, nothing written), the run folder
+(refused when it exists without ``--resume``; ``run.json`` keeps what a resume must match), one
+optimizer or a comparison on identical init and data, repeats over ``--seeds``, Ctrl-C (stop
+after the step, checkpoint, exit 130), and the printed results, each run's time to the target
+loss among them. Must not: contain training math (loop.py), the time-to-target figures
+(targets.py) or output formats (report.py, plots.py). With no arguments it compares AdamW,
+native SOAP and Asteria SOAP on ``tiny`` for 200 CPU steps into
+``runs/tiny-adamw-soap_native-soap_asteria/``.
 """
 
 from __future__ import annotations

@@ -6,16 +6,12 @@ second-order optimizer in ``asteria`` mode, stopping cleanly between two steps (
 a number of steps) with a checkpoint, and resuming from one. Must not: write anything but its
 checkpoint, parse arguments, or pick hyperparameters (the optimizer table does).
 
-Per-step record (one JSON line of ``metrics.jsonl``): ``optimizer`` (the run's label), ``seed``,
-``step``, ``loss``, ``lr``, ``step_ms`` (forward + backward + optimizer; their sum is the
-training time of targets.py), ``opt_ms`` (the optimizer step), ``barrier_wait_ms`` (time the
-step waited for a refresh at the staleness barrier; ``null`` without the runtime),
-``tokens_per_s``, ``elapsed_s`` (wall clock since the run started, validation included),
-``memory`` (optimizer-state bytes by tier), ``refresh`` (second-order: whether a refresh was
-due), ``installs`` and ``staleness`` (asteria mode: refreshes installed at this step and the
-largest staleness among them, in steps; ``basis_age``: the age of the oldest basis this step's
-updates read, bounded by Note [Staleness contract]), ``energy_j`` (cumulative, per source, where
-measured), ``val_loss`` at validation steps.
+Per-step record (a line of ``metrics.jsonl``): ``optimizer``, ``seed``, ``step``, ``loss``,
+``lr``, ``step_ms`` (forward, backward and optimizer: targets.py's training time), ``opt_ms``,
+``barrier_wait_ms`` (``null`` without the runtime), ``tokens_per_s``, ``elapsed_s``, ``memory``
+(optimizer state by tier), ``refresh`` (a refresh was due), ``installs`` and ``staleness``
+(asteria mode), ``basis_age`` (the oldest basis the step read: Note [Staleness contract]),
+``energy_j`` (cumulative, per source), ``val_loss`` at validation steps.
 """
 
 from __future__ import annotations
