@@ -1,27 +1,20 @@
 """Snapshots of device tensors into the staging ring, on the copy stream, fenced.
 
-Owns: ``Snapshot`` and ``snapshot()``: host copies of a few tensors taken asynchronously on a
-copy stream (``asteria.memory.copies``) into slots of a ``StagingRing``, with the three fences a
-snapshot needs (Note [Snapshot fences]): the runtime's staged snapshots (Note [Staged snapshots]
-in asteria/runtime/snapshots.py), for a caller of its own too.
+Owns: ``Snapshot`` and ``snapshot()``: host copies of a few tensors taken asynchronously on a copy
+stream into slots of a ``StagingRing``, with their three fences (Note [Snapshot fences]): the
+runtime's staged snapshots, and a caller's own.
 
 Note [Snapshot fences]: reader: the copies wait on the device for an event the main stream
-records when the snapshot is taken, so they see every kernel before it; slot: each slot is
-fenced with its copy's completion, so the ring hands it out again only once the copy landed (and
-the views are gone and the lease released); writer: ``fence()`` makes the main stream's later
-kernels wait for the copies, called before the sources are written again (the runtime: at the
-next step's beginning). On the CPU stand-in (``HostCopies``) every fence is complete at once.
+records when the snapshot is taken; slot: each slot is fenced with its copy's completion, handed
+out again only once it landed (and its views are gone); writer: ``fence()`` makes the main
+stream's later kernels wait for the copies, before the sources are written again. The CPU
+stand-in completes every fence at once.
 
-Note [Host sources of a snapshot]: a host source (a basis behind the window) makes its pair a
-copy between two CPU tensors, which CUDA runs on the host at once, past the copy stream's waits.
-Such a source may be the destination of a ``to_host`` copy still queued on the main stream
-(Note [Host writes] in asteria/memory/copies.py), so ``snapshot`` waits on the host for those
-copies first (``host_sync``): else a QR refresh started from stale pinned memory, unseen (issue
-50; the stand-in orders host memory alike, Note [Stand-in host writes]).
-
-A source must outlive its copy: device memory through the copy stream's ``record_stream``; host
-memory (a CPU tensor, a device view of a host block) is kept here with the copy's event until
-that completes, dropped at a later ``snapshot()`` or wait.
+Note [Host sources of a snapshot]: a host source (a basis behind the window) is copied by the
+host at once, past the copy stream's waits, and may be the destination of a ``to_host`` still
+queued (Note [Host writes] in asteria/memory/copies.py): so ``snapshot`` waits for those first
+(``host_sync``), else a refresh started from stale pinned memory (issue 50). A host source is
+also kept alive here with its copy's event until that completes.
 
 Must not: decide what to snapshot or when.
 """

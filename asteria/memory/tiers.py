@@ -1,39 +1,26 @@
 """The tier policy: which memory tier each kind of optimizer state lives in.
 
 Owns: the state kinds and tiers, the rule that places them (``plan``) and the planned bytes per
-tier and kind. Pure: budgets, architecture facts (``Arch``), per-block state sizes
-(``BlockSizes``, in the order the step touches the blocks) in; a ``Placement`` out. Nothing here
-allocates, touches tensors or knows an optimizer (``accounting.py`` turns an optimizer into
-``BlockSizes``; the runtime carries a placement out).
+tier and kind. Pure: budgets, architecture facts (``Arch``) and per-block sizes (``BlockSizes``,
+in the step's order) in, a ``Placement`` out (``accounting.py`` sizes an optimizer).
 
-State kinds:
-  * ``factors``: the Kronecker factors L, R. Written and read every step: always on the device.
-  * ``moments``: Adam/grafting moments, KL-Shampoo's eigenvalue estimates. Every step: device.
-  * ``bases``: refresh results in use (eigenbases, inverse roots), read every step by the device.
-    ``auto``: host memory, read through mapped views on unified-memory machines (GH200, GB10)
-    and directly on a CPU-only one; on a discrete GPU on the device when they fit the bases
-    budget (Note [Bases by budget]), else copied into a device window just before use (Note
-    [Bases window] in window.py), which needs an optimizer that reads its bases in the pieces
-    the runtime hands out (``bases_window``; Asteria's three do), else on the device.
-  * ``results``: finished refreshes waiting for their install step (``fixed_delay``). Host;
-    the coldest (last in access order) go to NVMe when ``host_budget_bytes`` binds.
-  * ``snapshots``: a spilled refresh's inputs (factor, basis at request time), kept with it on
-    NVMe so that a corrupt slot is recomputed exactly.
-  * ``staging``: pinned host slots for device snapshots (CUDA only): host.
+Kinds: ``factors`` and ``moments`` (every step: the device); ``bases`` (the results in use:
+``auto`` puts them in host memory, read through mapped views on unified-memory machines and
+directly on a CPU, on a discrete GPU on the device where they fit the budget, Note [Bases by
+budget], else behind a device window, Note [Bases window] in window.py, for an optimizer that
+reads them in the runtime's pieces, ``bases_window``); ``results`` (finished refreshes waiting
+for ``fixed_delay``: host, the coldest to NVMe when ``host_budget_bytes`` binds);
+``snapshots`` (a spilled refresh's inputs, with it on NVMe); ``staging`` (pinned host slots).
 
-Note [Bases by budget]: on a discrete GPU the window costs the step host work per piece and
-device time for the copies, bases on the device nothing. So under ``auto`` the bases stay on the
-device when the device's optimizer state with them fits ``bases_device_bytes`` (the runtime
-passes ``RuntimeConfig.device_bases_fraction`` of the device memory free at attach) and
-``device_budget_bytes``; only larger states go behind the window. An explicit ``placement`` is
-followed as given; ``memory_report()["placement"]["notes"]`` says which was chosen and why.
+Note [Bases by budget]: behind the window a step pays host work per piece and device copies, on
+the device nothing. So under ``auto`` the bases stay on the device where its optimizer state with
+them fits ``bases_device_bytes`` (``device_bases_fraction`` of the memory free at attach) and
+``device_budget_bytes``. ``memory_report()["placement"]["notes"]`` says what was chosen, why.
 
-Note [Window by shape group]: the update reads a piece's bases per shape group, pieces cut at the
-window's slot (``Refresher.pieces``). A slot of one block's bases cut every group to single
-blocks (a fill, an event and the per-block ops each: 4.4x to 15.6x native SOAP's ATen ops per
-step, growing with the layers). So a slot holds the largest shape group's bases
-(``BlockSizes.group``), as far as the room beside the factors and moments allows (at least the
-largest block's): a step fills the window about once per shape group, whatever the layers.
+Note [Window by shape group]: a slot of one block's bases cut every group to single blocks (4.4x
+to 15.6x native SOAP's ATen ops a step, growing with the layers). So a slot holds the largest
+shape group's bases (``BlockSizes.group``), as far as the room beside the factors and moments
+allows (at least the largest block's): a step fills the window about once per shape group.
 """
 
 from __future__ import annotations

@@ -1,38 +1,29 @@
 """The bases window: a ring of device buffers holding the bases of the blocks about to be used.
 
-Owns: ``BasesWindow``, the ordering rules of the ring (Note [Bases window]): which slot a block's
-bases are copied into, what each copy waits for, what the main stream waits for before it reads
-a slot, and how long a copy's host source stays alive. The copies go through the copy stream of
-``asteria.memory.copies`` (``CudaCopies``, or the CPU stand-in ``HostCopies``, with which
-tests/unit/test_window.py tests the ordering; on a GPU tests/gpu/test_window_gpu.py).
+Owns: ``BasesWindow``, the ordering rules of the ring (Note [Bases window]), its copies going
+through ``asteria.memory.copies`` (``CudaCopies``, or the stand-in ``HostCopies``, with which
+tests/unit/test_window.py tests the ordering; on a GPU tests/gpu/test_window_gpu.py). Must not:
+decide what lives in host memory, which block comes next or when a slot grows, or know an
+optimizer.
 
-Must not: decide what lives in host memory, which block comes next or when a slot may grow (the
-runtime does, from the tier policy and the budgets), or know an optimizer.
+Note [Bases window]: the device holds copies of a few blocks' host bases: ``slots`` buffers of
+``slot_bytes``. ``use(key, srcs, upcoming)`` hands out the copies of ``srcs`` from the slot that
+holds exactly these tensors (a hit, by identity: an install replaces them) or from one it fills
+now, the main stream waiting for the copy; then it copies ``upcoming`` (the next read) into
+another slot: the prefetch. A slot is refilled only after the event recorded after its last
+reader (the next ``use`` or ``finish`` records it); the slot in use is never a prefetch's target.
+A slot keeps its host sources alive until the copy that read them completed. ``parts(many)`` hands
+out, as hits, copies of tensors a slot holds among its sources (an install reading the bases it
+replaces), filling nothing.
 
-Note [Bases window]: on a discrete GPU the bases in use may live in pinned host memory, the
-device holding copies of a few blocks' only: ``slots`` buffers of ``slot_bytes`` each.
+Note [Reads together]: ``use(..., together=True)`` keeps what was handed out since the last
+``finish`` valid (a piece whose runs the ring holds in as many slots): none of those slots is a
+refill's or prefetch's victim, and ``finish`` records one event for all; more than the ring
+holds raises.
 
-* ``use(key, srcs, upcoming)`` hands out device copies of ``srcs`` (a block's host tensors) from
-  the slot that holds exactly these tensors (a hit: by identity, and an install replaces them)
-  or from a slot it fills now; the main stream waits for the slot's copy event. It then starts
-  copying ``upcoming`` (the next read, which the caller knows) into another slot: the prefetch.
-* A slot is refilled only after the event recorded after the last kernel that read it (the next
-  ``use`` or ``finish`` records it; the copy stream waits for it). The slot in use is never a
-  prefetch's target: with one slot nothing is prefetched.
-* A slot keeps its host sources alive; refilled, they are retired with the copy's event and
-  dropped once it completed, so an install never frees memory a copy still reads.
-* ``parts(many)`` hands out, as hits, copies of tensors a slot holds among what it was filled
-  with (an install reading the bases it replaces), or None; it fills nothing.
-
-Note [Reads together]: ``use(..., together=True)`` hands out a block's copies while those handed
-out since the last ``finish`` stay valid (a piece whose runs the ring holds in as many slots):
-none of their slots is a refill's or a prefetch's victim, and ``finish`` records one event for
-them all. A read together needing more slots than the ring has raises.
-
-Note [Slot views by layout]: a fill hands out views of the slot's buffer with its sources'
-shapes, dtypes and strides, some five view ops per tensor (230 of the 552 view ops of an
-OLMo-150m step at 3 layers). They depend on the sources' layout alone, so each slot keeps the
-views it made per layout (``_PACKED`` layouts, oldest dropped first) and a refill reuses them.
+Note [Slot views by layout]: a fill hands out views with the sources' shapes, dtypes and strides,
+some five view ops a tensor; they depend on the layout alone, so a slot keeps the views it made
+per layout (``_PACKED``) and a refill reuses them.
 """
 
 from __future__ import annotations

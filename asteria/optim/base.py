@@ -559,28 +559,22 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
 
 # Note [torch.compile]
 # ~~~~~~~~~~~~~~~~~~~~
-# A model compiled with ``torch.compile`` trains under these optimizers, with a runtime attached
-# or not, and its compiled forward and backward have no graph break of Asteria's: the runtime's
-# module hooks are not traced (Note [Signals under torch.compile] in asteria/runtime/hooks.py).
-# ``step()`` and ``zero_grad()`` are ``torch.compiler.disable``d: called from a compiled
-# function, each breaks the graph there and runs eagerly, as it would outside (the step holds
-# host-side decisions, C++ worker calls and LAPACK refreshes that dynamo cannot trace: traced,
-# the first step of SOAP broke the graph 20 times). torch.optim's own ``zero_grad`` is disabled
-# the same way. docs/compile.md lists the graph breaks of a compiled training step;
+# A compiled model trains under these optimizers, with a runtime or not, with no graph break of
+# Asteria's in its forward and backward (the module hooks are not traced: Note [Signals under
+# torch.compile] in asteria/runtime/hooks.py). ``step()`` and ``zero_grad()`` are
+# ``torch.compiler.disable``d: called from a compiled function each breaks the graph there and
+# runs eagerly (traced, SOAP's first step broke it 20 times). docs/compile.md lists the breaks;
 # tests/unit/test_compile.py counts them.
 
 # Note [One step]
 # ~~~~~~~~~~~~~~~
-# A step is one skeleton for every optimizer (``_step``, then ``_run_group`` per parameter
-# group): the kernel's ``begin`` (per-parameter elementwise work; the step's blocks in shape
-# groups, asteria/optim/groups.py), then the optimizer's ``phases`` in their order, each one
-# call of the refresher per parameter group: the statistics (``accumulate``), the refresh
-# decisions (``plan``), the update over the pieces whose bases the refresher hands out
-# (``pieces``; a piece's update through ``run``), then ``end``. SOAP updates, then accumulates,
-# then plans (its refreshes of step t are used from t + 1); Shampoo accumulates and plans before
-# its update (its roots of step t precondition step t); KL-Shampoo's statistics read the bases
-# of the update, so they go with each piece (``update_statistics``). The kernels take no
-# refresher and no optimizer, and nothing per block crosses the seam: the per-parameter work of
-# a step runs in this frame without a Python call per parameter (``Update``s are made with
-# ``tuple.__new__``, the layouts and checks are cached), so native mode's host work per step
-# grows with the shape groups, not the blocks (tests/unit/test_seam.py counts it).
+# One skeleton for every optimizer (``_step``, then ``_run_group`` per parameter group): the
+# kernel's ``begin`` (per-parameter elementwise work; the blocks in shape groups), then the
+# optimizer's ``phases`` in order, each one refresher call per group: ``accumulate`` (the
+# statistics), ``plan`` (the refresh decisions), the update over the ``pieces`` the refresher
+# hands out (through ``run``), then ``end``. SOAP updates, accumulates, plans (its refreshes of
+# step t used from t + 1); Shampoo accumulates and plans first (roots of step t precondition step
+# t); KL-Shampoo's statistics read the update's bases (``update_statistics``). The kernels take
+# no refresher or optimizer, nothing per block crosses the seam, and the per-parameter work runs
+# in this frame with no call per parameter (``Update`` via ``tuple.__new__``, cached layouts and
+# checks): native host work grows with the shape groups (tests/unit/test_seam.py counts it).

@@ -262,12 +262,9 @@ _FIRST = operator.itemgetter(0)
 
 # Note [Pieces by shape group]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A piece's blocks are stacked per shape group, so a group cut across two pieces costs a second
-# set of its stacks and products, and each piece its own elementwise ops. Packing the groups in
-# their order, greedily, cut them (SOAP's window step on ``tiny``@4 stacked five groups where
-# native stacks four); keeping each group whole but in its order cost a piece (three where two
-# would do). So ``pack`` places whole groups first fit, largest first (bin packing: the blocks
-# are independent, so the pieces' order does not matter to them; each piece lists its groups in
-# the order given, so a step of one piece is unchanged): a group that fits a piece is never cut,
-# and two pieces of whole groups never fit together in one. A group larger than a piece is cut
-# into runs, and smaller groups fill its last run.
+# A piece's blocks are stacked per shape group, so a group cut across pieces costs a second set
+# of stacks and products. Packing greedily in order cut groups (five stacks where native has
+# four); whole groups in order cost a piece. So ``pack`` places whole groups first fit, largest
+# first (the blocks are independent; each piece lists its groups in the order given): a group
+# that fits is never cut, and a group larger than a piece is cut into runs, smaller groups
+# filling its last run.

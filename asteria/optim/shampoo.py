@@ -1,31 +1,17 @@
 """Shampoo (Gupta et al., 2018) with grafting, as Meta's Distributed Shampoo computes it.
 
 Owns: Shampoo's math for one block, with Meta's option names, meanings and defaults
-(facebookresearch/optimizers ``distributed_shampoo``, ``DistributedShampoo`` with
-``RootInvShampooPreconditionerConfig``; docs/fidelity.md):
-
-  * the parameter's view: size-1 dims squeezed and small dims merged from the last dim down
-    while their product stays ``<= max_preconditioner_dim`` (Meta's ``merge_small_dims`` with
-    ``target_parameter_dimensionality=1``; ``merge_dims=False`` only squeezes), then every dim
-    split into blocks of at most ``max_preconditioner_dim`` (Meta's ``multi_dim_split``);
-    1-D views (biases, norm weights, merged small tensors) get a full-matrix factor with
-    exponent ``1/2``, 0-d parameters a ``1 x 1`` one;
-  * Kronecker factors ``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` (plain sums when ``b2 == 1``),
-    bias-corrected by ``1 - b2^t`` when ``use_bias_correction`` (the factors are kept
-    bias-corrected: ``_update_factors``);
-  * inverse roots ``L_i^{-1/(2k)}`` (the eigenvalues of ``L_i + epsilon I``, shifted as Meta
-    shifts them where the smallest is below ``epsilon``: Note [Singular factors] in
-    matrix_functions.py) at ``start_preconditioning_step``
-    and at every multiple of ``precondition_frequency`` after it (Meta's
-    ``perform_amortized_computation``);
-  * the first moment ``M = lerp(M, G, 1 - b1)``, divided by ``1 - b1^t`` when
-    ``use_bias_correction``, is the preconditioned quantity; per-block grafting
-    (``P * ||graft|| / (||P|| + 1e-16)``); before ``start_preconditioning_step`` the grafting
-    method alone (with ``grafting="none"``: ``M``, Meta's identity roots);
-  * decoupled weight decay added to the direction before momentum (``P + wd W``), momentum
-    (Meta's ``ClassicMomentumConfig`` without dampening or Nesterov), then ``W -= lr P``.
-    Without momentum that is ``W (1 - lr wd) - lr P``; before the start with Adam grafting it is
-    exactly ``torch.optim.AdamW`` (same operations, same order).
+(facebookresearch/optimizers ``DistributedShampoo`` with ``RootInvShampooPreconditionerConfig``;
+docs/fidelity.md): the parameter's view (size-1 dims squeezed, small dims merged from the last
+down while their product stays ``<= max_preconditioner_dim``: Meta's ``merge_small_dims``; then
+blocks of at most that: ``multi_dim_split``; 1-D views a full factor with exponent ``1/2``); the
+factors ``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` (sums at ``b2 == 1``), kept bias-corrected with
+``use_bias_correction``; the roots ``L_i^{-1/(2k)}`` (Meta's shift below ``epsilon``: Note
+[Singular factors] in matrix_functions.py) at ``start_preconditioning_step`` and every multiple of
+the frequency after it; the preconditioned first moment ``M`` (bias-corrected), grafted per block
+(``P * ||graft|| / (||P|| + 1e-16)``; the grafting method alone before the start); decoupled
+weight decay before momentum (Meta's ``ClassicMomentumConfig``), then ``W -= lr P``: before the
+start with Adam grafting exactly ``torch.optim.AdamW``.
 
 Where Asteria differs from Meta (docs/fidelity.md has the table and the reasons): Adam grafting
 by default (``grafting="none"`` is Meta's default exactly); a block without roots yet takes the

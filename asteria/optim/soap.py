@@ -349,13 +349,10 @@ def _install_group(blocks: list[dict[str, Any]], results: list[list]) -> None:
 
 # Note [Batched installs]
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# Natively the due blocks of a step are installed together (Note [Batched refreshes] in
-# refresher.py): per group of blocks whose moments and bases agree in shape, dtype and layout,
-# ``v``'s permutations are one ``index_select`` of rows per dim (``batched.index_select_each``: an
-# exact gather, as each block's own ``index_select``), ``m``'s rotation is one ``bmm`` per dim for
-# ``R = Q_old^T Q_new`` or the back-and-forth ``batched_mode_products`` (Note [Batched steps] in
-# batched.py: ``bmm`` on operands in ``mm``'s layouts), and the results are copied into each block's
-# own ``m`` and ``v`` (one ``_foreach_copy_`` each: state stays per block). On the CPU every block's
-# state is bitwise ``install_refresh``'s (tests/unit/test_batched_roots.py, test_batched_steps.py);
-# blocks whose products ``bmm`` would round otherwise (``block_key``) are installed alone. A runtime
-# installs block by block (``install_refresh``), at the boundaries its schedule picks.
+# ``install_refresh_many`` installs blocks whose moments and bases agree in shape, dtype and
+# layout together: ``v``'s permutations one exact gather per dim (``index_select_each``), ``m``'s
+# rotation one ``bmm`` per dim (``R = Q_old^T Q_new``, or back and forth), copied back into each
+# block's own ``m`` and ``v`` (one ``_foreach_copy_`` each); on the CPU the 2-D blocks are one
+# operator (``soap_install_each``). Bitwise ``install_refresh`` of each block on the CPU
+# (tests/unit/test_batched_roots.py, test_batched_steps.py); a block a CPU ``bmm`` would round
+# otherwise (``block_key``) is installed alone. Native mode and the runtime both install so.

@@ -1,28 +1,21 @@
 """How the optimizer reaches the bases in use: one strategy per runtime, chosen at attach time.
 
-Owns: where a block's bases (eigenbases, Shampoo's inverse roots) live while the runtime is
-attached, how an install puts new ones there, and the pieces a step's shape groups are read in
-(``Refresher.pieces``). ``parts.choose_bases`` picks one from the tier policy's
-``bases_access``: ``DeviceBases`` (``direct``: the blocks' own tensors, as natively; with the
-lane an install that computes is queued there and the block's next read waits for it,
-``settle``), ``MappedBases`` (``mapped``, unified-memory GPUs: pinned host memory read through
-mapped views) or ``WindowBases`` (``window``, discrete GPUs, window_bases.py). Every strategy
-hands back, at ``close()``, the bases as native mode keeps them.
+Owns: where a block's bases live while the runtime is attached, how an install puts new ones
+there, and the pieces a step's groups are read in (``Refresher.pieces``): ``DeviceBases``
+(``direct``: the blocks' own tensors; with the lane a computing install is queued there and the
+block's next read waits, ``settle``), ``MappedBases`` (unified-memory GPUs: pinned host memory
+through mapped views) or ``WindowBases`` (discrete GPUs, window_bases.py). Each hands back, at
+``close()``, the bases as native mode keeps them. Must not: decide what to install or when,
+change the optimizer's math, or place anything the tier policy did not.
 
-Note [Bases made by a step]: the host strategies move a block's bases to host memory when an
-install makes them, and at a step's end those the step made (a block's first step). The look at
-step ends stops once one moved nothing and every parameter has its state, and starts again when
-the optimizer loads a state (``state_replaced``): no visit of every block at every step.
+Note [Bases made by a step]: the host strategies move new bases to host memory at installs, and
+at a step's end those the step made (first steps); that look stops once a step end moved nothing
+and every parameter has its state, until a load (``state_replaced``).
 
-Note [Grouped install copies]: a result is pageable host memory (the pool's), and a blocking
-copy of it to a GPU syncs the training stream. ``install_many`` moves a batch's results to the
-device at once: per device and dtype, one pinned buffer filled by one ``_foreach_copy_`` and one
-non-blocking copy, the results becoming views of it with their own layouts (and the window
-copies the new bases back to host memory in one ``to_host``): a constant number of copies a
-step, not a few per block.
-
-Must not: decide what to install or when (refreshes.py, plan.py), change the optimizer's math
-(``install_refresh_many`` carries state over), or place anything the tier policy did not.
+Note [Grouped install copies]: results are pageable host memory, and a blocking copy to a GPU
+syncs the training stream. ``install_many`` moves a batch's results at once: per device and
+dtype one pinned buffer (one ``_foreach_copy_``) and one non-blocking copy, the results views of
+it in their own layouts; a constant number of copies a step.
 """
 
 from __future__ import annotations

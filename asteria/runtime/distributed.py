@@ -1,36 +1,24 @@
 """Distributed coherence: topology, block ownership and hierarchical sync of replicated blocks.
 
-Owns: what the runtime needs under ``torch.distributed`` (DDP, FSDP2 ``fully_shard``, HSDP):
-the attach-time checks, made collectively so that a bad setting on one rank is an error on every
-rank, never a hang (the node size divides the world size, every rank runs the same settings and
-hyperparameters, a rank's parameters sit on one device); the :class:`Topology` (nodes of
-``ranks_per_node`` consecutive ranks, from ``LOCAL_WORLD_SIZE`` or an explicit setting, with the
-node-local and cross-node process groups made once, on every rank, in one order); one owner per
-replicated block, chosen greedily to balance refresh cost (``sum d^3``) across nodes, then
-ranks; and the sync of a block's refresh from its owner to its replica group
-(``Coherence.exchange``, hierarchical for the world group: owner -> its node -> the other nodes'
-representatives -> their nodes), with the bytes each rank sends counted.
+Owns: what the runtime needs under ``torch.distributed`` (DDP, FSDP2, HSDP): the attach-time
+checks, made collectively so that a bad setting is an error on every rank, never a hang (node
+size, the same settings and hyperparameters everywhere, one device a rank); the
+:class:`Topology` (nodes of ``ranks_per_node`` consecutive ranks, from ``LOCAL_WORLD_SIZE`` or
+given, with the node and cross-node groups made once, in one order); one owner per replicated
+block, balancing refresh cost (``sum d^3``) across nodes, then ranks; and the sync of a block's
+refresh from its owner to its replica group (``Coherence.exchange``: owner -> its node ->
+representatives -> their nodes, the bytes sent counted against a flat exchange's).
 
-Note [Distributed coherence]: a block's *replica group* is the ranks holding the same block:
-every rank for a DDP-replicated parameter, the ranks along the ``Replicate`` mesh dim for an HSDP
-DTensor, none for a plain FSDP2 shard (local blocks). For a replicated block the owner alone
-computes the refresh requested at step ``t``, on its own pool; every rank installs it at step
-``t + D`` exactly (``D``: ``fixed_delay``, else ``S``), where the owner sends its outcome
-(``OK`` with the results, ``FAILED``: failed in float32 and float64, ``CRASHED``: another error
-in a worker) and every rank acts on it alike. The sync runs on the training thread, in the
-optimizer's block order (the same on every rank), on process groups of its own, so it cannot
-interleave with the training's collectives. Installing at a rank-independent step keeps the
-replicas bit-identical without a per-step agreement; a replicated block never installs before
-its deadline. A round that fails or outlasts ``barrier_timeout_s`` (the groups' timeout) raises
-:class:`CoherenceTimeoutError` naming the block, its owner and the step.
+Note [Distributed coherence]: a *replica group* is the ranks holding the same block (every rank
+for DDP, the ``Replicate`` mesh dim for HSDP, none for an FSDP2 shard: local blocks). Its owner
+alone computes the refresh requested at ``t``; every rank installs it at ``t + D`` exactly
+(``D``: ``fixed_delay`` else ``S``) from the owner's outcome (``OK`` with the results,
+``FAILED``, ``CRASHED``), in the optimizer's block order, on process groups of its own: the
+replicas stay bit-identical without a per-step agreement. A round that fails or outlasts
+``barrier_timeout_s`` raises :class:`CoherenceTimeoutError` naming the block, owner and step.
 
-Bytes: a rank counts the payload it sends times the receivers of that hop, as
-``intra_node_bytes`` or ``inter_node_bytes``; ``flat_*_bytes`` count what sending the result to
-every other rank directly would cost (``N`` nodes of ``G`` ranks: ``N - 1`` copies across nodes
-instead of ``N*G - G``).
-
-Must not: decide when a block refreshes (schedule.py) or how a result is installed
-(refreshes.py and the optimizer do); issue collectives outside ``Runtime``'s calls.
+Must not: decide when a block refreshes or how a result is installed; issue collectives outside
+``Runtime``'s calls.
 """
 
 from __future__ import annotations
@@ -84,19 +72,14 @@ _FAULT_KEY = "asteria/fault/"
 
 # Note [A fault on one rank]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A step that stops before its end on one rank (a KeyboardInterrupt on that rank only, any
-# error inside ``step()``) leaves its parameters partly updated and its syncs out of step with
-# the other ranks'. The one-process repair (Note [Interrupted steps] in plan.py) would run those
-# syncs while the others run later ones: the replicas parted silently, and a ``close()`` waited in
-# collectives nobody joined. So in a distributed run the runtime does not repair a step: the rank
-# whose step stopped, or whose sync failed or timed out, marks its coherence broken
-# (``Coherence.fail``) and reports why in the default process group's store
-# (``asteria/fault/<rank>``); from then on every step, forward signal and sync on it raises
-# ``CoherenceBrokenError`` at once, and ``close()`` runs no collective. A rank waiting for it in
-# a sync times out after ``barrier_timeout_s`` with an error naming the rank that reported a
-# fault and why. Every rank so ends within the collective timeout, naming the rank
-# (tests/distributed, ``interrupt`` on 2 and 4 ranks). Resuming means restarting from a
-# checkpoint.
+# A step that stops before its end on one rank leaves its syncs out of step with the others', so
+# the one-process repair (Note [Interrupted steps] in plan.py) would part the replicas silently.
+# In a distributed run the runtime does not repair: the rank whose step stopped, or whose sync
+# failed or timed out, marks its coherence broken (``Coherence.fail``) and reports why in the
+# default group's store (``asteria/fault/<rank>``); from then on it raises
+# ``CoherenceBrokenError`` at every step, signal and sync, and ``close()`` runs no collective. A
+# rank waiting for it times out naming it and its reason: every rank ends within the timeout
+# (tests/distributed, ``interrupt``). Resuming means restarting from a checkpoint.
 
 
 class Topology:

@@ -1,50 +1,37 @@
 """Module hooks as scheduling signals: the only place Asteria registers hooks.
 
-Owns: a forward pre-hook on every module that directly owns parameters the optimizer updates,
-telling the runtime "these parameters' blocks are about to be used": the first signal after a
-step installs every finished refresh in one batch (Note [One install batch per step] in
-runtime.py) and disarms the hooks (Note [Disarmed signals]). The hooks are signals, never math:
-removing them changes when a ready refresh is installed, never what is computed, nor the
-staleness bound. Also a gradient hook on every parameter for the statistics lane (lane.py), a
-guard rather than a signal: it runs before the backward accumulates into ``.grad`` and waits
-until the lane no longer reads the previous one (Note [Gradient guards]).
-
-Note [Gradient guards]
-~~~~~~~~~~~~~~~~~~~~~~
-The lane reads the gradient tensors of its step. The next backward overwrites them only where it
-writes into an existing ``.grad`` (gradient accumulation, ``zero_grad(set_to_none=False)``,
-which waits for the lane itself); after ``zero_grad()`` the backward writes new tensors and the
-lane keeps the old ones alive, so the guard waits only where ``.grad`` is not None, and the
-backward runs beside the lane's statistics (bench/step_time.py's tiny LM at batch 4: forward and
-backward 280 -> 169 ms). In a distributed run the guard always waits: DDP with
-``gradient_as_bucket_view=True`` writes the new gradient into the old ``.grad``'s storage,
-outside autograd. The cost is memory: an old gradient lives until the lane is done with it.
+Owns: a forward pre-hook on every module that directly owns parameters the optimizer updates:
+the first signal after a step installs every finished refresh in one batch (Note [One install
+batch per step] in runtime.py). Signals, never math: without them a ready refresh is installed
+later, never differently. And a gradient hook on every parameter for the statistics lane, a
+guard: it runs before the backward accumulates into ``.grad`` and waits until the lane no longer
+reads the previous one (Note [Gradient guards]).
 
 Must not: touch optimizer state directly (the runtime does, under its lock).
 
+Note [Gradient guards]
+~~~~~~~~~~~~~~~~~~~~~~
+The next backward overwrites the gradients the lane reads only where it writes into an existing
+``.grad`` (accumulation; ``zero_grad(set_to_none=False)`` waits for the lane itself), so the guard
+waits only where ``.grad`` is not None, and the backward otherwise runs beside the lane (tiny LM
+at batch 4: 280 -> 169 ms). In a distributed run it always waits (DDP's bucket views write into
+the old ``.grad``'s storage outside autograd). The cost: an old gradient lives until the lane is
+done with it.
+
 Note [Disarmed signals]
 ~~~~~~~~~~~~~~~~~~~~~~~
-The runtime needs at most one forward signal a step: every later one returned at its flag,
-after a hook, ``torch.compiler.is_compiling`` and a weak reference, about six Python calls per
-module and step. So the first signal of a step disarms the hooks
-(``disarm``: each taken out of its module's ``_forward_pre_hooks``, dict operations, no Python
-call), and the step's end arms them again (``arm``) where a refresh is in flight (with none,
-there is nothing to install before the next step's plan): the modules after the first run their
-forward as without hooks (PyTorch's path for a module with none), and a step's signals cost O(1)
-Python calls, none in a step with nothing in flight. A hook put back goes to the end of its
-module's hooks (after any the user registered since); a signal never changes what is computed,
-so the order does not either. ``remove`` takes them out for good.
+Every signal after the first of a step returned at its flag, after about six Python calls per
+module. So the first one disarms the hooks (``disarm``: taken out of ``_forward_pre_hooks``,
+dict operations only) and a step's end arms them again (``arm``, at the end of each module's
+hooks) where a refresh is in flight: a step's signals cost O(1) Python calls, none in a step
+with nothing in flight. ``remove`` takes them out for good.
 
 Note [Signals under torch.compile]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A signal calls into the runtime (a weak reference, its lock, its pending refreshes), which dynamo
-cannot trace: traced, each module's forward pre-hook broke the compiled graph once (2 breaks on a
-model of two Linears). Both module hooks therefore return at once while dynamo traces
-(``torch.compiler.is_compiling()``), so the compiled forward and backward hold nothing of
-Asteria's and the module signals are off there. That changes only when a ready refresh is
-installed (at the step's plan, as with ``RuntimeConfig(hooks=False)``), never what is computed.
-Modules that run eagerly still signal. The gradient guards are tensor hooks on the parameters,
-run by the eager autograd engine after a compiled backward.
+Traced, each forward pre-hook broke the compiled graph (it calls into the runtime). So the hooks
+return at once while dynamo traces (``torch.compiler.is_compiling()``): the compiled forward and
+backward hold nothing of Asteria's, and ready refreshes are installed at the step's plan (as with
+``hooks=False``), never differently. The gradient guards run in the eager autograd engine.
 """
 
 from __future__ import annotations

@@ -2,38 +2,30 @@
 
 Owns: one background thread that runs, in submission order, the statistics an optimizer hands
 its refresher (``Refresher.accumulate``), the runtime's work that must follow them (refresh
-submissions, SOAP's installs, half of a split update), and the per-block waits that keep them
-coherent.
+submissions, SOAP's installs, half of a split update), and the per-block waits.
 
-Note [Statistics lane]: on a CPU-only run the factor statistics are a third of SOAP's step and
-most of KL-Shampoo's, on the one core that trains, and nothing in the step reads them before the
-block's next refresh (SOAP, Shampoo) or update (KL-Shampoo's eigenvalues). So the runtime runs
-them here, on the core the pool shares. Per block: an update that reads them waits for its
-blocks first (``Runtime.pieces``: ``wait_many``); a refresh's submission is queued behind them
-(``call``: the pool copies the factors then), so a refresh step never waits for the lane; the
-lane reads the gradient in place (bitwise the native arithmetic), which only an accumulating
-backward (Note [Gradient guards] in hooks.py) or ``zero_grad(set_to_none=False)`` (which syncs
-first) writes again; an install that computes is queued here too and the block's next read
-waits for it; ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything
-(``wait_all``). The work is the optimizer's own function on the same tensors and threads, so
-native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py; measured:
-docs/benchmarks.md, "The training step").
+Note [Statistics lane]: on a CPU-only run the statistics are a third of SOAP's step and most of
+KL-Shampoo's, and nothing in the step reads them before the block's next refresh or update. So
+they run here, on the core the pool shares. Per block: an update that reads them waits first
+(``Runtime.pieces``: ``wait_many``); a refresh's submission is queued behind them (``call``), so
+a refresh step never waits; the gradient is read in place (only an accumulating backward, Note
+[Gradient guards] in hooks.py, or ``zero_grad(set_to_none=False)``, which syncs, writes it
+again); a computing install is queued here and the block's next read waits for it;
+``state_dict``, ``load_state_dict`` and ``close()`` wait for all (``wait_all``). The same
+functions on the same tensors and threads: bitwise native (tests/unit/test_runtime.py).
 
-Note [Split updates]: with the lane, the pool and the lane share a core that idles while the
-training thread updates. So ``Runtime.run`` splits a piece's update in two halves of about equal
-flops, a parameter's blocks on one side (``halves``), and the lane runs one (``beside``) after
-what is queued before it, while the training thread runs the other; bitwise native, as each
-block's update is the same ops on either thread (bench/step_time.py's tiny LM: SOAP 141 -> 73 ms).
+Note [Split updates]: the lane's core idles while the training thread updates, so ``Runtime.run``
+splits a piece's update into two halves of about equal flops (a parameter's blocks together,
+``halves``), the lane running one (``beside``) after what is queued before it: bitwise native
+(tiny LM: SOAP 141 -> 73 ms).
 
 Note [State between steps]: with the lane, ``step()`` returns while the lane may still write
-that step's statistics (or an install, or half an update) into ``optimizer.state``. Asteria's own
-reads wait (above), and ``state_dict()``, ``load_state_dict()`` and ``close()`` wait for the
-lane; code that reads ``opt.state`` directly calls ``runtime.sync()`` first. Finishing the lane
-inside every ``step()`` would give back its overlap (bench/state_sync.py: 1.21x and 1.48x SOAP's
-and KL-Shampoo's median steps). tests/unit/test_state_between_steps.py checks it.
+``optimizer.state``. Asteria's reads wait, as do ``state_dict()``, ``load_state_dict()`` and
+``close()``; code reading ``opt.state`` directly calls ``runtime.sync()`` first (waiting inside
+every step would give back the overlap: bench/state_sync.py).
+tests/unit/test_state_between_steps.py checks it.
 
-Must not: decide what the statistics are (the optimizer's function does), or be used for
-parameters on a GPU (the runtime does not create it there).
+Must not: decide what the statistics are, or be used for parameters on a GPU.
 """
 
 from __future__ import annotations

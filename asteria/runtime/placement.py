@@ -1,33 +1,28 @@
 """Where a refresh runs: the executors, and the rule that places each job on one of them.
 
-Owns: ``Submission`` (a job with its name, version, deadline and inputs: what every executor
-takes), ``Executors`` (what the runtime submits to: the C++ CPU pool, and a ``StreamExecutor``
-where one exists, each job placed by Note [Refresh placement]), the moving averages of the jobs'
-measured durations (``Durations``), each executor's backlog, the room they have for more work
+Owns: ``Submission`` (a job with its name, version, deadline and inputs), ``Executors`` (the C++
+pool and a ``StreamExecutor`` where one exists, each job placed by Note [Refresh placement]),
+the moving averages of measured durations (``Durations``), the backlogs, the room for more work
 (Note [Continuous refresh] in schedule.py), and ``StreamExecutor``: one thread running jobs with
-torch, in deadline order, on a least-priority CUDA stream, or on the CPU (the tests' stand-in).
+torch in deadline order on a least-priority CUDA stream, or on the CPU (the tests' stand-in).
 
-Must not: decide when a refresh is requested or installed (schedule.py), install, or change what
-a job computes (the optimizer's ``RefreshJob`` does on either executor).
+Must not: decide when a refresh is requested or installed, install, or change what a job
+computes (the optimizer's ``RefreshJob`` does on either executor).
 
-Note [One submission path]: a refresh's job is made once, by the optimizer's ``refresh_jobs``,
-and reaches an executor once: the plan's requests wrap each in a ``Submission`` (name, version,
-deadline), the snapshot strategy puts in the inputs it copied (snapshots.py), and
-``Executors.submit_many`` checks, places and submits them: to the pool (``job.submit``, the C++
-call that copies the inputs) or the stream (which copies them and runs ``job.compute``).
+Note [One submission path]: a job is made once (``refresh_jobs``) and reaches an executor once:
+the plan's requests wrap it in a ``Submission``, the snapshot strategy puts in its copied inputs,
+and ``Executors.submit_many`` checks, places and submits it (``job.submit``: the C++ call that
+copies the inputs; or the stream, which copies them and runs ``job.compute``).
 
 Note [Refresh placement]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-A job requested at ``t`` must be installed by ``t + B``. Each finished job's duration updates a
-moving average per executor, kind and factor size (an unseen size predicted from the nearest as
-``d^3``). A job goes to the pool unless a device stream exists, the step time and the pool's
-duration are known, and the pool would finish it after its deadline (``(backlog + duration) /
-workers > B * step_time``); then to the stream if that finishes sooner. With a fast pool nothing
-moves. Decisions are per job; ``stats()["placement"]`` counts them. A device refresh's inputs are
-copied on a least-priority stream of their own at submission; its eigh or QR runs on a stream of
-the least priority (the training's kernels go first only on a higher-priority stream,
-``asteria.runtime.training_stream``, Note [Stream priorities] in streams.py), on a thread of its
-own (torch's CUDA ``eigh`` syncs with the host); its results stay on the device.
+A job goes to the pool unless a device stream exists, the step time and the pool's duration for
+it are known (moving averages per executor, kind and size; an unseen size scaled as ``d^3``) and
+the pool would miss its deadline (``(backlog + duration) / workers > B * step_time``); then to
+the stream if that finishes sooner. Decisions are per job (``stats()["placement"]``). A device
+refresh copies its inputs on a stream of its own at submission, runs at the least priority
+(Note [Stream priorities] in streams.py) on its own thread (CUDA ``eigh`` syncs with the host),
+and its results stay on the device. docs/runtime.md, "Refresh placement", has the measurements.
 """
 
 from __future__ import annotations

@@ -27,11 +27,9 @@ __all__ = ["Plan"]
 
 
 class Plan:
-    """The step plans of one runtime (see module docstring).
-
-    ``error``: an exception of a step's decisions, raised at the step's end (Note
-    [All-or-nothing steps]); ``in_step``: whether a step began and has not ended; ``waiting``:
-    the waited-for refreshes of a plan not installed yet (an interrupted one's)."""
+    """The step plans of one runtime (see module docstring). ``error``: a step's decisions'
+    exception, raised at its end; ``in_step``: a step began and has not ended; ``waiting``: the
+    waited-for refreshes not installed yet; ``requests``: the plan's requests not made yet."""
 
     def __init__(
         self, schedule: Schedule, refreshes: Refreshes, registry: Registry, pacer: Pacer
@@ -170,10 +168,9 @@ class Plan:
         urgent: bool | None = None,
     ) -> None:
         """Note [Staleness contract] (schedule.py) for one block at ``step``: install what is due,
-        then request or coalesce; a refresh the step waits for is installed by
-        ``install_waited`` (after every request of the plan); measure the age of the basis this
-        step's update reads. ``forced``: a skipped decision of an interrupted step, due. ``e``,
-        ``urgent``: the block's entry and ``urgent``'s answer, where the caller has them."""
+        then request (with the plan's others: ``_request``) or coalesce; measure the age of the
+        basis. ``forced``: an interrupted step's skipped decision, due; ``e``, ``urgent``: where
+        known."""
         schedule, refreshes = self.schedule, self.refreshes
         freq = hp["precondition_frequency"]
         if e is None:
@@ -238,11 +235,9 @@ class Plan:
         e.boundary_step = step
 
     def _request(self) -> None:
-        """The plan's requests, made together (``Refreshes.request_many``), then the rest of
-        each one's decision: a refresh the step waits for (``B = 0``, ``wait``) installed with
-        the plan's others (``install_waited``; a replicated one at once), the age of the basis
-        measured, the decision done. An interrupted request leaves its blocks' decisions
-        undone (Note [Interrupted steps])."""
+        """The plan's requests, made together (``Refreshes.request_many``), then the rest of their
+        decisions: a waited-for refresh installed with the plan's others (``install_waited``; a
+        replicated one at once), the age measured (Note [Interrupted steps])."""
         queued, self.requests = self.requests, []
         self.refreshes.request_many(queued)
         schedule, ages = self.schedule, []
@@ -261,11 +256,10 @@ class Plan:
             schedule.record_ages(ages)
 
     def install_waited(self) -> None:
-        """Install the refreshes the plan waits for, in plan order, after running the jobs
-        queued up to the last of them on this thread (``Refreshes.help``), so that the workers
-        and the training thread compute them together, within one barrier (Note [Helping
-        within the deadline] in refreshes.py). One left by an interruption stays for the next
-        step's ``finish_interrupted``."""
+        """Install the refreshes the plan waits for as one batch, after running the jobs queued up
+        to the last of them on this thread (``Refreshes.help``), within one barrier (Note [Helping
+        within the deadline] in refreshes.py); an interrupted one is left for
+        ``finish_interrupted``."""
         waiting = self.waiting
         refreshes, schedule = self.refreshes, self.schedule
         since = time.perf_counter()
@@ -344,10 +338,8 @@ class Plan:
         return out
 
     def finish_interrupted(self) -> None:
-        """Note [Interrupted steps]: after a step that raised before its end (a KeyboardInterrupt,
-        an error of the model's code in a closure-less step, ...), finish what its skipped
-        decisions owed: each runs now, at the block's step, as a due one (a refresh at its
-        deadline installed, a new one requested or coalesced)."""
+        """Note [Interrupted steps]: after a step that raised before its end, run its skipped
+        decisions now, at the blocks' steps, as due ones."""
         coherence = self.refreshes.coherence
         if coherence is not None and coherence.replicates:
             if self.in_step:  # Note [A fault on one rank] in distributed.py: no repair

@@ -133,13 +133,10 @@ class Refreshes:
     # -- requests and submissions --------------------------------------------------------------
 
     def request_many(self, requests: list[tuple]) -> None:
-        """Request the refreshes of a plan, ``requests`` (``(key, entry, block state, group,
-        step, ...)``, each at its step: version ``step``, deadline ``step + S``): each block's jobs
-        made once by the optimizer (Note [One submission path] in placement.py), one snapshot of
-        all their inputs (snapshots.py), and one submission, or, for a deferred snapshot, one
-        when it has landed (``collect``). A refresh is in flight (``entry.pending``) once its
-        snapshot is taken, or where none is deferred, once its jobs are submitted: Note
-        [Interrupted steps] in plan.py."""
+        """Request a plan's refreshes (``requests``: ``(key, entry, block state, group, step,
+        ...)``, version ``step``, deadline ``step + S``): the jobs made once (Note [One submission
+        path] in placement.py), one snapshot of their inputs and one submission, now or once it has
+        landed. A refresh is in flight once its snapshot is taken (or its jobs submitted)."""
         coherence, spill, S = self.coherence, self.spill, self.config.staleness
         new = tuple.__new__
         if self.bases.settles:  # the job input basis is the one its result replaces
@@ -241,11 +238,9 @@ class Refreshes:
 
     def help(self, e: BlockEntry, deadline: float) -> None:
         """Submit what of ``e``'s refresh is still a snapshot, then run the jobs queued up to its
-        last one on this thread, one at a time, until a worker starts it (Note [Helping
-        waiters] in csrc/core/worker_pool.cpp): a wait for it is then no longer, and shorter
-        where the workers have a queue. Each job only where it fits before ``deadline``
-        (``time.perf_counter``; Note [Helping within the deadline]). Not after a barrier timed
-        out this step (its later barriers do not wait)."""
+        last one on this thread (Note [Helping waiters] in csrc/core/worker_pool.cpp), each only
+        where it fits before ``deadline`` (Note [Helping within the deadline]); not after a
+        timed-out barrier."""
         pending = e.pending
         if pending is None:
             return
@@ -366,15 +361,11 @@ class Refreshes:
             self.install_many([(key, e, step, block)])
 
     def install_many(self, batch: list[tuple], charge: bool = True) -> None:
-        """The one install path: the finished refreshes of ``batch`` (``(key, entry, installed
-        at, block state or None)``) read (a failure counted and skipped, keeping the previous
-        version; a crash raises ``RefreshFailedError``), installed through one call of the bases
-        strategy (its grouped copies: Note [Grouped install copies] in bases.py) with the
-        caller's autocast off (a signal installs inside the model's forward: Note [Autocast]),
-        recorded, and charged to the pacer (``charge``: not charged already). A refresh stays in
-        flight until its results are installed, so that one interrupted on the way is installed
-        again (Note [Interrupted steps] in plan.py). A failure past the limit or a crash is
-        raised once the batch's other refreshes are installed (Note [All-or-nothing steps])."""
+        """The one install path: the finished refreshes of ``batch`` (``(key, entry, at, block state
+        or None)``) read (a failure counted and skipped, keeping the previous version), installed in
+        one call of the bases strategy with autocast off (Note [Autocast]), recorded, and charged to
+        the pacer (``charge``). A refresh stays in flight until installed (Note [Interrupted steps]
+        in plan.py); a failure past the limit or a crash raises once the rest are installed."""
         ready, spill, error = [], self.spill, None
         for key, e, step, block in batch:
             pending = e.pending
@@ -426,10 +417,8 @@ class Refreshes:
 
     def sync_replicated(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None) -> None:
         """Install replicated block ``key``'s refresh in flight at ``step`` on every rank of its
-        replica group (Note [Distributed coherence] in distributed.py): the owner waits for it
-        (the bounded barrier on its own pool) and the coherence sends its outcome; every rank
-        installs what the owner sent, or keeps its previous version (``FAILED``), or raises
-        (``CRASHED``), alike."""
+        group (Note [Distributed coherence]): the owner waits for it and sends its outcome; every
+        rank installs it, keeps its version (``FAILED``) or raises (``CRASHED``), alike."""
         coherence = self.coherence
         pending = e.pending
         if block is None:
@@ -519,10 +508,9 @@ class Refreshes:
             self.install_many([(key, e, self.current_step(key), None)])
 
     def install_ready(self, signalled: frozenset[int]) -> int:
-        """A step's module signal (Note [One install batch per step] in runtime.py): install,
-        in one batch, the finished refreshes in flight of parameters in ``signalled`` that the
-        pacing allows now; the number installed. It looks only at the refreshes in flight
-        (Note [In-flight index] in registry.py), never at every block."""
+        """A step's first module signal (Note [One install batch per step] in runtime.py): install
+        in one batch the finished refreshes of ``signalled`` parameters the pacing allows (looking
+        at the refreshes in flight only); the number installed."""
         late, pacer, params, state = self.late, self.pacer, self.params(), self.optimizer.state
         batch: list[tuple] = []
         for key, e in list(self.registry.in_flight.items()):  # (no call per block but these)

@@ -1,27 +1,20 @@
 """The coherence registry: per block, which version is in use and how stale it may get.
 
-Owns: one ``BlockEntry`` per preconditioner block (its name, the version in use, the steps its
-refresh was requested and installed, the refresh in flight, failure counts), the staleness
-histogram of every installed version, and the check of the bound.
+Owns: one ``BlockEntry`` per block (name, version in use, request and install steps, refresh in
+flight, failure counts), the staleness histogram, and the check of the bound. Must not: submit
+or wait (``refreshes.py`` does both); this module is bookkeeping.
 
-Note [Staleness bound]: a block's refresh requested at step ``t`` is version ``t``, installed at
-a step ``s`` with ``t <= s <= t + S`` (the first signal or plan where it is ready, ``t + S`` at
-the latest, waiting for it: ``Refreshes.wait``). "Installed at ``s``" means after the update of
-``s``, where native mode installs a refresh requested at ``s``; its staleness is ``s - t``, and
-``S = 0`` is native mode. Shampoo refreshes before its update (``refresh_precedes_update``), so
-there a version is used from ``s`` itself, and an install between ``s`` and ``s + 1`` (a signal)
-counts as at ``s + 1``; with a budget it requests the refresh due at ``t`` at ``t - 1`` (Note
-[Refresh lead] in schedule.py).
+Note [Staleness bound]: a refresh requested at step ``t`` (version ``t``) is installed at ``s``
+with ``t <= s <= t + S`` (when ready, at ``t + S`` waiting for it: ``Refreshes.wait``), after
+``s``'s update, where native mode installs one requested at ``s``: staleness ``s - t``. Where the
+refresh precedes the update (Shampoo), an install between ``s`` and ``s + 1`` counts as at
+``s + 1``, and a budget moves the request ahead (Note [Refresh lead] in schedule.py).
 
-Note [In-flight index]: ``Registry.in_flight`` holds, by key, exactly the entries whose
-``pending`` is not None: ``BlockEntry.pending``'s setter keeps it at every assignment, and a
-plan's requests and an install batch keep it through the registry in one call for all their
-blocks (``start``, ``record_installs``). Reading ``pending`` is C only
-(``operator.attrgetter``), the other attributes plain (a ``__setattr__`` watching them cost a
-call per write). What looks for finished refreshes reads the index, so its cost follows the
-refreshes in flight, never the number of blocks.
-
-Must not: submit work or wait (``refreshes.py`` does both); this module is bookkeeping.
+Note [In-flight index]: ``Registry.in_flight`` holds exactly the entries whose ``pending`` is
+not None, kept by ``BlockEntry.pending``'s setter and, for a plan's requests and an install batch,
+by the registry in one call (``start``, ``record_installs``). Reading ``pending`` is C only; the
+other attributes are plain. Looking for finished refreshes reads the index: its cost follows the
+refreshes in flight, not the blocks.
 """
 
 from __future__ import annotations

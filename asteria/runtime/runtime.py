@@ -286,10 +286,9 @@ class Runtime:
     # -- hooks: install what is ready ------------------------------------------------------------
 
     def _on_signal(self, param_ids: tuple[int, ...], event: str) -> None:
-        """Note [One install batch per step]: the first module signal after a step's end
-        installs every finished refresh the pacing allows, in one batch; every later signal of
-        the step returns at the flag. The modules hooked are only those whose blocks install on
-        signals (attach.py), so the signal's parameters need no check here."""
+        """Note [One install batch per step]: the first signal after a step's end installs the
+        step's batch; later ones return at the flag (only blocks that install on signals are
+        hooked)."""
         if not self._signals_open:
             return
         self._signals_open = False
@@ -349,10 +348,9 @@ class Runtime:
         state.check(saved, blocks, self.schedule.budget, coherence, self.block_name)
 
     def state_replaced(self) -> None:
-        """The optimizer loaded a state: the refreshes in flight were requested from the old
-        one and are dropped (a loaded ``"asteria_runtime"`` part puts its own back), and every
-        block's version is taken from the loaded state at its next boundary, so the staleness
-        contract holds from the load on (Note [Transactional loads])."""
+        """The optimizer loaded a state: the refreshes in flight are dropped (a loaded
+        ``"asteria_runtime"`` part puts its own back) and every version is taken from the loaded
+        state at its next decision (Note [Transactional loads])."""
         with self._lock:
             self._refreshes.drop_all()
             self._plan.reset()

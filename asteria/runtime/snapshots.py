@@ -1,29 +1,22 @@
 """How a refresh's inputs are snapshotted and handed to the pool: one strategy per runtime.
 
-Owns: the three ways a job's inputs (a factor, and the basis a QR refresh starts from) reach the
-C++ pool, one class each, chosen at attach (``parts.choose_snapshots``) from where the
-parameters live: ``DirectSnapshots`` (CPU parameters, no lane: the pool copies the inputs at
-submission), ``LaneSnapshots`` (CPU parameters with the lane: submitted on the lane behind the
-block's statistics, Note [Statistics lane] in lane.py) and ``StagedSnapshots`` (device
-parameters: asynchronous copies into the pinned staging ring on the copy stream, submitted once
-landed: Note [Staged snapshots]; the copies and fences are ``asteria.memory.staging.snapshot``).
-A strategy turns a plan's requests (per block its ``Submission``s) into one *ticket* (``take``,
-which says whether it may go at once); ``ready`` says whether it can go without waiting, and
-``finish`` waits for it and returns the futures of jobs it submitted (the lane's) or None, and
-the requests with the inputs it copied. The runtime never looks inside a ticket.
+Owns: three ways a job's inputs reach the C++ pool, chosen at attach (``parts.choose_snapshots``):
+``DirectSnapshots`` (CPU parameters: the pool copies at submission), ``LaneSnapshots`` (CPU with
+the lane: submitted on the lane behind the block's statistics) and ``StagedSnapshots`` (device
+parameters: copies into the pinned staging ring, submitted once landed: Note [Staged
+snapshots]). A strategy turns a plan's requests into one ticket (``take``, which says whether it
+may go at once); ``ready`` says whether it can go without waiting, and ``finish`` returns the
+futures of jobs it submitted (the lane's) or None, and the requests with their copied inputs.
 
-Note [Staged snapshots]: the ring has one slot per tensor a refresh of the attach-time blocks
-copies, each as large as the largest, so a snapshot never waits for a slot (a block has one
-refresh in flight at most, its slots free again once its jobs are submitted: the pool copies
-them then). A copy waits on the device for an event the main stream records at the request, so
-it sees every statistics update before it; the next step begins by making the main stream wait
-for this step's copies (``step_begin``), so no copy reads a factor the next step overwrites.
-Each slot's fence is its copy's completion, so a slot is never refilled under a copy. A tensor
-with no slot (a parameter added after attaching) goes to the pool as it is (``unstaged``).
+Note [Staged snapshots]: the ring has a slot for every tensor a refresh of the attach-time blocks
+copies, so a snapshot never waits for one (a block has one refresh in flight, its slots free once
+its jobs are submitted). A copy waits on the device for an event recorded at the request, and the
+next step begins by making the main stream wait for the copies (``step_begin``), so no copy reads
+a factor the next step overwrites; a slot's fence is its copy's completion. A tensor without a
+slot goes to the pool as it is (``unstaged``).
 
-Must not: decide when a refresh is requested or submitted (plan.py, refreshes.py), count or name
-jobs, or queue on the lane anything that references the runtime or the optimizer (the runtime
-stays collectable without ``close()``: tests/unit/test_shutdown.py).
+Must not: decide when a refresh is requested or submitted, count or name jobs, or queue on the
+lane anything that references the runtime or the optimizer (tests/unit/test_shutdown.py).
 """
 
 from __future__ import annotations

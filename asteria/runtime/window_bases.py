@@ -1,29 +1,24 @@
 """The window strategy of the bases: pinned host memory behind a device window (discrete GPUs).
 
-Owns: ``WindowBases`` (bases.py has the interface and Notes [Bases made by a step], [Grouped
-install copies]): which host tensors a block's bases are, how a step's shape groups are cut into
-the pieces the ring hands out, in what order, with what prefetched (Note [Pieces of the
-window]), how an install reads the bases it replaces and when its new bases go back to host
-memory, and the count of open windows that frees the cache of reused host blocks.
+Owns: ``WindowBases`` (bases.py has the interface and its Notes): which host tensors a block's
+bases are, how a step's groups are cut into the pieces the ring hands out, in what order and with
+what prefetched (Note [Pieces of the window]), how an install reads the bases it replaces and
+when new bases go to host memory, and the count of open windows that frees the cache of reused
+host blocks. Must not: decide what to install or when, change the optimizer's math, size the
+window or order its copies (window.py does).
 
-Note [Host copies of a step's installs]: ``install_many`` lists its blocks, and one ``to_host``
-moves their new bases to host memory at the first of the step's end, the next read and
-``host_sync`` (``Runtime.sync``). Until then they are device tensors, as ``DeviceBases`` keeps
-them. An install that reads the bases it replaces (SOAP's) takes their copies from the slot that
-holds them where one does (``BasesWindow.parts``: the groups the step just updated), else from
-fills of a slot each, and installs the blocks read together at once.
+Note [Host copies of a step's installs]: one ``to_host`` moves an install batch's new bases to
+host memory at the first of the step's end, the next read and ``host_sync``; until then they are
+device tensors. An install that reads the bases it replaces (SOAP's) takes them from the slots
+that hold them (``BasesWindow.parts``), else from fills of a slot each, and installs the blocks
+read together at once.
 
 Note [Pieces of the window]: a slot holds the largest shape group's bases (Note [Window by shape
-group] in asteria/memory/tiers.py), so ``pieces`` cuts a step's groups into runs of a slot each
-(``groups.pack``). Where the ring holds every run, the step is one piece read together (Note
-[Reads together] in asteria/memory/window.py): a quiet step fills nothing. Else each run is a
-piece, those the ring still holds first, most recently used first: a step that reads its pieces
-once (Shampoo, KL-Shampoo) fills ``n - k`` slots of its ``n`` pieces, SOAP's two passes (P0 P1
-P2, then P2 P1 P0: Note [Two passes] in asteria/optim/kernels/soap.py) ``2 (n - k)``. The window
-knows the sequence it hands out, so each read prefetches the next one's copy.
-
-Must not: decide what to install or when, change the optimizer's math, size the window (the tier
-policy and the runtime's ``fit`` do) or order its copies (window.py does).
+group] in asteria/memory/tiers.py), so ``pieces`` cuts the groups into runs of a slot
+(``groups.pack``): one piece read together where the ring holds every run (a quiet step fills
+nothing), else a piece a run, those the ring holds first, most recently used first (``n - k``
+fills a step of ``n`` pieces in ``k`` slots; ``2 (n - k)`` for SOAP's two passes, Note [Two
+passes] in asteria/optim/kernels/soap.py). Each read prefetches the next of the known sequence.
 """
 
 from __future__ import annotations

@@ -195,22 +195,17 @@ def accumulate_factors(factors: list[torch.Tensor | None], g: torch.Tensor, beta
 
 # Note [Fused elementwise steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# SOAP's step is some twenty small ops per block, and on small blocks their dispatch costs more
-# than their arithmetic. So the step runs over a batch of blocks, not one block at a time: the
-# products with the bases once per shape group (stacked, ``bmm``: Note [Batched steps] in
-# groups.py), each elementwise op over every block of the batch in one ``torch._foreach_*`` call
-# (on CUDA a few multi-tensor kernel launches per op instead of one per block), and the factor
-# statistics one ``bmm`` per shape group and factored dim. The arithmetic per block is
-# unchanged: on the CPU parameters and state are bitwise those of the per-block ops of the
-# authors' formulation (tests/unit/test_fused_steps.py). On the ``tiny`` LM's 47 blocks an
-# ordinary step went from 715 ATen ops to 74 (bench/optim_step.py --count).
+# SOAP's step is some twenty small ops per block, whose dispatch costs more than their
+# arithmetic on small blocks. So it runs over a batch of blocks: the products once per shape
+# group (``bmm``: Note [Batched steps] in groups.py), each elementwise op one
+# ``torch._foreach_*`` over the batch, the statistics one ``bmm`` per group and dim: bitwise the
+# per-block ops on the CPU (tests/unit/test_fused_steps.py; ``tiny``'s ordinary step 715 ATen
+# ops -> 74, bench/optim_step.py --count).
 
 # Note [Two passes]
 # ~~~~~~~~~~~~~~~~~
-# Only the products need the bases; the elementwise ops need none. Where a refresher hands out a
-# batch's bases in several pieces (each valid until the next is read), the pieces are read twice:
-# the products into the bases in the refresher's order (``into``), every elementwise op once
-# over the whole batch (``between``), then the products back in the reverse order (``back``),
-# the last piece's bases still valid (a step of P0 P1 P2 reads P0 P1 P2 P1 P0), and the weights
-# updated once (``after``): the ops of one piece's ``whole``, bitwise, on the CPU
-# (tests/unit/test_two_passes.py).
+# Only the products need the bases. Where a refresher hands out a batch's bases in several pieces
+# (each valid until the next is read), the products into the bases run per piece (``into``), the
+# elementwise ops once over the batch (``between``), the products back per piece in the reverse
+# order (``back``: P0 P1 P2, then P1 P0, the last still valid) and the weights once
+# (``after``): bitwise one piece's ``whole`` on the CPU (tests/unit/test_two_passes.py).
