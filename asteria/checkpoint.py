@@ -86,11 +86,10 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     runtime: Any | None = None,
 ) -> dict[str, Any] | None:
-    """Read what :func:`save` wrote into ``model``, ``optimizer`` and ``runtime`` (each only if
-    given; load the runtime's part into a runtime attached to the loaded optimizer), and return
-    the ``extra`` it saved (None if none). Collective under ``torch.distributed``. The model may
-    be loaded on any number of ranks; the optimizer and runtime need the same number of ranks as
-    the save unless every parameter was replicated (Note [Sharded optimizer checkpoints])."""
+    """Read what :func:`save` wrote into ``model``, ``optimizer`` and ``runtime`` (each if given;
+    the runtime attached to the loaded optimizer) and return its ``extra`` (None if none).
+    Collective under ``torch.distributed``; the optimizer and runtime need the saving number of
+    ranks unless every parameter was replicated (Note [Sharded optimizer checkpoints])."""
     dcp = _dcp()
     rank, world = _rank_world()
     meta = _meta(dcp, checkpoint_id)

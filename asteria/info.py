@@ -75,11 +75,8 @@ _IN_RANGE = {
 
 
 def verdict(info: dict[str, Any]) -> str:
-    """One line: is this build usable as it stands, and if not, what to do.
-
-    A build against another torch never gets here: ``import asteria`` already refused it with an
-    ImportError that says how to rebuild (asteria/_ext.py).
-    """
+    """One line: is this build usable as it stands, and if not, what to do (a build against another
+    torch never gets here: ``import asteria`` refused it)."""
     if info["torch_in_range"] != "inside" or not info["python_in_range"]:
         return f"OK, outside the tested range ({info['supported_range']}): docs/versions.md"
     if info.get("cuda_missing") and not info["cuda_extension"]:

@@ -99,12 +99,9 @@ CONFIGS: dict[str, type[_optim.OptimConfig]] = {
 @dataclass
 class AsteriaRuntimeCallback(_callbacks.Callback):
     """Attach an ``asteria.Runtime`` to the train module's optimizer before training, detach it
-    after (``staleness``/``fixed_delay``/``workers``: ``asteria.RuntimeConfig``'s, None for the
-    default). ``stats`` holds the runtime's ``stats()`` from the moment it was detached.
-
-    Its ``state_dict`` (part of OLMo-core's trainer state) is the runtime's refreshes in flight;
-    a resumed trainer loads it before ``pre_train``, so it is kept until the runtime is attached.
-    """
+    after (``staleness``/``fixed_delay``/``workers``: ``RuntimeConfig``'s; None: default); ``stats``
+    holds its ``stats()`` once detached. Its ``state_dict`` (in OLMo-core's trainer state) is the
+    refreshes in flight, kept from a resume's load until the runtime attaches."""
 
     staleness: int | None = None
     fixed_delay: int | None = None

@@ -106,12 +106,10 @@ class RefreshFuture(Generic[R]):
         return self._future.status()
 
     def result(self, timeout: float | None = None) -> R:
-        """The job's result, waiting (GIL released) up to ``timeout`` seconds (None: no limit).
-
-        Raises ``FutureTimeoutError`` when the time runs out (the job goes on),
-        ``CancelledError`` for a cancelled job, and the job's own error with its block and
-        version prepended: ``MatrixFunctionError`` for a refresh that failed in its dtype and in
-        float64 or got a non-finite input, ``ValueError`` for a bad shape."""
+        """The job's result, waiting (GIL released) up to ``timeout`` s (None: no limit). Raises
+        ``FutureTimeoutError`` (the job goes on), ``CancelledError``, or the job's error with its
+        block and version: ``MatrixFunctionError`` (failed in its dtype and float64, or a non-finite
+        input), ``ValueError`` (a bad shape)."""
         return self._future.result(timeout)
 
     def cancel(self) -> bool:
@@ -127,19 +125,13 @@ class RefreshFuture(Generic[R]):
 
 
 class WorkerPool:
-    """``workers`` C++ threads (default: the build's ``default_workers``) that compute refreshes.
-
-    ``lapack_threads``: LAPACK/BLAS threads per worker (per worker where the build has
-    thread-local MKL or OpenMP: ``capabilities().per_worker_lapack_threads``). ``nice``: 0-19,
-    added to the workers' nice value (Linux), so that they yield to the training threads.
-    ``affinity``: CPU cores the workers are pinned to, round robin. ``queue_capacity``: jobs
-    queued at most (a submission beyond it raises RuntimeError). ``trim_bytes``: a worker that
-    goes idle after results of at least this many bytes returns freed memory to the system
-    (``malloc_trim``; 0: never). ValueError names a value out of range.
-
-    The pool shuts down at ``shutdown()``, at the end of a ``with`` block, when it is garbage
-    collected, and at interpreter exit.
-    """
+    """``workers`` C++ threads (default: the build's ``default_workers``) that compute refreshes:
+    ``lapack_threads`` LAPACK threads each (per worker where the build allows:
+    ``capabilities().per_worker_lapack_threads``), ``nice`` (0-19, Linux) added so that they yield
+    to the training, ``affinity`` (cores, round robin), ``queue_capacity`` (a submission beyond it
+    raises RuntimeError), ``trim_bytes`` (an idle worker after results of that many bytes returns
+    memory to the system; 0: never). ValueError names a value out of range. It shuts down at
+    ``shutdown()``, a ``with`` block's end, collection or exit."""
 
     def __init__(
         self,

@@ -159,19 +159,15 @@ class HostEvent:
 
 
 class HostCopies:
-    """The CPU stand-in of ``CudaCopies``: buffers are CPU tensors, and the copy stream is a
-    queue of plain copies, each run (in order) once every event it waits for has completed.
+    """The CPU stand-in of ``CudaCopies``: buffers are CPU tensors, the copy stream a queue of plain
+    copies, each run in order once the events it waits for completed. ``auto_complete``: main stream
+    events complete at once (the runtime's); ``False``: a test completes them
+    (``HostEvent.complete``) and calls ``run()``. ``log`` lists what happened, in order.
 
-    ``auto_complete``: events recorded on the "main stream" are complete at once (what the
-    runtime uses); ``False``: pending until a test completes them (``HostEvent.complete``) and
-    calls ``run()``. ``log`` lists the records, copies and copies to host in their order.
-
-    Note [Stand-in host writes]: the stand-in orders host memory as CUDA does, so that a host
-    reader that forgets to wait fails on the CPU too: ``to_host`` writes its destinations only
-    when its event completes (with ``auto_complete``, when the host waits for it), while later
-    "device" copies read what it writes; and a copy between two Asteria host tensors runs at once
-    and waits for nothing, as CUDA runs it on the host.
-    """
+    Note [Stand-in host writes]: the stand-in orders host memory as CUDA does, so that a host reader
+    that forgets to wait fails on the CPU too: ``to_host`` writes its destinations only when its
+    event completes (with ``auto_complete``, when the host waits), while later "device" copies read
+    what it writes; a copy between two Asteria host tensors runs at once, as CUDA runs it."""
 
     stream = None  # no stream: fences of its copies are the CPU stand-in's
 

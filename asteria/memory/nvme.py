@@ -75,16 +75,12 @@ class SpillFuture:
 class SpillStore:
     """Tensors under string keys in a scratch file of ``capacity_bytes`` in ``path_dir``.
 
-    ``path_dir`` must be an existing writable directory, ideally on a local NVMe drive; the file is
-    preallocated at once (ValueError when it does not fit the free space) and deleted by
-    ``close()`` or when the store is garbage collected. ``io_threads`` (1-64) threads do the I/O.
-    ``mode``: 'auto' (O_DIRECT where the filesystem takes it, else buffered), 'direct' (fail
-    where refused) or 'buffered' (through the page cache).
-
-    ``put`` does not copy a contiguous CPU tensor: do not modify it until its future resolved.
-    ``get`` returns a new CPU tensor over a 4 KiB-aligned pageable block, or fills ``out`` (give a
-    pinned ``host_empty`` tensor there to make the later host-to-device copy asynchronous).
-    """
+    ``path_dir``: an existing writable directory, ideally a local NVMe drive; the file is
+    preallocated (ValueError where it does not fit) and deleted by ``close()`` or collection.
+    ``io_threads`` (1-64) do the I/O; ``mode``: 'auto' (O_DIRECT where taken), 'direct' or
+    'buffered'. ``put`` does not copy a contiguous CPU tensor (leave it until its future resolved);
+    ``get`` returns a new 4 KiB-aligned CPU tensor or fills ``out`` (a pinned one makes the next
+    host-to-device copy asynchronous)."""
 
     def __init__(
         self,

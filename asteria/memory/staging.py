@@ -55,13 +55,10 @@ def _retire_landed(done: Any = None, keep: tuple[torch.Tensor, ...] = ()) -> Non
 
 
 class Snapshot:
-    """Host copies of tensors in flight on a copy stream (``snapshot()`` makes one).
-
-    ``tensors`` are CPU tensors over the ring's slots, with the sources' shapes and dtypes: read
-    them once ``ready()`` (or after ``wait()``). The slots stay leased until ``release()`` (or the
-    end of a ``with`` block) and busy while any of ``tensors`` or a view of them is alive.
-    ``landed``: whether the copies are known to have landed (by ``ready()`` or ``wait()``, or
-    at once: the CPU stand-in's)."""
+    """Host copies of tensors in flight on a copy stream (``snapshot()`` makes one): ``tensors``,
+    CPU tensors over the ring's slots with the sources' shapes and dtypes, to read once ``ready()``
+    (or after ``wait()``); the slots leased until ``release()`` (or a ``with`` block's end) and busy
+    while a view of them lives; ``landed``: the copies are known to have landed."""
 
     def __init__(
         self,
@@ -140,14 +137,11 @@ def snapshot(
     timeout: float | None = None,
     release: bool = False,
 ) -> Snapshot:
-    """Start host copies of ``tensors`` (on ``copies``' device: CUDA tensors with
-    ``CudaCopies``, CPU ones with the stand-in) into one slot of ``ring`` each.
-
-    Waits up to ``timeout`` seconds (None: no limit) for free slots, then raises
-    ``WaitTimeoutError`` saying what holds them (no slot stays leased); ValueError for a tensor
-    larger than a slot. The copies wait for the work issued so far on the current stream
-    (Note [Snapshot fences]). ``release``: the slots are given back at once (``release()``:
-    each is reused once its copy has landed and the snapshot's tensors are gone)."""
+    """Start host copies of ``tensors`` (on ``copies``' device) into one slot of ``ring`` each,
+    after the work issued so far on the current stream (Note [Snapshot fences]). Waits up to
+    ``timeout`` s for slots, then ``WaitTimeoutError`` (none kept); ValueError for a tensor larger
+    than a slot. ``release``: the slots are given back at once (reused once the copies landed and
+    the tensors are gone)."""
     srcs = list(tensors)
     limit, info = ring._ring.slot_bytes, _C.host_tensor_info
     hosted, keep = False, []

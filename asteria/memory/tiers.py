@@ -62,12 +62,9 @@ class Arch:
 
 @dataclass(frozen=True)
 class BlockSizes:
-    """Bytes of one preconditioner block's state, by kind (0 where the block has none).
-
-    ``param``: index of the block's parameter (blocks of one parameter are consecutive).
-    ``moments`` of parameters that are not preconditioned are a block of their own with only
-    moments. ``results`` is one finished refresh of the block; ``snapshots`` its inputs.
-    """
+    """Bytes of one block's state by kind (0: none). ``param``: its parameter's index (a parameter's
+    blocks are consecutive); unpreconditioned parameters' ``moments`` are a block of their own;
+    ``results``: one finished refresh; ``snapshots``: its inputs."""
 
     name: str
     param: int
@@ -83,14 +80,11 @@ class BlockSizes:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each kind lives, and the planned bytes per tier and kind.
-
-    ``tiers``: kind -> tier; ``results`` of the blocks named in ``spilled`` go to ``nvme``
-    instead (with their ``snapshots``). ``bases_access``: how the device reads host bases
-    (``"direct"`` on a CPU-only machine, ``"mapped"`` on unified memory, ``"window"`` through a
-    device window of ``window_bytes``), or ``None`` when they are on the device. ``bytes``: tier
-    -> kind -> planned bytes (peak: every block with a result waiting). ``notes``: why.
-    """
+    """Where each kind lives, and the planned bytes per tier and kind: ``tiers`` (kind -> tier; the
+    ``results``, and ``snapshots``, of the blocks in ``spilled`` go to ``nvme``), ``bases_access``
+    (how the device reads host bases: ``"direct"``, ``"mapped"`` or ``"window"`` of
+    ``window_bytes``; ``None``: on the device), ``bytes`` (tier -> kind -> planned peak bytes) and
+    ``notes`` (why)."""
 
     tiers: dict[str, str]
     spilled: frozenset[str] = frozenset()
@@ -142,16 +136,11 @@ def plan(
     window_blocks: int = 2,
     bases_device_bytes: int | None = None,
 ) -> Placement:
-    """Place every kind of state (see the module docstring for the rules).
-
-    ``blocks``: in access order (the order a step touches them). ``nvme``: whether a spill
-    directory is configured. ``bases_window``: whether the consumer can read host bases through
-    a device window: a ring of ``window_blocks`` slots (the block in use and the next), each as
-    large as the largest block's bases (asteria/memory/window.py). ``bases_device_bytes``: under
-    ``auto`` on a discrete GPU, the bases stay on the device when the device state with them
-    (factors, moments, bases) fits it (Note [Bases by budget]).
-    Raises ``ValueError`` saying what to change when the budgets cannot be met.
-    """
+    """Place every kind of state (the module docstring's rules). ``blocks``: in access order;
+    ``nvme``: a spill directory is configured; ``bases_window``: the consumer can read host bases
+    through a device window (a ring of ``window_blocks`` slots: asteria/memory/window.py);
+    ``bases_device_bytes``: Note [Bases by budget]. A ``ValueError`` says what to change where the
+    budgets cannot be met."""
     _check_budget("device_budget_bytes", device_budget_bytes)
     _check_budget("host_budget_bytes", host_budget_bytes)
     if placement == "auto":

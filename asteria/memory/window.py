@@ -98,12 +98,11 @@ class BasesWindow:
         together: bool = False,
         fit: Callable[[int], None] | None = None,
     ) -> list[torch.Tensor | None]:
-        """Device copies of ``srcs`` (the bases of block ``key``), ready for the main stream's
-        next kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot. With
-        ``together``, the copies handed out since the last ``finish`` stay valid too (their
-        slots are neither refilled nor prefetched into: Note [Reads together]). ``fit(need)``
-        is called before a fill of more bytes than a slot has (it resizes the window or
-        raises); without it, such a fill raises."""
+        """Device copies of ``srcs`` (block ``key``'s bases), ready for the main stream's next
+        kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot. ``together``:
+        the copies handed out since the last ``finish`` stay valid (Note [Reads together]).
+        ``fit(need)`` runs before a fill larger than a slot (it resizes or raises); without it such
+        a fill raises."""
         if not together:
             if self._current:  # (``finish``, inline: a call less at every read)
                 event = self.copies.record()

@@ -1,17 +1,15 @@
 """The base of Asteria's Kronecker-factored optimizers: their arguments and their one step.
 
-Owns: what SOAP, KL-Shampoo and Shampoo share: validation of the familiar arguments, the step
-skeleton (closure, parameters without gradients, sparse/complex rejection, fp32 state for
-low-precision parameters, skipping non-finite gradients, DTensor parameters through their local
-shards: Note [Local shards] in tensors.py; then, per parameter group, the optimizer's ``phases``
-in its order over the kernels of asteria/optim/kernels/, with the refresher: Note [One step]),
-per-parameter layouts (``blocking.py``) and the attach point of a refresher (refresher.py). The
-gradient checks before any update are in overflow.py, the state_dict, load_state_dict and
-pickling in state_io.py, the input checks in checks.py.
+Owns: what SOAP, KL-Shampoo and Shampoo share: the familiar arguments' validation, the step
+skeleton (closure, parameters without gradients, fp32 state for low-precision parameters,
+DTensors through their local shards: Note [Local shards] in tensors.py; then per parameter group
+the optimizer's ``phases`` over its kernel, with the refresher: Note [One step]), per-parameter
+layouts (``blocking.py``) and the attach point of a refresher. The step's checks are in
+overflow.py, the state_dict and pickling in state_io.py.
 
-Must not: hold any algorithm's math (the kernels and each subclass's file do) or know about the
-runtime that may take refreshes off the critical path. Subclasses say ``kernel``, ``phases``,
-``_layout``, ``_state_template``, ``_init_param``, ``refresh_jobs`` and ``install_refresh``.
+Must not: hold any algorithm's math (the kernels and each subclass's file do) or know the
+runtime. Subclasses say ``kernel``, ``phases``, ``_layout``, ``_state_template``,
+``_init_param``, ``refresh_jobs`` and ``install_refresh``.
 """
 
 from __future__ import annotations
@@ -174,15 +172,13 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         return step > 0 and step % group["precondition_frequency"] == 0
 
     def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
-        """Whether ``block``'s refresh requested at ``step`` costs the most quality when it
-        arrives late, so that a runtime waits for it at that step, as natively (Notes
-        [Rank-deficient factors] and [Young factors] in asteria/runtime/schedule.py).
-        ``False``: any refresh may take the runtime's staleness budget. The answer must depend
-        only on the block's shapes, the group's hyperparameters and the refresh due at or after
-        ``step`` (a multiple of the frequency): it is the same over a refresh interval, so that
-        a request made ahead and one made at its step never both pass a due step by, and once
-        ``False`` it stays ``False`` at every later step (a runtime asks it until then, once
-        per shape group and interval: blocks of one shape get one answer)."""
+        """Whether ``block``'s refresh requested at ``step`` costs the most quality when late, so
+        that a runtime waits for it at that step, as natively (Notes [Rank-deficient factors],
+        [Young factors] in asteria/runtime/schedule.py); ``False``: any refresh may take the budget.
+        It must depend only on the block's shapes, the group's hyperparameters and the refresh due
+        at or after ``step``: the same over an interval and for a shape group, and once ``False``,
+        ``False`` at every later step (a runtime asks it until then, once per shape group and
+        interval)."""
         return False
 
     def install_cost(self, block: dict[str, Any]) -> float:
@@ -426,11 +422,11 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
         k.end(work, hp)
 
     def _update(self, work: Any, hp: dict[str, Any], with_statistics: bool) -> None:
-        """The update of ``work``'s groups, a batch at a time (``groups.batches``) in the pieces
-        the refresher hands out: a batch of one piece in one call (``kernel.whole``, which the
-        refresher may split across threads), else each piece ``into``, the batch ``between``,
-        and, where the kernel reads the bases twice, each piece ``back`` in the reverse order
-        and the batch ``after`` (Note [Two passes] in kernels/soap.py)."""
+        """The update of ``work``'s groups a batch at a time (``groups.batches``) in the refresher's
+        pieces: a batch of one piece in one call (``kernel.whole``, maybe split across threads),
+        else each piece ``into``, the batch ``between``, and for a kernel that reads the bases twice
+        each piece ``back`` in reverse and the batch ``after`` (Note [Two passes] in
+        kernels/soap.py)."""
         k, r = self.kernel, self._refresher
         for batch in grouping.batches(work.groups):
             pieces = r.pieces(batch, k.passes)
@@ -548,12 +544,11 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
     def _state_template(
         self, p: torch.Tensor, group: dict[str, Any], layout: ParamLayout
     ) -> dict[str, Any]:
-        """The state ``_init_param`` gives ``p`` and keeps from then on, less ``"step"``, in
-        zeros of ``state_dtype(p)`` on ``p``'s device: every key, shape, dtype and layout (bases
-        column-major, as the refreshes return them: ``basis_zeros``), and a refresh result that
-        starts as None (Shampoo's roots) in the shape it takes once computed. Placeholders
-        (Note [State-initialisation probe] in state_format.py) and loading (Note [Flat optimizer
-        state]) use it."""
+        """The state ``_init_param`` gives ``p``, less ``"step"``, in zeros of ``state_dtype(p)`` on
+        ``p``'s device: every key, shape, dtype and layout (bases column-major: ``basis_zeros``; a
+        result that starts as None in its computed shape), for placeholders (Note
+        [State-initialisation probe] in state_format.py) and loading (Note [Flat optimizer state]).
+        """
         raise NotImplementedError
 
 

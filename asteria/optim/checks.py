@@ -116,13 +116,10 @@ def param_list(name: str, params: Any) -> list:
 def drop_duplicates(group: dict[str, Any]) -> None:
     """A parameter listed twice in ``group`` kept once, at its first place (and its name).
 
-    Note [Duplicate parameters]: ``torch.optim`` warns of a parameter group with duplicate
-    parameters and carries on, stepping the parameter once per listing on one state. For a
-    Kronecker-factored optimizer that would add its statistics twice a step, and under a
-    runtime give one block two keys (the registry's bookkeeping of one block, twice: an
-    internal AssertionError). So, after torch's warning, the group keeps the first listing only:
-    the parameter trains as if listed once, natively and under a runtime alike
-    (tests/unit/test_layouts.py). ``state_dict`` then has one entry per distinct parameter."""
+    Note [Duplicate parameters]: ``torch.optim`` warns and steps a duplicate once per listing on one
+    state: a Kronecker-factored optimizer would add its statistics twice, and a runtime give one
+    block two keys (an internal AssertionError). So after torch's warning the group keeps the first
+    listing only, natively and under a runtime (tests/unit/test_layouts.py)."""
     params = group["params"]
     seen: set[int] = set()
     keep = [i for i, p in enumerate(params) if not (id(p) in seen or seen.add(id(p)))]

@@ -122,11 +122,10 @@ def build(
     field: str,
     tags: Sequence[Hashable] | None = None,
 ) -> list[BlockGroup]:
-    """The blocks of ``updates`` (``base.Update``s whose state has ``"blocks"``) in shape groups,
-    each group in block order, groups in the order of their first block. ``tensors[name][i]``
-    is a tensor of ``updates[i]``'s parameter (its layout's view of it is cut per block; None:
-    no views of that name); ``field`` the blocks' bases field; ``tags[i]`` joins the key of
-    ``updates[i]``'s blocks. One Python frame whatever the blocks (Note [Batched steps])."""
+    """The blocks of ``updates`` (``Update``s whose state has ``"blocks"``) in shape groups, in
+    block order, groups in the order of their first block. ``tensors[name][i]`` is a tensor of
+    ``updates[i]``'s parameter cut per block (None: no views); ``field`` the bases field;
+    ``tags[i]`` joins the key. One Python frame whatever the blocks (Note [Batched steps])."""
     found: dict[Any, list] = {}
     names = list(tensors)
     first = names[0]

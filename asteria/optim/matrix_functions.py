@@ -253,12 +253,10 @@ def qr_refresh_many(
     sort: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """``qr_refresh`` of factors of one shape at once. On the CPU one operator runs the pool's
-    ``qr_refresh`` on each factor (Note [Refreshes one by one on the CPU] in
-    csrc/core/aligned.cpp); elsewhere the power iteration is one ``bmm``, the estimates, sort
-    and gather one op each, the QR one batched ``geqrf`` + ``orgqr``. A block whose result is not
-    finite (or whose ``qr_refresh`` failed) gets ``None``: its caller runs ``qr_refresh``, with
-    its float64 retry and its error, for it alone."""
+    """``qr_refresh`` of factors of one shape at once: on the CPU one operator running the pool's
+    ``qr_refresh`` on each (Note [Refreshes one by one on the CPU] in csrc/core/aligned.cpp),
+    elsewhere batched ops. A factor whose result is not finite (or failed) gets ``None``: its caller
+    runs ``qr_refresh``, with its retry and error, for it alone."""
     for f, q in zip(factors, bases):  # (the checks inline: no call per factor)
         if not (f.is_floating_point() and f.layout == torch.strided and f.dim() == 2):
             _check_square("factor", f)
@@ -345,13 +343,10 @@ def inverse_root_many(
     epsilons: list[float],
     dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor | None]:
-    """``inverse_root(factors[i], root, epsilons[i], dtype)`` of factors of one shape at once
-    (Note [Batched roots]): the shifted copies one op, the eigendecompositions one batched
-    ``eigh`` (LAPACK per matrix: the same calls, bit for bit), Meta's shift and the round-off
-    floor per matrix along the batch, the products one ``bmm``. A factor that is not finite, or
-    whose batched root is not, gets ``None``: its caller runs ``inverse_root``, with its
-    float64 retry and its error, for it alone; so does every factor when the batch's ``eigh``
-    fails, and factors of order ``d`` with ``d^3 < SMALL_BMM`` on the CPU."""
+    """``inverse_root`` of factors of one shape at once (Note [Batched roots]). A factor that is not
+    finite, or whose root is not, gets ``None`` (its caller runs ``inverse_root`` for it alone), as
+    every factor does when the batch's ``eigh`` fails, and factors with ``d^3 < SMALL_BMM`` on the
+    CPU."""
     if len(epsilons) != len(factors):
         raise ValueError(f"{len(factors)} factors but {len(epsilons)} epsilons")
     for f in factors:  # (the checks inline: no call per factor)

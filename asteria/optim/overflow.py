@@ -53,12 +53,10 @@ class GradientChecks:
     def _check_before_step(
         self, todo: list[tuple[int, dict[str, Any], torch.Tensor]], states: dict[int, Any]
     ) -> dict:
-        """Note [Refused steps]: what a step would fail on midway, refused before it
-        changes anything: a group's options edited since they were last checked
-        (``param_groups[i]["lr"] = -1``: the constructor's checks, ``_validate_group``), and a
-        parameter whose shape, dtype or blocking options changed under its state (``p.data =
-        ...`` of another shape, ``max_preconditioner_dim`` edited after the first step); ``states``:
-        the parameters' states by identity. Returns each group's options (by identity)."""
+        """Note [Refused steps]: what a step would fail on midway, refused before it changes
+        anything: a group's options edited since last checked (the constructor's checks) and a
+        parameter whose shape, dtype or blocking no longer fits its state (``states``: the states by
+        identity). Returns each group's options (by identity)."""
         name = type(self).__name__
         seen_options: dict[int, tuple] = {}
         for pid, group, p in todo:
@@ -214,18 +212,12 @@ NONFINITE, OVERFLOW = "non-finite", "overflow"
 def gradient_verdicts(
     grads: list[torch.Tensor], limits: list[float]
 ) -> tuple[list[str | None], list[float]]:
-    """Per gradient: ``None`` (use it), ``NONFINITE`` or ``OVERFLOW`` (its 2-norm is above its
-    entry of ``limits``: Note [Overflowing gradients] in overflow.py), and an upper bound on its
-    2-norm (a host float).
-
-    One 2-norm per gradient, one host sync per device, and an inf-norm for a gradient whose
-    2-norm is not finite: NaN and Inf propagate into both norms, and the 2-norm can overflow on
-    large finite values where the inf-norm, a max of absolute values, cannot (such a gradient's
-    2-norm is bounded by ``inf-norm * sqrt(numel)``). Sharded (DTensor) gradients are checked
-    on their local shards, and the "skip" flags are max-reduced over every dim of their mesh
-    (one small collective per mesh dim, issued in the same order on every rank), so every rank
-    of a shard group takes the same decision.
-    """
+    """Per gradient: ``None`` (use it), ``NONFINITE`` or ``OVERFLOW`` (its 2-norm above its
+    ``limits`` entry: Note [Overflowing gradients]), and a bound on its 2-norm (a host float). One
+    2-norm per gradient and one host sync per device, an inf-norm where the 2-norm is not finite
+    (which cannot overflow; the 2-norm is then at most ``inf-norm * sqrt(numel)``). DTensor
+    gradients are checked on their local shards, the flags max-reduced over their mesh, so every
+    rank of a shard group decides alike."""
     verdicts: list[str | None] = [None] * len(grads)
     norms = [0.0] * len(grads)
     by_device: dict[torch.device, list[int]] = {}

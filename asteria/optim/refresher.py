@@ -1,14 +1,12 @@
 """The seam between an optimizer's step and whoever computes its refreshes.
 
-Owns: the refresh jobs (``RefreshJob``: one factor's refresh, described so that it can run here
-or on a worker pool; its kinds are types, ``QRRefresh`` and ``RootRefresh``, each of which knows
-how it computes, how it is submitted to a pool, what its result holds and how it is written in
-a checkpoint), ``Update`` (one parameter's update of a step), the ``Refresher`` protocol that
-the step skeleton (base.py) calls, ``Piece`` (blocks whose bases are handed out together),
-``NativeRefresher`` (the synchronous algorithm: a due refresh computed and installed in the
-step), ``run_batched`` (jobs of one kind and shape computed together: Note [Batched
-refreshes]) and ``RefreshFailedError``. ``asteria.Runtime`` is the other refresher. A refresher is
-bound to its optimizer when it is made or attached, so its methods do not take the optimizer.
+Owns: the refresh jobs (``RefreshJob``, one factor's refresh; its kinds are types, ``QRRefresh``
+and ``RootRefresh``, each knowing how it computes, how it goes to a pool, what its result holds
+and its checkpoint form), ``Update`` (a parameter's update of a step), the ``Refresher`` protocol
+the step skeleton calls, ``Piece`` (blocks whose bases are handed out together),
+``NativeRefresher`` (a due refresh computed and installed in the step), ``run_batched`` (Note
+[Batched refreshes]) and ``RefreshFailedError``. ``asteria.Runtime`` is the other refresher; a
+refresher is bound to its optimizer, so its methods do not take it.
 
 Must not: hold any algorithm's math beyond running a job's matrix function, or import the
 runtime.
@@ -419,12 +417,9 @@ class NativeRefresher:
 
 
 def run_batched(jobs: Sequence[RefreshJob]) -> list[Any | None]:
-    """Each job's result (what ``job.run()`` returns), computed together with the jobs of its
-    kind, shape and options (Note [Batched refreshes]): ``QRRefresh`` jobs as one
-    ``qr_refresh_many``, ``RootRefresh`` jobs as one ``inverse_root_many`` (each with its own
-    ``damping``), in pieces of at most ``groups.BATCH_ELEMENTS`` factor elements. ``None``
-    for a job to run alone (``job.run()``, which raises its error): alone of its group, or
-    whose batched result failed or was not finite."""
+    """Each job's result (``job.run()``'s), computed with the jobs of its kind, shape and options
+    (Note [Batched refreshes]) in pieces of at most ``groups.BATCH_ELEMENTS`` factor elements; None
+    for a job to run alone (alone of its group, or whose batched result failed or is not finite)."""
     groups: dict[Any, list[int]] = {}
     for i, j in enumerate(jobs):
         f = j.factor

@@ -47,12 +47,9 @@ YOUNG_SHARE = 0.25
 
 
 def new_mass_share(step: int, group: dict[str, Any]) -> float:
-    """The share of a factor's statistics at ``step`` that the last ``precondition_frequency``
-    steps brought, gradients of equal size assumed: ``L_t = b2 L_{t-1} + (1 - b2) G G^T`` (or
-    the sum, ``b2 = 1``) holds ``m(t) = sum_{i<t} b2^i`` of them, of which ``b2^f m(t - f)``
-    are older than the interval, so ``1 - b2^f m(t - f) / m(t)``: ``f / t`` at ``b2 = 1``,
-    ``1`` for ``t <= f``, and at ``b2 < 1`` falling to ``1 - b2^f``. Bias correction divides
-    every term alike and leaves it unchanged."""
+    """The share of a factor's statistics at ``step`` the last ``precondition_frequency`` steps
+    brought, gradients of equal size assumed: ``1 - b2^f m(t - f) / m(t)`` with ``m(t) = sum_{i<t}
+    b2^i`` (``f / t`` at ``b2 = 1``, 1 for ``t <= f``); bias correction leaves it unchanged."""
     f = group["precondition_frequency"]
     if step <= f:
         return 1.0
@@ -68,29 +65,23 @@ class Shampoo(KroneckerOptimizer):
     Args:
         params: parameters or parameter groups.
         lr: learning rate.
-        betas: ``(beta1, beta2)``: beta1 for the gradient's first moment, beta2 for the factors
-            (``1.0`` means plain sums, Meta's default).
+        betas: ``(beta1, beta2)``: the first moment's, the factors' (``1.0``: sums, Meta's).
         epsilon: added to the factors' eigenvalues before the root.
-        rel_epsilon: where larger, ``rel_epsilon * ||L||_inf`` (a bound on the factor's largest
-            eigenvalue) is added instead, as Meta's ``CoupledHigherOrderConfig.rel_epsilon``
-            (applied here to the eigendecomposition's root). ``0.0`` (default): ``epsilon``
-            alone, Meta's ``EigenConfig``. Note [Damping stale roots].
-        weight_decay: decoupled weight decay (added to the direction before momentum).
-        max_preconditioner_dim: largest factor dim; larger dims are split into blocks, and
-            small dims are merged up to it (``merge_dims``).
+        rel_epsilon: where larger, ``rel_epsilon * ||L||_inf`` is added instead (Meta's
+            ``CoupledHigherOrderConfig.rel_epsilon``; ``0.0``: Meta's ``EigenConfig``). Note
+            [Damping stale roots].
+        weight_decay: decoupled weight decay, added to the direction before momentum.
+        max_preconditioner_dim: largest factor dim; larger dims are split, small ones merged.
         precondition_frequency: recompute the inverse roots every this many steps.
-        start_preconditioning_step: first step that uses the Shampoo direction (its roots are
-            computed in that step); ``-1`` (or ``None``) means ``precondition_frequency``.
-        use_bias_correction: divide the first moment by ``1 - b1^t`` and the factors by
-            ``1 - b2^t`` (the latter only for ``b2 < 1``).
-        grafting: ``"adam"``, ``"rmsprop"``, ``"adagrad"``, ``"sgd"`` or ``"none"`` (Meta's
-            ``grafting_config``: ``AdamPreconditionerConfig`` and so on, or ``None``). The one
-            default that is not Meta's (``None``): see the module docstring.
-        grafting_beta2: second-moment EMA coefficient of Adam / RMSprop grafting.
-        grafting_epsilon: epsilon of the grafting method's denominator.
-        momentum: momentum on the direction (Meta's ``ClassicMomentumConfig(momentum)``).
-        merge_dims: merge small dims as Meta does (``False``: only squeeze size-1 dims, Meta's
-            ``target_parameter_dimensionality=math.inf``).
+        start_preconditioning_step: the first step on the Shampoo direction (its roots computed
+            then); ``-1`` or ``None``: ``precondition_frequency``.
+        use_bias_correction: divide the first moment by ``1 - b1^t`` and ``b2 < 1`` factors by
+            ``1 - b2^t``.
+        grafting: ``"adam"`` (not Meta's default: the module docstring), ``"rmsprop"``,
+            ``"adagrad"``, ``"sgd"`` or ``"none"`` (Meta's ``grafting_config``).
+        grafting_beta2, grafting_epsilon: the grafting method's second-moment EMA and epsilon.
+        momentum: momentum on the direction (Meta's ``ClassicMomentumConfig``).
+        merge_dims: merge small dims as Meta does (``False``: only squeeze size-1 dims).
         refresh_dtype: precision of the root computation.
     """
 
@@ -237,15 +228,10 @@ class Shampoo(KroneckerOptimizer):
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
     def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
-        """While a late root of ``block`` costs the most, judged at the refresh due at or after
-        ``step`` (``t``, a multiple of the frequency: the answer holds over a whole interval,
-        so that a request made ahead and one made at its step never both miss a due step): a
-        factor that may still be rank-deficient (``L_i`` of a block of ``n`` elements gains at
-        most ``n / d_i`` dims of rank a step, so ``t * n / d_i < d_i``; a 1-D block's factor:
-        ``t < d``), or factors of which the last interval brought a large share
-        (``new_mass_share(t, group) >= YOUNG_SHARE``: Note [Young factors] in
-        asteria/runtime/schedule.py). Both depend on the shapes, the step and the group's
-        ``betas`` and frequency only."""
+        """Judged at the refresh due at or after ``step`` (``t``): a factor that may still be
+        rank-deficient (a block of ``n`` elements gains at most ``n / d_i`` dims of rank a step: ``t
+        * n / d_i < d_i``), or factors the last interval brought a large share of
+        (``new_mass_share(t) >= YOUNG_SHARE``: Note [Young factors])."""
         f = group["precondition_frequency"]
         t = -(-step // f) * f  # the refresh due at or after ``step``
         if new_mass_share(t, group) >= YOUNG_SHARE:

@@ -230,11 +230,9 @@ class SOAP(KroneckerOptimizer):
         block["exp_avg"] = mode_products(m, forth, transpose=True)
 
     def install_refresh_many(self, blocks: list[dict[str, Any]], results: list[list]) -> None:
-        """``install_refresh`` of each block, blocks of one shape and layout together (Note
-        [Batched installs]); a block alone of its kind, or whose products a CPU ``bmm`` would
-        round otherwise (``groups.block_key``), is installed alone. On the CPU the 2-D blocks
-        are one operator, unstacked (Note [SOAP installs on the CPU] in
-        csrc/core/soap_step.cpp)."""
+        """``install_refresh`` of each block, blocks of one shape and layout together (Note [Batched
+        installs]); on the CPU the 2-D blocks in one operator (Note [SOAP installs on the CPU] in
+        csrc/core/soap_step.cpp); a block a CPU ``bmm`` would round otherwise installed alone."""
         cpu, rest = ([], []), ([], [])  # (loops: no call per block)
         for block, result in zip(blocks, results):
             v, fits, refreshed = block["exp_avg_sq"], True, False

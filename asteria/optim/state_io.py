@@ -110,12 +110,10 @@ class StateIO:
     optimizer's own: ``_validate_group``, ``_state_template``)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        """What a copy or a pickle keeps (Note [torch.optim conventions]): the groups, the
-        state, the defaults and every other attribute (``skip_nonfinite_grads``,
-        ``nonfinite_grads``, ``param_names``, ...), after any deferred statistics update has
-        run; a runtime's refreshes in flight go along as a loaded checkpoint's would, for the
-        runtime the copy attaches. Not kept, as in torch: the hooks; not kept either: the
-        refresher (a copy steps natively) and the layouts (cached by parameter identity)."""
+        """What a copy or a pickle keeps (Note [torch.optim conventions]): the groups, state,
+        defaults and every other attribute, after deferred statistics ran, with a runtime's
+        refreshes in flight as a loaded checkpoint's; not the hooks (as torch), the refresher or the
+        layouts."""
         self._refresher.sync()
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
         in_flight = _refresher_state(self._refresher)
@@ -178,17 +176,11 @@ class StateIO:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping every state tensor's saved dtype and layout.
 
-        Takes the flat form :meth:`state_dict` writes, the same nested in dicts (as
-        ``set_optimizer_state_dict`` unflattens it), and the nested form (lists of blocks) of
-        earlier versions (Note [Flat optimizer state] in state_format.py).
-        ``torch.optim.Optimizer.load_state_dict`` would cast floating-point state to the
-        parameter's dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so the saved
-        tensors are restored as they are (copies, moved to the parameter's device). Everything
-        else is torch's (Note [torch.optim conventions]): the pre-hooks see the dict as given
-        and may return another, the groups take the saved options (and ``param_names``, kept
-        from the live groups where the saved ones have none), entries of ``state`` that are not
-        a parameter's are kept as they are, and the post-hooks run once all is restored.
-        """
+        Takes the flat form :meth:`state_dict` writes, torch's unflattened one and earlier versions'
+        nested form (Note [Flat optimizer state]). Unlike ``torch.optim`` it does not cast state to
+        the parameter's dtype (fp32 state for bf16 parameters stays); the rest is torch's (Note
+        [torch.optim conventions]): hooks, saved options, live ``param_names`` where the saved have
+        none, entries not a parameter's kept as they are."""
         if not isinstance(state_dict, dict):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict takes a dict (an optimizer's "

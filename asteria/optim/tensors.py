@@ -62,12 +62,10 @@ _ALIGNMENT = 64
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (an FSDP2 / HSDP parameter or gradient), else ``t`` itself.
 
-    Note [Local shards]: Asteria's optimizers work on local shards. Under ``no_grad`` (the step)
-    ``DTensor.to_local()`` is the shard's own storage, so in-place updates reach the parameter.
-    Blocks, factors, moments and refresh results are those of the local shard (its layout is the
-    layout of the local shape); state holds plain tensors, and a ``state_dict`` loads back on the
-    same sharding.
-    """
+    Note [Local shards]: the optimizers work on local shards (under ``no_grad`` ``to_local()`` is
+    the shard's own storage, so in-place updates reach the parameter): blocks, factors, moments and
+    results are the local shard's, state holds plain tensors, and a ``state_dict`` loads back on the
+    same sharding."""
     to_local = getattr(t, "to_local", None)
     return t if to_local is None else to_local()
 

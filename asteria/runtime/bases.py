@@ -205,10 +205,9 @@ def all_made(optimizer: KroneckerOptimizer) -> bool:
 
 
 def to_device_many(results: list[list[Any]], blocks: list[dict]) -> list[list[Any]]:
-    """``to_device`` of each block's ``results`` (a list per block), in grouped copies: the
-    host tensors bound for one CUDA device go, per dtype, through one pinned buffer and one
-    copy (Note [Grouped install copies]); elsewhere each is moved as ``to_device`` moves it (a
-    CPU block's stay as they are). No Python call per block."""
+    """``to_device`` of each block's ``results``: host tensors bound for a CUDA device go, per
+    dtype, through one pinned buffer and one copy (Note [Grouped install copies]); a CPU block's
+    stay as they are. No Python call per block."""
     out = []
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[list, int, int | None]]] = {}
     for rs, block in zip(results, blocks):
@@ -248,10 +247,9 @@ def _put(rs: list, i: int, j: int | None, t: torch.Tensor) -> None:
 
 
 def _grouped_to(device: torch.device, dtype: torch.dtype, where: list) -> None:
-    """Note [Grouped install copies]: the host tensors ``where`` points at (all ``dtype``)
-    packed into one pinned buffer (one ``_foreach_copy_``), copied to ``device`` in one
-    non-blocking copy, and replaced by views of it with their own layouts (the same
-    arithmetic). torch's pinned-memory cache keeps the buffer until the copy has run."""
+    """Note [Grouped install copies]: the host tensors ``where`` points at packed into one pinned
+    buffer, copied to ``device`` in one non-blocking copy, and replaced by views of it in their own
+    layouts (torch's pinned cache keeps the buffer until the copy ran)."""
     srcs = [_get(rs, i, j) for rs, i, j in where]
     total = sum(t.numel() for t in srcs)
     flat = torch.empty(total, dtype=dtype, pin_memory=True)

@@ -34,51 +34,42 @@ def _int(name: str, value: object, low: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """How Asteria orchestrates an optimizer's refreshes (docs/runtime.md, "RuntimeConfig",
-    has each field's default and effect).
+    """How Asteria orchestrates an optimizer's refreshes (docs/runtime.md, "RuntimeConfig", has
+    every field's default and effect).
 
     Attributes:
-        staleness: the budget ``S``: a refresh requested at step ``t`` is installed by step
-            ``t + S``, the step waiting for it if needed (Note [Staleness bound] in
-            registry.py). ``0`` is native mode.
-        workers, lapack_threads, affinity: the refresh pool's threads (default: cores - 1),
-            LAPACK threads per worker, and the CPU ids they are pinned to (``None``: none).
+        staleness: the budget ``S``: a refresh requested at step ``t`` is installed by ``t + S``,
+            waited for if need be (Note [Staleness bound] in registry.py); ``0``: native mode.
+        workers, lapack_threads, affinity: the pool's threads (default: cores - 1), LAPACK
+            threads per worker, and the CPU ids they are pinned to.
         worker_nice: added to the workers' nice value (Linux, 0..19; Note [Worker priority] in
-            csrc/core/worker_pool.cpp). ``None``: 10 where torch's intra-op threads leave a
-            core free, else 0.
-        fixed_delay: ``None`` (install when ready, within the budget) or ``d <= S``: every
-            refresh installed exactly ``d`` steps after its request (reproducible runs).
-        pace_installs: spread the installs that finished early over the steps left before
-            their deadlines (Note [Paced installs] in schedule.py); trades the spike of a
-            computing install (SOAP's, off the lane) for staleness.
-        split_updates: with the statistics lane, the lane runs about half of each step's update
-            (SOAP, KL-Shampoo; Note [Split updates] in lane.py), bitwise the same.
-        refresh_lead: with a budget of at least 1, an optimizer whose update uses its own step's
-            refresh (Shampoo) requests it one step ahead (Note [Refresh lead] in schedule.py).
-        wait_first_refresh: such an optimizer's first refresh of a block, and every urgent one
-            (``refresh_urgent``: Notes [Rank-deficient factors], [Young factors]), is computed
-            from its own step's statistics and waited for, as natively (Note [First roots];
-            ``stats()["jobs"]["urgent_waits"]``). ``None``: on, except under ``fixed_delay``.
+            csrc/core/worker_pool.cpp); ``None``: 10 where the training leaves a core free.
+        fixed_delay: ``None``, or ``d <= S``: every refresh installed exactly ``d`` steps after
+            its request (reproducible runs).
+        pace_installs: spread early installs over the steps to their deadlines (Note [Paced
+            installs] in schedule.py): a computing install's spike for staleness.
+        split_updates: with the lane, half of each update runs there (Note [Split updates]).
+        refresh_lead: with a budget, an optimizer that uses its own step's refresh (Shampoo)
+            requests it a step ahead (Note [Refresh lead] in schedule.py).
+        wait_first_refresh: its first and urgent refreshes computed from their own step and
+            waited for, as natively (Notes [First roots], [Rank-deficient factors], [Young
+            factors]); ``None``: on, except under ``fixed_delay``.
         barrier_timeout_s: how long a step waits at the barrier before an error naming the block.
-        max_consecutive_failures: a block failing this often in a row raises; fewer keep the
-            previous version and are counted.
+        max_consecutive_failures: a block failing this often in a row raises.
         hooks: module hooks as scheduling signals (installs before a module runs).
         device_budget_bytes, host_budget_bytes: the most optimizer state on the device, in host
-            memory (``None``: no limit; below what must stay on the device: ``ValueError``;
-            the host budget spills refresh results to ``nvme_path``, an existing directory).
+            memory (``None``: no limit); the host budget spills results to ``nvme_path``.
         device_bases_fraction: under ``placement="auto"`` on a discrete GPU, the bases stay on
-            the device when its optimizer state with them fits this fraction of its free memory,
-            else behind the window (Note [Bases by budget] in asteria/memory/tiers.py).
+            the device where its state with them fits this fraction of its free memory (Note
+            [Bases by budget] in asteria/memory/tiers.py).
         placement: ``"auto"`` (docs/memory.md, "Placement") or a dict state kind -> tier.
-        refresh: ``"staggered"`` (each block at its own slot of the interval), ``"interval"``
-            (the optimizer's own steps) or ``"continuous"`` (as soon as installed and an executor
-            has room): Notes [Staggered refresh], [Continuous refresh] in schedule.py.
+        refresh: ``"staggered"``, ``"interval"`` or ``"continuous"`` (Notes [Staggered
+            refresh], [Continuous refresh] in schedule.py).
         device_refresh: refreshes may run on a device stream when the pool would miss their
-            deadline (Note [Refresh placement] in placement.py). ``None``: with CUDA parameters,
-            unless ``fixed_delay``; ``True``: a ``ValueError`` without them; ``False``: the pool.
-        statistics_lane: the factor statistics of CPU parameters on a thread of their own (Note
-            [Statistics lane] in lane.py). ``None``: where torch's intra-op threads leave a core
-            free.
+            deadline (Note [Refresh placement]); ``None``: with CUDA parameters, unless
+            ``fixed_delay``.
+        statistics_lane: CPU parameters' statistics on a thread of their own (Note [Statistics
+            lane] in lane.py); ``None``: where the training leaves a core free.
     """
 
     staleness: int = 5

@@ -52,10 +52,9 @@ def _nothing() -> None:
 
 
 def run_statistics(keys: Sequence[Hashable], fn: Callable, args: tuple, wrap: Any) -> None:
-    """``fn(*args)``, the statistics of blocks ``keys``; under a test's wrapper
-    (``testing.wrapped_statistics``) ``wrap(keys[0], fn, *args)``, then ``wrap(key, _nothing)``
-    for each other key, as if each block updated its own. An error is raised with
-    ``failed_keys``: the keys whose statistics it leaves undone."""
+    """``fn(*args)``, the statistics of blocks ``keys``; under a test's wrapper ``wrap(keys[0], fn,
+    *args)``, then ``wrap(key, _nothing)`` for the others. An error carries ``failed_keys``: the
+    keys left undone."""
     at = 0
     try:
         if wrap is None:

@@ -45,11 +45,9 @@ __all__ = ["Durations", "Executors", "StreamExecutor", "Submission"]
 
 
 class Submission(tuple):
-    """A refresh's job on its way to an executor, a value: ``name`` (block and dim),
-    ``version`` (the request step), ``deadline``, and the inputs to compute from, ``factor``
-    and ``basis`` (the job's own tensors, or their snapshot: ``with_inputs``). The runtime
-    makes one with ``tuple.__new__(Submission, (job, name, version, deadline, factor,
-    basis))``, which costs no Python call."""
+    """A refresh's job on its way to an executor, a value: ``name`` (block and dim), ``version``
+    (the request step), ``deadline``, and the inputs, ``factor`` and ``basis`` (the job's own, or a
+    snapshot: ``with_inputs``). The runtime makes one with ``tuple.__new__``: no Python call."""
 
     __slots__ = ()
 
@@ -222,10 +220,9 @@ class StreamExecutor:
             future._event.set()
 
     def _copy(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """A copy of ``t``: on the CPU, or on the device through the copies stream (a device
-        input after the caller's stream's writes to it, and before its later ones; the refresh
-        stream waits for the copies before the job runs, and they are marked as used by it).
-        Only a host input is waited for here, by the host."""
+        """A copy of ``t``: on the CPU, or on the device through the copies stream (after the
+        caller's stream's writes to it; the refresh stream waits for it); only a host input is
+        waited for here."""
         if t is None:
             return None
         if self.device is None:
@@ -302,10 +299,10 @@ class Executors:
         self._reserved_s = 0.0
 
     def submit_many(self, subs: list[Submission]) -> list[Any]:
-        """The one submission path: each of ``subs`` checked, placed and submitted, its job as
-        the optimizer made it (Note [One submission path]); a future each. A complex or
-        non-square input is refused here (the pool would drop an imaginary part): its future
-        raises the ``ValueError``, which reaches the step as a crashed refresh of the block."""
+        """The one submission path: each of ``subs`` checked, placed and submitted (Note [One
+        submission path]); a future each. A complex or non-square input is refused (the pool would
+        drop an imaginary part): its future raises the ``ValueError``, a crashed refresh of its
+        block."""
         if self.stream is not None:
             self._harvest()  # (the placement reads the backlogs; ``step_begin`` harvests too)
         means, slow, outstanding = self.durations._mean, self._slow, self._outstanding
@@ -406,10 +403,8 @@ class Executors:
     # -- room for more work (Note [Continuous refresh] in schedule.py) ------------------------
 
     def step_begin(self, waited_s: float = 0.0) -> None:
-        """A step begins: the moving average of the step time (less ``waited_s``, what the
-        last step waited at the barrier: the time a step takes when refreshes are on time),
-        finished jobs measured, the room reserved for this step's continuous requests
-        released."""
+        """A step begins: the step time's moving average (less ``waited_s``, the last barrier wait),
+        finished jobs measured, the room reserved for continuous requests released."""
         now = time.monotonic()
         if self._last_step is not None:
             dt = max(now - self._last_step - waited_s, 0.0)
@@ -420,10 +415,9 @@ class Executors:
         self._reserved_s = 0.0
 
     def has_room(self, block: str) -> bool:
-        """Whether the executors can take ``block``'s refresh now and keep at most
-        ``min(2, B)`` steps of work queued (each pool worker and the stream); with nothing
-        queued anywhere, always (an executor never idles while a block could refresh). Room
-        granted is reserved until the next ``step_begin``."""
+        """Whether the executors can take ``block``'s refresh and keep at most ``min(2, B)`` steps
+        of work queued per worker and stream (with nothing queued, always); room granted is reserved
+        until the next ``step_begin``."""
         outstanding = sum(len(v) for v in self._outstanding.values())
         step_s = self.step_s
         jobs = self.block_jobs.get(block, {}).values()

@@ -41,13 +41,10 @@ __all__ = ["Refreshes"]
 
 
 class Refreshes:
-    """The refreshes in flight of one runtime (see module docstring).
-
-    ``submitted``, ``failed``, ``cancelled``: job counters; ``wait_s``: the seconds the current
-    step waited (the barrier, a sync, a recompute), reset by ``step_begin``. ``errors``: the
-    exceptions that mean "this refresh failed in float32 and float64" (the block keeps its
-    basis), as opposed to a crash; ``timeout_error``: the pool's ``FutureTimeoutError``.
-    """
+    """The refreshes in flight of one runtime (see module docstring): ``submitted``, ``failed``,
+    ``cancelled``: job counters; ``wait_s``: what the step waited; ``errors``: the exceptions of a
+    refresh that failed in float32 and float64 (the block keeps its basis), not a crash;
+    ``timeout_error``: the pool's ``FutureTimeoutError``."""
 
     def __init__(
         self,

@@ -1,22 +1,19 @@
 """``Runtime``: takes an optimizer's refreshes off the training critical path.
 
 Owns: the facade over the runtime's parts (docs/architecture.md draws a step and a refresh
-through them): it has them made when it attaches to a SOAP / KL-Shampoo / Shampoo optimizer as
-its ``Refresher`` (optim/refresher.py; ``parts.build``), holds the lock every part runs under,
-routes each call of the optimizer's step to the part that owns it (``plan`` to plan.py,
-``pieces`` to the bases strategy, ``accumulate`` and ``run`` to the statistics lane), and takes
-everything down again at ``close()``.
+through them): made when it attaches to an optimizer as its ``Refresher`` (``parts.build``), it
+holds the lock every part runs under, routes each call of the step to the part that owns it
+(``plan`` to plan.py, ``pieces`` to the bases strategy, ``accumulate`` and ``run`` to the lane),
+and takes everything down at ``close()``.
 
 Note [One install batch per step]: a signal that looked for finished refreshes at every module
-cost a scan per module (94 on ``tiny``: 11-14 ms of a 73 ms H200 step, docs/gpu.md). So the
-first signal after a step installs, in one batch, every finished refresh the pacing allows
-(``Refreshes.install_ready``: the in-flight index, grouped copies), and disarms the hooks until
-a step ends with a refresh in flight (Note [Disarmed signals] in hooks.py). It comes before the
-model's first module runs, so what finished by then is used in this step's update; what finishes
-later the plan installs after the update: within the bound, only when changes.
+cost a scan per module (11-14 ms of a 73 ms H200 step, docs/gpu.md). So the first signal after a
+step installs every finished refresh the pacing allows in one batch and disarms the hooks until
+a step ends with a refresh in flight (Note [Disarmed signals] in hooks.py). What finished before
+the model's first module is used in this step; what finishes later, the plan installs.
 
-Must not: change any algorithm's math (the optimizer's ``refresh_jobs``/``install_refresh`` are
-the only way in), register hooks itself (hooks.py does), or hold logic that a part owns.
+Must not: change any algorithm's math (``refresh_jobs``/``install_refresh_many`` are the only
+way in), register hooks itself (hooks.py does), or hold logic that a part owns.
 """
 
 from __future__ import annotations

@@ -79,12 +79,9 @@ def basis_age_bound(frequency: int, budget: int) -> int:
 
 class Schedule:
     """The decisions of Note [Staleness contract] and the measured ages of the bases in use.
-
-    ``budget`` is ``B``; ``fixed`` says installs happen exactly at ``t + B`` (``fixed_delay``);
-    ``precedes_update`` is the optimizer's ``refresh_precedes_update`` (Shampoo: a boundary's
-    install is read by the same step's update, so its age is taken after the install);
-    ``refresh_lead`` allows such an optimizer to request one step ahead (Note [Refresh lead]).
-    """
+    ``budget`` is ``B``; ``fixed``: installs exactly at ``t + B``; ``precedes_update``: the
+    optimizer's ``refresh_precedes_update``; ``refresh_lead``: such an optimizer may request a step
+    ahead (Note [Refresh lead])."""
 
     def __init__(
         self,
@@ -130,10 +127,9 @@ class Schedule:
         pacer: Pacer,
         key: Any,
     ) -> bool:
-        """Whether the refresh in flight ``pending`` of block ``key`` is installed at this
-        boundary (waiting for it if it is not ready): at its deadline always; before it (never
-        where installs are ``exact``: ``fixed_delay``, replicated blocks) when it is ready and
-        either a newer request waits for it (``due``: coalesced) or ``pacer`` allows it."""
+        """Whether ``pending`` of block ``key`` is installed now (waiting if need be): at its
+        deadline always; before it (never where installs are ``exact``) when ready and a due request
+        waits for it or ``pacer`` allows it."""
         age = step - pending.requested
         if exact:
             return age >= self.budget
@@ -150,11 +146,10 @@ class Schedule:
         exact: bool = False,
         cost: Callable[[], float] = lambda: 0.0,
     ) -> bool:
-        """Whether ``e``'s block is due at ``step``: the optimizer's ``due`` under interval
-        refresh; under continuous refresh, once its last request is ``frequency`` steps old
-        (Note [Continuous refresh]); under staggered refresh, at its own slot of the interval
-        (Note [Staggered refresh]; ``cost()``: its refresh's, asked once, where the block gets
-        its slot; ``exact``: installs at fixed steps, which keep the optimizer's schedule)."""
+        """Whether ``e``'s block is due at ``step``: the optimizer's ``due`` under interval refresh,
+        once ``frequency`` steps old under continuous refresh, at its own slot under staggered
+        refresh (``cost()``: its refresh's, asked once; ``exact``: fixed installs keep the
+        optimizer's schedule)."""
         if e.version is None or not (self.continuous or (self.staggered and not exact)):
             return due
         last = e.pending.requested if e.pending is not None else e.version

@@ -277,12 +277,8 @@ def open_spill(
 
 
 class SpillTier:
-    """The runtime's side of the spill store: what a pending refresh of a spilled block keeps
-    there, and how its results come back (see module docstring).
-
-    The refreshes in flight are the registry's ``PendingRefresh`` objects; their ``spilled``
-    and ``snapshots`` fields hold this tier's records.
-    """
+    """The runtime's side of the spill store: what a pending refresh of a spilled block keeps there
+    (its ``spilled`` and ``inputs`` fields), and how its results come back."""
 
     def __init__(self, spiller: Spiller, spilled: Iterable[str], fixed_delay: int) -> None:
         self.spiller = spiller
@@ -371,10 +367,9 @@ class SpillTier:
         recompute: Callable[[Any, list[Any] | None], list[Any]],
         consume: bool = True,
     ) -> list[Any]:
-        """``pending``'s results: from its futures, or read back from the store; a lost slot
-        is recomputed (``recompute(pending, inputs)``: its inputs when they read back intact,
-        else None, for the block's current ones). ``consume`` (an install) discards what the
-        store keeps of it afterwards; a checkpoint reads without consuming."""
+        """``pending``'s results: from its futures, or read back from the store; a lost slot is
+        recomputed (``recompute(pending, inputs)``: its inputs where intact, else None). ``consume``
+        (an install) discards what the store keeps of it; a checkpoint reads without consuming."""
         if pending.spilled is None:
             results = pending.results()
             if consume:

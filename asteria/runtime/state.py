@@ -81,12 +81,10 @@ def check(
     coherence: Any,
     name_of: Any,
 ) -> list[tuple[tuple[int, int], PendingRefresh]]:
-    """The refreshes in flight of ``state`` (a ``save``), each checked against ``blocks`` (key
-    -> (block state, its step): the optimizer's, or those a load is about to install): a
-    ``ValueError`` names the first entry that does not fit, and nothing changes (Note
-    [Transactional loads] in asteria/optim/state_io.py). A refresh must be installable within the
-    budget ``B`` from its block's step ``s`` (``0 <= s - requested < B``: the next boundary,
-    ``s + 1``, is at most its deadline), so that the staleness contract holds from the load on."""
+    """The refreshes in flight of ``state`` (a ``save``) checked against ``blocks`` (key -> (block
+    state, its step)): a ``ValueError`` names the first that does not fit, and nothing changes. A
+    refresh must be installable within ``B`` of its block's step (``0 <= s - requested < B``), so
+    that the staleness contract holds from the load on."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"not a Runtime.state_dict() of this version (format {FORMAT})")
     items = state.get("pending")

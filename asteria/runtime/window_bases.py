@@ -106,10 +106,9 @@ class _Read(Piece):
 
 
 class WindowBases(BasesAccess):
-    """Pinned host memory behind a device window (Note [Bases window]). ``fit(key, need)``
-    is called before a block's bases of ``need`` bytes go through slots that are too small;
-    it grows the window or raises (the budgets are the runtime's). ``lock``: the runtime's,
-    held while the ring hands out copies (installs from module signals share it)."""
+    """Pinned host memory behind a device window (Note [Bases window]). ``fit(key, need)`` grows the
+    window before bases of ``need`` bytes go through smaller slots, or raises; ``lock`` (the
+    runtime's) is held while the ring hands out copies."""
 
     settles = True
 
@@ -171,13 +170,10 @@ class WindowBases(BasesAccess):
         return pieces
 
     def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
-        """The new bases go to pinned host memory (Note [Host copies of a step's installs]). An
-        install that reads the current bases (SOAP's rotation of ``m``) reads their device
-        copies where a slot holds them already (the shape group the step just updated:
-        ``BasesWindow.parts``, together), else from the window, the rest of the batch in pieces
-        of a slot each, one fill and one event a piece (Note [Window by shape group] in
-        asteria/memory/tiers.py); the blocks read together are installed together
-        (``install_refresh_many``), not one by one."""
+        """The new bases go to host memory (Note [Host copies of a step's installs]); an install
+        that reads the current bases reads their copies from the slots that hold them
+        (``BasesWindow.parts``), else from fills of a slot each, and the blocks read together are
+        installed together (``install_refresh_many``)."""
         blocks = [b for _, b, _ in items]
         moved = to_device_many([r for _, _, r in items], blocks)
         hosted = [list(h) for h in self._host_bases_many(blocks)]  # (keys: one item a block)
@@ -282,13 +278,11 @@ class WindowBases(BasesAccess):
         self.window.copies.host_sync()
 
     def _host_bases_many(self, blocks: list[dict], count: bool = False) -> Any:
-        """Move the bases of ``blocks`` that are not in Asteria host memory there (pinned on
-        CUDA, in their own layout), with one copy to host memory for them all; return the bases
-        (with ``count``, the number of tensors moved). The copies are not waited for (Note [Host
-        writes] in asteria/memory/copies.py): the window's fills wait for them on the device,
-        and the host's readers through ``host_sync``. The blocks are reused (Note [Reused host
-        blocks] in csrc/memory/host_block.cpp): an install replaces a block's bases, and
-        registering fresh pinned memory each time cost milliseconds per install."""
+        """Move the bases of ``blocks`` not in Asteria host memory there (pinned on CUDA, in their
+        own layout) with one copy to host for all, not waited for (Note [Host writes] in
+        asteria/memory/copies.py); return the bases (``count``: the number moved). The blocks are
+        reused (Note [Reused host blocks] in csrc/memory/host_block.cpp): registering pinned memory
+        at every install cost milliseconds."""
         field, info, empty = self.field, _C.host_tensor_info, _C.host_empty
         moved = []
         for block in blocks:  # (no Python call per block but ``view_like``'s per new basis)

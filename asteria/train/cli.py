@@ -344,13 +344,10 @@ def _device(text: str) -> torch.device:
 def training_threads(
     requested: int | None, device: torch.device, distributed: bool
 ) -> tuple[int | None, str | None]:
-    """The intra-op threads every run of this invocation trains with, and the report's note.
-
-    On a CPU-only machine the training stands for the GPU and the remaining cores for its
-    host, where Asteria's refresh workers and statistics lane run: by default the training
-    leaves them one core (issue 24: with every core training, the workers had none and the
-    refreshes showed up as spikes again). ``--threads`` overrides it; under torchrun and on
-    CUDA torch's default stays."""
+    """The intra-op threads every run of this invocation trains with, and the report's note: on a
+    CPU-only machine the training leaves one core for Asteria's workers and lane (issue 24: with
+    every core training, refreshes were spikes again); ``--threads`` overrides; under torchrun and
+    on CUDA torch's default stays."""
     cores = os.cpu_count() or 1
     if requested is None and device.type == "cpu" and not distributed and cores > 1:
         requested = cores - 1

@@ -96,12 +96,9 @@ class TrainConfig:
 
 @dataclass
 class RunResult:
-    """What one run produced: per-step records and the summary figures.
-
-    ``status``: ``"finished"``; ``"stopped"`` (Ctrl-C or ``stop_after``: a checkpoint holds the
-    state, ``--resume`` continues); ``"diverged"`` (the loss stopped being finite: the run ends
-    at that step, the others go on).
-    """
+    """What one run produced: per-step records and the summary figures. ``status``: ``"finished"``,
+    ``"stopped"`` (Ctrl-C or ``stop_after``: a checkpoint holds the state) or ``"diverged"`` (the
+    loss stopped being finite: the run ends there, the others go on)."""
 
     config: TrainConfig
     num_params: int
@@ -348,15 +345,11 @@ def train(
     device: torch.device | str = "cpu",
     ctx: DistContext | None = None,
 ) -> RunResult:
-    """Train ``cfg.model`` with ``cfg.optimizer`` in ``cfg.mode`` on ``corpus``.
-
-    ``on_record`` sees every step's record. ``checkpoint``: where this run's checkpoint goes
-    (written at the end, every ``checkpoint_every`` steps, and when the run stops early);
-    ``resume``: a loaded checkpoint to continue from. The run stops early, between two steps,
-    when ``stop`` is requested (Ctrl-C) or after ``stop_after`` steps of this call. ``ctx``: the
-    FSDP/HSDP context (rank 0 alone measures energy, shows progress and writes the checkpoint).
-    The progress bar shows only on a terminal (``progress=False`` turns it off there too).
-    """
+    """Train ``cfg.model`` with ``cfg.optimizer`` in ``cfg.mode`` on ``corpus``. ``on_record`` sees
+    every record; ``checkpoint``: where this run's goes (at the end, every ``checkpoint_every``
+    steps, at an early stop); ``resume``: a loaded one to continue; the run stops between two steps
+    on ``stop`` (Ctrl-C) or after ``stop_after`` steps; ``ctx``: the FSDP/HSDP context (rank 0 alone
+    measures energy, shows progress, writes); ``progress``: the bar, on a terminal only."""
     device = torch.device(ctx.device if ctx is not None else device)
     is_main = ctx is None or ctx.is_main
     vocab = corpus.vocab_size if vocab_size is None else vocab_size

@@ -142,14 +142,10 @@ def _newton_schulz(
 
 
 class MuonWithAdamW(Optimizer):
-    """``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest, stepped
-    together as one ``torch.optim.Optimizer`` (so that one LR scheduler, one ``zero_grad`` and one
-    ``state_dict`` cover both; Note [Muon as people use it]).
-
-    The two torch optimizers do all the math; this class only shares their param groups (each
-    marked ``"muon": True/False``) and their state with itself. ``muon`` and ``adamw`` are the
-    two optimizers (``adamw`` is None where every parameter is a hidden matrix).
-    """
+    """``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest, stepped as
+    one ``Optimizer`` (one scheduler, ``zero_grad`` and ``state_dict``: Note [Muon as people use
+    it]). The two do all the math; this class shares their param groups (``"muon": True/False``) and
+    state. ``adamw`` is None where every parameter is a hidden matrix."""
 
     def __init__(self, hidden: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], lr: float):
         if not hidden:

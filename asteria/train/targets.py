@@ -106,13 +106,10 @@ def time_to_target(
     target: float | None = None,
     extra: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The time-to-target figures of ``runs`` (label -> seed -> records) against ``reference``.
-
-    ``target``: the loss to reach; None takes the reference's mean final validation loss over
-    its seeds. ``extra``: per-label fields to copy into the result (say, the learning rate).
-    JSON-ready (seeds as string keys). Where no target can be set (the reference has no final
-    validation loss), ``target`` is None and the runs carry their final losses only.
-    """
+    """The time-to-target figures of ``runs`` (label -> seed -> records) against ``reference``:
+    ``target`` (None: the reference's mean final validation loss), ``extra`` (per-label fields to
+    copy). JSON-ready; without a settable target, ``target`` is None and the runs carry their final
+    losses only."""
     ref_runs = runs[reference]
     ref_finals = [v for r in ref_runs.values() if (v := final_val_loss(r)) is not None]
     source = "given" if target is not None else "reference"

@@ -1,12 +1,9 @@
 """KL-Shampoo's step over shape groups, as the authors' code computes it.
 
-Owns: the arithmetic of a KL-Shampoo step (kl_shampoo.py says what each option means): AdamW
-for the parameter group's vectors and the blocks' first moments as ``torch._foreach_*`` ops
-(``begin``); the update ``W -= lr * Q (Q^T M Q * s) Q^T`` per shape group (``whole``); the
-factor and eigenvalue EMAs (``statistics``: the authors' ``update_2d_preconditioner`` per shape
-group of matrices, ``update_3d_preconditioner``'s order per block of order 3), which read the
-same bases as the update.
-
+Owns: AdamW for the group's vectors and the blocks' first moments as ``torch._foreach_*`` ops
+(``begin``); the update ``W -= lr * Q (Q^T M Q * s) Q^T`` per shape group (``whole``); the factor
+and eigenvalue EMAs (``statistics``: the authors' ``update_2d_preconditioner`` per group of
+matrices, ``update_3d_preconditioner``'s order per order-3 block), reading the update's bases.
 Must not: decide which blocks refresh, or where the bases come from.
 """
 

@@ -1,13 +1,11 @@
 """Shampoo's step over shape groups, as Meta's Distributed Shampoo computes it.
 
-Owns: the arithmetic of a Shampoo step (shampoo.py says what each option means): the first
-moment and the grafting method as ``torch._foreach_*`` ops over the parameter group
-(``begin``), the factor statistics once per shape group (``statistics``), the roots applied to
-``M / (1 - b1^t)`` per shape group (``into``), grafted to the grafting direction's norm and
+Owns: the arithmetic of a Shampoo step: the first moment and grafting as ``torch._foreach_*``
+ops over the parameter group (``begin``), the factor statistics per shape group
+(``statistics``), the roots applied to ``M / (1 - b1^t)`` per group (``into``), grafted and
 applied (``between``), and with momentum or a tensor ``lr`` each parameter's direction through
-its momentum (``end``, Meta's order).
-
-Must not: decide which blocks refresh, or where the roots come from.
+its momentum (``end``, Meta's order). Must not: decide which blocks refresh, or where the roots
+come from.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """SOAP's step over shape groups: Adam in the eigenbasis, the factor statistics.
 
-Owns: the arithmetic of SOAP's steps 3-6 for a parameter group's blocks (soap.py says which
-blocks and what the refresh is): ``g`` into the bases (``into``), Adam's moments in the
-eigenbasis with every elementwise op over every block at once (``between``), the ratio back
-(``back``) and applied (``after``); in one call where a batch is one piece (``whole``); the
-factor EMAs (``statistics``: one ``bmm`` per shape group and factored dim). Note [Fused
-elementwise steps].
-
-Must not: decide which blocks step or refresh, or where the bases come from.
+Owns: the arithmetic of SOAP's steps 3-6 for a parameter group's blocks: ``g`` into the bases
+(``into``), Adam's moments in the eigenbasis, each elementwise op over every block at once
+(``between``), the ratio back (``back``) and applied (``after``); all in one call for a batch of
+one piece (``whole``); the factor EMAs (``statistics``). Note [Fused elementwise steps]. Must
+not: decide which blocks step or refresh, or where the bases come from.
 """
 
 from __future__ import annotations
