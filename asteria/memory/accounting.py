@@ -11,11 +11,11 @@ equal to the byte). Must not: place anything (``tiers.py``) or allocate.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from asteria.memory.tiers import Arch, BlockSizes
-from asteria.optim.base import KroneckerOptimizer
 
 __all__ = ["detect_arch", "estimate_blocks", "snapshot_tensors"]
 
@@ -37,7 +37,7 @@ def detect_arch(device: torch.device | str) -> Arch:
 
 
 def estimate_blocks(
-    optimizer: KroneckerOptimizer,
+    optimizer: Any,
     name: Callable[[int, int], str] | None = None,
 ) -> list[BlockSizes]:
     """Per block of ``optimizer`` (parameters that require grad), the state bytes by kind:
@@ -75,7 +75,7 @@ def estimate_blocks(
     return out
 
 
-def snapshot_tensors(optimizer: KroneckerOptimizer) -> list[int]:
+def snapshot_tensors(optimizer: Any) -> list[int]:
     """The bytes of every tensor a refresh of ``optimizer``'s blocks snapshots (each job's
     factor, and the basis it starts from), from the same templates as ``estimate_blocks``: what
     the runtime's staging ring holds on a GPU. ``ValueError`` as ``estimate_blocks``."""
@@ -99,7 +99,7 @@ def snapshot_tensors(optimizer: KroneckerOptimizer) -> list[int]:
 
 
 def _block_sizes(
-    optimizer: KroneckerOptimizer, group: dict, block: dict, name: str, pid: int, gi: int
+    optimizer: Any, group: dict, block: dict, name: str, pid: int, gi: int
 ) -> BlockSizes:
     field = optimizer.bases_field
     jobs = [j for j in optimizer.refresh_jobs(block, group) if j is not None]
