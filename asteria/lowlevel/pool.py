@@ -106,10 +106,9 @@ class RefreshFuture(Generic[R]):
         return self._future.status()
 
     def result(self, timeout: float | None = None) -> R:
-        """The job's result, waiting (GIL released) up to ``timeout`` s (None: no limit). Raises
+        """The job's result, waiting (GIL released) up to ``timeout`` s (None: no limit); raises
         ``FutureTimeoutError`` (the job goes on), ``CancelledError``, or the job's error with its
-        block and version: ``MatrixFunctionError`` (failed in its dtype and float64, or a non-finite
-        input), ``ValueError`` (a bad shape)."""
+        block and version (``MatrixFunctionError``, ``ValueError``)."""
         return self._future.result(timeout)
 
     def cancel(self) -> bool:

@@ -154,11 +154,8 @@ def _one_thread(t: torch.Tensor):
 
 
 def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
-    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result run ``fn(float64)`` once,
-    each on one LAPACK thread where ``on`` (the input) is on the CPU.
-
-    ``valid(*outputs)`` is the finiteness gate (``_finite`` unless the caller knows a cheaper
-    exact one)."""
+    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result (``valid``) run ``fn(float64)``
+    once, each on one LAPACK thread where ``on`` is on the CPU."""
     if on is not None:
         with _one_thread(on):
             return _with_fp64_retry(fn, dtype, what, valid)
@@ -192,11 +189,8 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
 def eigh_descending(
     factor: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues and eigenvectors of a symmetric ``factor``, in descending eigenvalue order.
-
-    Computed in ``dtype`` (float64 retry on failure), returned in ``dtype``. The columns of the
-    eigenvector matrix are flipped from LAPACK's ascending order, as SOAP's authors do.
-    """
+    """Eigenvalues and eigenvectors of a symmetric ``factor``, eigenvalues descending (LAPACK's
+    columns flipped, as SOAP's authors do), in ``dtype`` (float64 retry on failure)."""
     _check_square("factor", factor)
     if not _finite(factor):
         raise MatrixFunctionError("eigh: factor has non-finite entries")
@@ -216,13 +210,9 @@ def qr_refresh(
     sort: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One warm-started power iteration plus QR: ``Q = qr(factor @ basis[:, perm]).Q``.
-
-    With ``sort`` (SOAP), the columns of ``basis`` are first ordered by the estimated eigenvalues
-    ``diag(basis^T factor basis)``, descending, and the permutation is returned so that state kept
-    in the old basis (SOAP's second moment) can be permuted the same way. Without ``sort``
-    (KL-Shampoo) the permutation is ``None``.
-    """
+    """One warm-started power iteration plus QR: ``Q = qr(factor @ basis[:, perm]).Q``. With
+    ``sort`` (SOAP) the columns of ``basis`` are first ordered by ``diag(basis^T factor basis)``,
+    descending, and the permutation returned (for state kept in the old basis); else it is None."""
     _check_square("factor", factor)
     if basis.shape != factor.shape:
         raise ValueError(f"basis shape {tuple(basis.shape)} != factor shape {tuple(factor.shape)}")

@@ -301,18 +301,15 @@ class Refresher(Protocol):
 
 
 class NativeRefresher:
-    """The synchronous algorithm: a due refresh is computed and installed in the step itself,
-    at its ``plan``: after the update for SOAP and KL-Shampoo, before it for Shampoo.
+    """The synchronous algorithm: a due refresh computed and installed in the step, at its ``plan``
+    (after the update for SOAP and KL-Shampoo, before it for Shampoo).
 
-    Note [Refresh failures]: a refresh that fails (``MatrixFunctionError``: the matrix function
-    failed in its dtype and again in float64, or gave a non-finite result) installs nothing: the
-    block keeps its previous bases or roots, all of them, and the failure is counted
-    (``failures``: consecutive failures per block; ``failed``: all of them). A success resets the
-    block's count. When a block reaches ``opt.max_consecutive_failures`` failures in a row, the
-    step still runs to its end, every block updated with what it has, and ``end`` raises
-    ``RefreshFailedError``: no step is left half-applied. The runtime keeps, counts and raises
-    after ``RuntimeConfig.max_consecutive_failures`` the same way.
-    """
+    Note [Refresh failures]: a refresh that fails (``MatrixFunctionError``: failed in its dtype and
+    in float64, or not finite) installs nothing: the block keeps all its previous bases or roots,
+    and the failure is counted (``failures`` per block, consecutive; ``failed``); a success resets
+    the block's count. At ``opt.max_consecutive_failures`` in a row the step still runs to its end
+    and ``end`` raises ``RefreshFailedError``: no step is left half-applied. The runtime does the
+    same with ``RuntimeConfig.max_consecutive_failures``."""
 
     closed = False
 

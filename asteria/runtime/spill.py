@@ -32,11 +32,9 @@ class SpillLost(RuntimeError):
 
 
 class SpilledRefresh:
-    """Per dim: ``None``, a tensor or a tuple of tensors/None, kept in the spill store.
-
-    ``host`` holds the values while their writes are in flight, and for good when a write
-    failed (``failed``); ``paged`` says the reads were started ahead of use.
-    """
+    """Per dim: ``None``, a tensor or a tuple of tensors/None, kept in the spill store; ``host``
+    holds the values while their writes are in flight (for good where one failed: ``failed``);
+    ``paged``: the reads were started ahead of use."""
 
     def __init__(self, prefix: str, dims: int) -> None:
         self.prefix = prefix

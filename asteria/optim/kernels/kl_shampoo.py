@@ -26,11 +26,9 @@ passes = 1
 
 
 def adamw_update(param, grad, state, lr, betas, eps, weight_decay) -> None:
-    """One AdamW step with exactly ``torch.optim.AdamW``'s operations (single-tensor path).
-
-    ``state`` holds ``exp_avg``, ``exp_avg_sq`` and the int ``step``; ``param`` is the working
-    copy the optimizer updates (in the state dtype).
-    """
+    """One AdamW step with exactly ``torch.optim.AdamW``'s operations (single-tensor path) on
+    ``param`` (the working copy), ``state`` holding ``exp_avg``, ``exp_avg_sq`` and the int
+    ``step``."""
     beta1, beta2 = betas
     state["step"] += 1
     step = state["step"]
