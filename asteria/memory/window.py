@@ -11,7 +11,7 @@ Note [Bases window]: the device holds copies of a few blocks' host bases: ``slot
 holds exactly these tensors (a hit, by identity: an install replaces them) or from one it fills
 now, the main stream waiting for the copy; then it copies ``upcoming`` (the next read) into
 another slot: the prefetch. A slot is refilled only after the event recorded after its last
-reader (the next ``use`` or ``finish`` records it); the slot in use is never a prefetch's target.
+reader (recorded by that refill, or ``finish``); the slot in use is never a prefetch's target.
 A slot keeps its host sources alive until the copy that read them completed. ``parts(many)`` hands
 out, as hits, copies of tensors a slot holds among its sources (an install reading the bases it
 replaces), filling nothing.
@@ -59,6 +59,7 @@ class BasesWindow:
         self._slots = [_Slot(i) for i in range(slots)]
         self._slot_bytes = 0
         self._current: list[_Slot] = []  # the slots handed out since the last finish()
+        self._read: list[_Slot] = []  # handed out before those, their reader event not recorded
         self._retired: list[tuple[Any, tuple]] = []
         self._clock = itertools.count(1)
         self.fills = self.hits = self.prefetches = self.prefetch_hits = self.part_hits = 0
@@ -104,10 +105,8 @@ class BasesWindow:
         ``fit(need)`` runs before a fill larger than a slot (it resizes or raises); without it such
         a fill raises."""
         if not together:
-            if self._current:  # (``finish``, inline: a call less at every read)
-                event = self.copies.record()
-                for held in self._current:
-                    held.read = event
+            if self._current:  # (their reader event: recorded by a fill of one, or ``finish``)
+                self._read += self._current
                 self._current = []
         else:
             self.together += 1
@@ -144,9 +143,37 @@ class BasesWindow:
         slot.used = next(self._clock)
         if slot not in self._current:
             self._current.append(slot)
-        if upcoming is not None:
-            self._prefetch(*upcoming, exclude=self._current)
-        return list(slot.views)
+        out = list(slot.views)
+        if upcoming is None:
+            return out
+        key, srcs = upcoming  # the prefetch
+        for held in self._slots:  # (``_holding``, inline)
+            h = held.srcs
+            if held.key == key and h is not None and len(h) == len(srcs):
+                if all(map(operator.is_, h, srcs)):
+                    return out
+        need = 0
+        for s in srcs:  # (``bytes_of``, inline)
+            if s is not None:
+                k = s.element_size()
+                need = -(-need // k) * k + s.numel() * k
+        if need == 0 or need > self._slot_bytes:
+            return out
+        victim, current = None, self._current
+        for held in self._slots:  # (``_victim``, inline)
+            if held in current:
+                continue
+            if held.key == key:
+                victim = held
+                break
+            if victim is None or held.used < victim.used:
+                victim = held
+        if victim is not None:
+            self._fill(victim, key, srcs)
+            victim.prefetched = True
+            victim.used = next(self._clock)  # the next block: not what a miss evicts first
+            self.prefetches += 1
+        return out
 
     def parts(self, many: list[Tensors]) -> list[list[torch.Tensor | None] | None]:
         """Per ``srcs`` of ``many``: device copies of ``srcs`` from a slot that holds each of
@@ -208,11 +235,11 @@ class BasesWindow:
     def finish(self) -> None:
         """The blocks handed out since the last ``finish`` are no longer read by kernels issued
         from now on: record the event their slots' next copies wait for."""
-        if self._current:
+        if self._current or self._read:
             event = self.copies.record()
-            for slot in self._current:
+            for slot in self._current + self._read:
                 slot.read = event
-            self._current = []
+            self._current, self._read = [], []
 
     def resize(self, slot_bytes: int) -> None:
         """Every slot to ``slot_bytes`` bytes (waits for every copy and reader first)."""
@@ -272,35 +299,12 @@ class BasesWindow:
                 oldest = slot
         return oldest
 
-    def _prefetch(self, key: Hashable, srcs: Tensors, exclude: Sequence[_Slot]) -> None:
-        for held in self._slots:  # (``_holding``, inline)
-            h = held.srcs
-            if held.key == key and h is not None and len(h) == len(srcs):
-                if all(map(operator.is_, h, srcs)):
-                    return
-        need = 0
-        for s in srcs:  # (``bytes_of``, inline)
-            if s is not None:
-                k = s.element_size()
-                need = -(-need // k) * k + s.numel() * k
-        if need == 0 or need > self._slot_bytes:
-            return
-        slot = None
-        for held in self._slots:  # (``_victim``, inline)
-            if held in exclude:
-                continue
-            if held.key == key:
-                slot = held
-                break
-            if slot is None or held.used < slot.used:
-                slot = held
-        if slot is not None:
-            self._fill(slot, key, srcs)
-            slot.prefetched = True
-            slot.used = next(self._clock)  # the next block: not what a miss evicts first
-            self.prefetches += 1
-
     def _fill(self, slot: _Slot, key: Hashable, srcs: Tensors) -> None:
+        if self._read and slot in self._read:  # its readers' event, recorded now (their kernels
+            event = self.copies.record()  # were issued before, on the same stream)
+            for held in self._read:
+                held.read = event
+            self._read = []
         layout, dsts, copied, where = [], [], [], {}
         for i, s in enumerate(srcs):  # (loops: no call per tensor)
             if s is None:
@@ -323,8 +327,9 @@ class BasesWindow:
         retired = self._retired
         if slot.srcs is not None and slot.copied is not None:
             retired.append((slot.copied, slot.srcs))
-        if len(retired) > len(self._slots):  # (pruned now and then: a query each)
-            self._retired = [(e, s) for e, s in retired if not e.query()]
+        if len(retired) > len(self._slots):  # (pruned now and then; the copies complete in
+            if retired[-1][0].query():  # order, on one stream: the last done, all are)
+                retired.clear()
         slot.key, slot.srcs, slot.views, slot.copied = key, tuple(srcs), views, event
         slot.where = where
         slot.read = None  # the new contents have no reader yet; later copies queue behind this one

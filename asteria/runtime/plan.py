@@ -91,10 +91,11 @@ class Plan:
                 due_now = due_ahead if lead == first_lead else opt.refresh_due(step, hp)
                 due = dues[step] = (due_ahead, due_now)
             due_ahead, due_now = due
+            deciding = []  # (``decide``'s items, in the group's order)
             if decide_all or (due_now and due_ahead):  # every block decides
-                for key, block in zip(g.keys, g.blocks):
-                    e = entries.get(key)
-                    self.decide(key, block, hp, step, due_ahead, due_now, e=e)
+                for k, b in zip(g.keys, g.blocks):
+                    deciding.append((k, b, entries.get(k), None, due_ahead, due_now))
+                self.decide(deciding, hp, step)
                 continue
             mixed = due_now != due_ahead  # the lead or a block's urgency decides (``decide``)
             due_at, slot = -(-step // freq) * freq, step % freq
@@ -121,20 +122,20 @@ class Plan:
                         urgency[key] = (due_at, freq, betas, urgent)
                         due = due_now if urgent else due_ahead
                 if due or e is None or e.owed or e.pending is not None:
-                    self.decide(key, block, hp, step, due_ahead, due_now, e=e, urgent=urgent)
+                    deciding.append((key, block, e, urgent, due_ahead, due_now))
                     continue
                 version = e.version
                 if version is None:  # no basis: only an install gives it one
                     if key in bare:
                         e.boundary_step = step
                         continue
-                    self.decide(key, block, hp, step, False, False, e=e)
+                    deciding.append((key, block, e, None, False, False))
                     continue
                 if staggered and (
                     step - version >= freq
                     or (step - version >= 1 and phases.get(e.name, slot) == slot)
                 ):
-                    self.decide(key, block, hp, step, False, False, e=e)  # its slot or interval
+                    deciding.append((key, block, e, None, False, False))  # slot or interval
                     continue
                 seen = installs_seen.get(e.name)
                 if seen is None or seen[0] != e.installs:
@@ -148,6 +149,8 @@ class Plan:
                         e.bound = bound
                     hist[age] += 1
                 e.boundary_step = step
+            if deciding:
+                self.decide(deciding, hp, step)
         if ages:
             schedule.record_ages(ages)
         if self.requests:
@@ -155,84 +158,75 @@ class Plan:
         if self.waiting:
             self.install_waited()
 
-    def decide(
-        self,
-        key: BlockKey,
-        block: dict,
-        hp: dict,
-        step: int,
-        due_ahead: bool,
-        due_now: bool,
-        forced: bool = False,
-        e: Any = None,
-        urgent: bool | None = None,
-    ) -> None:
-        """Note [Staleness contract] (schedule.py) for one block at ``step``: install what is due,
-        then request (with the plan's others: ``_request``) or coalesce; measure the age of the
-        basis. ``forced``: an interrupted step's skipped decision, due; ``e``, ``urgent``: where
-        known."""
-        schedule, refreshes = self.schedule, self.refreshes
-        freq = hp["precondition_frequency"]
-        if e is None:
-            e = refreshes.entry(key)
-        replicated = refreshes.coherence is not None and refreshes.replicated(key)
-        exact = schedule.fixed or replicated
-        # Notes [First roots], [Rank-deficient factors]: as natively, at its step
-        if urgent is None:
-            urgent = schedule.wait_first and self.urgent(key, block, step, hp)
-        else:
-            urgent = schedule.wait_first and urgent
-        bases = block.get(self.bases_field, ())
-        has_bases = bases.count(None) != len(bases)
-        if forced:
-            due = True
-        elif self.lead == self.first_lead:
-            due = due_ahead
-        else:
-            due = due_now if urgent or not has_bases else due_ahead
-        if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
-            if e.version is not None and (
-                schedule.continuous or (schedule.staggered and not exact)
-            ):
-                cost = lambda: _refresh_cost(block)  # noqa: E731 (asked once per block)
-                due = schedule.due(e, step, freq, due, exact, cost)
-        elif due and e.pending is not None:
-            self._install(key, e, step, block, replicated)  # older than this step's request
-        first = e.version is None and not has_bases  # (its first refresh)
-        if e.version is None:
-            if has_bases:
-                e.version = schedule.initial_version(step, freq)  # a basis made before us
+    def decide(self, items: list[tuple], hp: dict, step: int, forced: bool = False) -> None:
+        """Note [Staleness contract] (schedule.py) for the blocks of ``items`` at ``step``, each
+        ``(key, block state, entry or None, urgency or None, due ahead, due now)``: install what
+        is due, then request (with the plan's others: ``_request``) or coalesce; measure the age
+        of the basis. ``forced``: an interrupted step's skipped decisions, due."""
+        schedule, refreshes, field = self.schedule, self.refreshes, self.bases_field
+        freq, wait_first = hp["precondition_frequency"], schedule.wait_first
+        no_lead, precedes = self.lead == self.first_lead, schedule.precedes_update
+        for key, block, e, urgent, due_ahead, due_now in items:
+            if e is None:
+                e = refreshes.entry(key)
+            replicated = refreshes.coherence is not None and refreshes.replicated(key)
+            exact = schedule.fixed or replicated
+            # Notes [First roots], [Rank-deficient factors]: as natively, at its step
+            if urgent is None:
+                urgent = wait_first and self.urgent(key, block, step, hp)
             else:
-                self._bare.add(key)  # until a refresh installs
-        # Notes [First roots], [Rank-deficient factors]: a first refresh or an urgent one is
-        # waited for and installed at once
-        wait = due and schedule.wait_first and e.pending is None and (first or urgent)
-        schedule.urgent_waits += wait and urgent and e.version is not None
-        if not schedule.precedes_update:
-            schedule.record_ages([(e, step, freq)])  # the update of this step read it already
-        if e.pending is not None and schedule.install_now(
-            e.pending, step, due or e.owed, exact, self.pacer, key
-        ):
-            self._install(key, e, step, block, replicated)
-        elif e.pending is not None and schedule.fixed and not replicated:
-            refreshes.maybe_spill(e)  # a finished refresh waiting for its install step
-        if due and e.pending is not None:
-            if not e.owed:
-                schedule.coalesced += 1
-            e.owed = True  # requested where the refresh in flight is installed
-        elif (
-            due
-            or (e.owed and e.pending is None)
-            or (not urgent and schedule.continuous and schedule.wants(key, e, exact))
-        ):
-            e.owed = False
-            self.requests.append((key, e, block, hp, step, wait, replicated))
-            if replicated:  # (its install, a collective, keeps its place in the plan)
-                self._request()
-            return  # the rest of the decision runs with the plan's requests (``_request``)
-        if schedule.precedes_update:
-            schedule.record_ages([(e, step, freq)])  # installed above, read by this step
-        e.boundary_step = step
+                urgent = wait_first and urgent
+            bases = block.get(field, ())
+            has_bases = bases.count(None) != len(bases)
+            if forced:
+                due = True
+            elif no_lead:
+                due = due_ahead
+            else:
+                due = due_now if urgent or not has_bases else due_ahead
+            if not urgent:  # Notes [Continuous refresh], [Staggered refresh] in schedule.py
+                if e.version is not None and (
+                    schedule.continuous or (schedule.staggered and not exact)
+                ):
+                    cost = lambda b=block: _refresh_cost(b)  # noqa: E731 (asked once a block)
+                    due = schedule.due(e, step, freq, due, exact, cost)
+            elif due and e.pending is not None:
+                self._install(key, e, step, block, replicated)  # older than this request
+            first = e.version is None and not has_bases  # (its first refresh)
+            if e.version is None:
+                if has_bases:
+                    e.version = schedule.initial_version(step, freq)  # a basis made before us
+                else:
+                    self._bare.add(key)  # until a refresh installs
+            # Notes [First roots], [Rank-deficient factors]: a first refresh or an urgent one is
+            # waited for and installed at once
+            wait = due and wait_first and e.pending is None and (first or urgent)
+            schedule.urgent_waits += wait and urgent and e.version is not None
+            if not precedes:
+                schedule.record_ages([(e, step, freq)])  # the update of this step read it
+            if e.pending is not None and schedule.install_now(
+                e.pending, step, due or e.owed, exact, self.pacer, key
+            ):
+                self._install(key, e, step, block, replicated)
+            elif e.pending is not None and schedule.fixed and not replicated:
+                refreshes.maybe_spill(e)  # a finished refresh waiting for its install step
+            if due and e.pending is not None:
+                if not e.owed:
+                    schedule.coalesced += 1
+                e.owed = True  # requested where the refresh in flight is installed
+            elif (
+                due
+                or (e.owed and e.pending is None)
+                or (not urgent and schedule.continuous and schedule.wants(key, e, exact))
+            ):
+                e.owed = False
+                self.requests.append((key, e, block, hp, step, wait, replicated))
+                if replicated:  # (its install, a collective, keeps its place in the plan)
+                    self._request()
+                continue  # the rest of its decision runs with the plan's requests (``_request``)
+            if precedes:
+                schedule.record_ages([(e, step, freq)])  # installed above, read by this step
+            e.boundary_step = step
 
     def _request(self) -> None:
         """The plan's requests, made together (``Refreshes.request_many``), then the rest of their
@@ -359,7 +353,8 @@ class Plan:
             step = refreshes.current_step(key)
             if step > e.boundary_step:  # its decision of that step did not run to its end
                 hp = refreshes.group_of(key)
-                self.decide(key, refreshes.block_state(key), hp, step, True, True, forced=True)
+                item = (key, refreshes.block_state(key), e, None, True, True)
+                self.decide([item], hp, step, forced=True)
         if self.requests:
             self._request()
         if self.waiting:

@@ -148,7 +148,9 @@ class Refreshes:
             jobs = jobs_of(block, group)
             if not any(jobs):
                 continue  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-            pending = PendingRefresh(step, [None] * len(jobs), jobs=jobs, group=group)
+            pending = PendingRefresh(
+                requested=step, futures=[None] * len(jobs), copies=[], jobs=jobs, group=group
+            )
             if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
                 pending.owner = coherence.owner(key)
                 e.pending = pending

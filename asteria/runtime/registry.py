@@ -23,6 +23,7 @@ import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Protocol, runtime_checkable
 
 from asteria.optim.refresher import RefreshFailedError
@@ -100,18 +101,22 @@ class Resolved:
         return False
 
 
-@dataclass
-class PendingRefresh:
-    """A refresh in flight: requested at ``requested`` (its version), one future per dim."""
+class PendingRefresh(SimpleNamespace):
+    """A refresh in flight, made by keyword (a constructor in C: no Python call a request):
+    ``requested`` (its version), ``futures`` (one per dim, None: a dim without a factor),
+    ``copies`` (its snapshot in flight: CUDA, lane), ``jobs`` (per dim, None: no factor); where
+    set, ``group`` (the parameter group: a recompute needs it), ``spilled`` (a
+    spill.SpilledRefresh once the results went to the spill store), ``inputs`` (one of the job
+    inputs, for an exact recompute), ``owner`` (distributed: the rank computing it)."""
 
     requested: int
-    futures: list[RefreshFuture | None]  # None: a dim without a factor
-    copies: list[Any] = field(default_factory=list)  # its snapshot in flight (CUDA, lane)
-    jobs: list[Any] = field(default_factory=list)  # per dim: the job (None: no factor)
-    group: dict | None = None  # the parameter group (a recompute needs it)
-    spilled: Any = None  # a spill.SpilledRefresh once the results went to the spill store
-    inputs: Any = None  # a spill.SpilledRefresh of the job inputs, for an exact recompute
-    owner: int | None = None  # distributed: the rank computing it (None: this rank)
+    futures: list[RefreshFuture | None]
+    copies: list[Any]
+    jobs: list[Any]
+    group: dict | None = None
+    spilled: Any = None
+    inputs: Any = None
+    owner: int | None = None
 
     def done(self) -> bool:
         """Whether every snapshot landed and every job finished (polls, never waits)."""

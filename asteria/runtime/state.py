@@ -144,9 +144,9 @@ def check(
             futures = [Resolved(error=error)]
         else:
             futures = _checked_results(item.get("results"), jobs, factors, where)
-        out.append(
-            (key, PendingRefresh(requested=requested, futures=futures, jobs=jobs, owner=owner))
-        )
+        made = PendingRefresh(requested=requested, futures=futures, copies=[], jobs=jobs)
+        made.owner = owner
+        out.append((key, made))
     return out
 
 

@@ -61,16 +61,10 @@ def _window_gone() -> None:
 
 class _Read(Piece):
     """A piece of the window: its groups, and the runs of a slot each they are read in, each
-    with the window's key of the run and its host tensors (made once a step: ``pieces``), of
-    ``owner``'s window."""
+    with the window's key of the run and its host tensors (made once a step, without a Python
+    call: ``WindowBases.pieces``), of ``_owner``'s window."""
 
     __slots__ = ("runs", "_owner", "_out")
-
-    def __init__(self, runs: list[tuple[list[BlockGroup], tuple, list]], owner: Any) -> None:
-        groups = []
-        for run, _, _ in runs:
-            groups += run
-        self.groups, self.runs, self._owner, self._out = groups, runs, owner, None
 
     def bases(self) -> list:
         """The bases of the piece from the ring, each run in a slot, handed out together; the
@@ -159,12 +153,18 @@ class WindowBases(BasesAccess):
                 for b in g.blocks:
                     srcs += b[field]
             runs.append((run, tuple(keys), srcs))
-        if len(runs) <= window.slots:
-            pieces = [_Read(runs, self)]
-        else:
+        reads = [runs]
+        if len(runs) > window.slots:
             used = window.last_used([(key, srcs) for _, key, srcs in runs])
             order = sorted(range(len(runs)), key=used.__getitem__, reverse=True)
-            pieces = [_Read([runs[i]], self) for i in order]
+            reads = [[runs[i]] for i in order]
+        pieces, new = [], object.__new__
+        for read in reads:
+            piece = new(_Read)
+            piece.groups, piece.runs, piece._owner, piece._out = [], read, self, None
+            for run, _, _ in read:
+                piece.groups += run
+            pieces.append(piece)
         self._sequence = pieces + pieces[-2::-1] if passes == 2 else pieces
         self._at = 0
         return pieces

@@ -4,11 +4,11 @@
   ``asteria/runtime``, no module over 600 lines and no ``# fmt: skip`` more than when they first
   fit, no window vocabulary in ``asteria/optim``, the ``Refresher`` protocol's members and no
   probe of a refresher, at most 18,078 Python lines.
-* Dynamic (``seam_count``'s quick run, SOAP at ``nano`` on the CPU): Python calls per step
-  averaged over a refresh period at most 1.2x native's on the device tier and the window tier
-  whose slots hold a shape group's bases; a quiet window step through at most 15 modules; one
-  refresh request at most 30 Python calls from due to the pool, its jobs built once; native's
-  quiet step the same at L and 2L layers (O(shape groups), not O(blocks)).
+* Dynamic (``seam_count``'s runs on the CPU): per optimizer at ``tiny``, Python calls per step
+  averaged over a refresh period at most 1.2x native's on the device and window tiers, and a
+  quiet window step through at most 15 modules; one refresh request at most 30 Python calls from
+  due to the pool, its jobs built once; native's quiet step the same at L and 2L layers (O(shape
+  groups), not O(blocks)).
 * docs/architecture.md's paths of one step and one refresh request name functions that exist,
   and no Note reference in the repository dangles.
 """
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -78,24 +79,40 @@ def test_the_optimizers_do_not_speak_of_the_window(static):
 
 def test_the_refresher_protocol_is_small_and_unprobed(static):
     assert static["refresher_members"] == PROTOCOL
-    assert static["native_isinstance"] == [] and static["refresher_probes"] == []
+    assert static["native_isinstance"] == []
+    # (hf.py unwraps Accelerate's wrapper of the Trainer's optimizer: ``optimizer`` is the name of
+    # a protocol member, the object is no refresher)
+    wrapper = "asteria/integrations/hf.py:"
+    assert [p for p in static["refresher_probes"] if not p.startswith(wrapper)] == []
 
 
-def test_calls_per_step_request_and_quiet_modules():
-    """The quick dynamic run: SOAP at ``nano`` natively and on the three tiers (module
-    docstring); ``window_tight`` (a slot of one block) is reported, not held: its pieces are
-    per block by construction."""
+@pytest.mark.parametrize("name", ["soap", "shampoo", "kl_shampoo"])
+def test_calls_per_step_and_quiet_modules(name):
+    """At ``tiny`` (as the issue counts), averaged over a refresh period: the device and window
+    tiers at most 1.2x native's calls; a quiet window step through at most 15 modules.
+    ``window_tight`` (a slot of one block) is reported by the tool, not held: its pieces are per
+    block by construction."""
     sc = _seam_count()
-    d = sc.dynamic_report(ROOT, quick=True, log=lambda _: None)
-    v = d["variants"]
-    assert v["soap_device"]["ratio_to_native"] <= MAX_RATIO, v["soap_device"]["per_step"]
-    assert v["soap_window"]["ratio_to_native"] <= MAX_RATIO, v["soap_window"]["per_step"]
-    assert len(v["soap_window"]["quiet_modules"]) <= MAX_QUIET_MODULES
-    growth = d["native_growth"]["soap"]
-    layers = sorted(int(k.split("@")[1]) for k in growth if k.startswith("quiet_calls@"))
-    assert growth[f"blocks@{layers[1]}"] > growth[f"blocks@{layers[0]}"]
-    assert growth[f"quiet_calls@{layers[1]}"] == growth[f"quiet_calls@{layers[0]}"]
     project = sc.Project(ROOT)
+    preset = project.get_preset("tiny")
+    native = sc._period(project, name, "native", preset)["calls_per_step"]
+    for mode in ("device", "window"):
+        v = sc._period(project, name, mode, preset)
+        assert v["calls_per_step"] <= MAX_RATIO * native, (mode, native, v["per_step"])
+        if mode == "window":
+            assert len(v["quiet_modules"]) <= MAX_QUIET_MODULES, v["quiet_modules"]
+
+
+def test_native_is_per_shape_group_and_a_request_is_short():
+    """Native's quiet step the same at L and 2L layers (O(shape groups), not O(blocks)); one
+    refresh request at most 30 Python calls from due to the pool, its jobs built once."""
+    sc = _seam_count()
+    project = sc.Project(ROOT)
+    preset = project.get_preset("nano")
+    small = sc._period(project, "soap", "native", preset)
+    double = dataclasses.replace(preset, num_layers=2 * preset.num_layers)
+    grown = sc._period(project, "soap", "native", double)
+    assert grown["blocks"] > small["blocks"] and grown["quiet_calls"] == small["quiet_calls"]
     for mode in ("device", "window"):
         request = sc._one_request(project, "soap", mode)
         assert request["calls"] <= MAX_REQUEST_CALLS, (mode, request)
