@@ -1,5 +1,5 @@
 """Steps are all or nothing (issue 22, item 2; Notes [All-or-nothing steps] and [Interrupted
-steps] in asteria/runtime/boundary.py). A refresh failure past ``max_consecutive_failures`` and a
+steps] in asteria/runtime/plan.py). A refresh failure past ``max_consecutive_failures`` and a
 barrier timeout raise after the whole step was applied; a failed statistics lane raises at the
 next step's start, before it changes anything; a KeyboardInterrupt anywhere in ``step()`` leaves a
 state from which the next steps are complete and keep the staleness contract. No fault reaches

@@ -281,7 +281,7 @@ def test_hooks_are_signals_and_close_removes_them():
     opt = SOAP(model.parameters(), precondition_frequency=2)
     with Runtime(model, opt, RuntimeConfig(staleness=4, workers=1)) as rt:
         # a forward pre-hook on each Linear (Note [One install batch per step]: the first signal
-        # installs the step's batch, so the runtime arms no backward signals)
+        # installs the step's batch)
         assert rt.stats()["hooks"] == 2
         for _ in range(12):
             opt.zero_grad()
