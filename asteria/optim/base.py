@@ -254,19 +254,6 @@ class KroneckerOptimizer(GradientChecks, StateIO, Optimizer):
                 f"got {group['refresh_dtype']}"
             )
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        check_lr(group["lr"])
-        if "eps" in group:  # Shampoo has Meta's grafting_epsilon instead
-            check_range("eps", group["eps"], 0.0)
-        check_range("weight_decay", group["weight_decay"], 0.0)
-        check_range("precondition_frequency", group["precondition_frequency"], 1, integer=True)
-        check_range("max_preconditioner_dim", group["max_preconditioner_dim"], 1, integer=True)
-        if group["refresh_dtype"] not in (torch.float32, torch.float64):
-            raise ValueError(
-                "refresh_dtype must be torch.float32 or torch.float64, "
-                f"got {group['refresh_dtype']}"
-            )
-
     @torch.compiler.disable  # as torch.optim's own (Note [torch.compile])
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim``'s ``zero_grad``; zeroing in place first lets deferred statistics

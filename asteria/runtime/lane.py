@@ -303,10 +303,6 @@ def _seq(item: tuple) -> int:
     return item[1].seq
 
 
-def _seq(item: tuple) -> int:
-    return item[1].seq
-
-
 # Note [Lane deadlines]
 # ~~~~~~~~~~~~~~~~~~~~~
 # Every wait for the lane (a step's wait for a block's statistics or install, the split update's
