@@ -40,6 +40,9 @@ class Copies(Protocol):
     #: The copy stream (a ``torch.cuda.Stream``), or None for the stand-in: what a fence of the
     #: copies' completion is recorded on (``asteria.memory.StagingSlot.record``).
     stream: Any
+    #: Host memory its copies in flight read, each with the event after which it may be freed
+    #: (``asteria.memory.staging`` keeps it: ``record_stream`` cannot protect host memory).
+    kept: list[tuple[Any, tuple[torch.Tensor, ...]]]
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """A device buffer of ``nbytes`` bytes (uint8)."""
@@ -84,6 +87,7 @@ class CudaCopies:
         least, _greatest = torch.cuda.Stream.priority_range()  # (lowest, highest) priority
         self.stream = torch.cuda.Stream(self.device, priority=least)
         self._host_writes: torch.cuda.Event | None = None  # after the last ``to_host`` copies
+        self.kept: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
         #: ``host_sync`` calls that found the copies to host still in flight (the host waited)
         self.host_waits = 0
 
@@ -177,6 +181,7 @@ class HostCopies:
         self._queue: list[tuple[list, Tensors, Tensors, HostEvent]] = []
         self._host_writes: HostEvent | None = None
         self._unlanded: list[_HostWrites] = []  # copies to host not yet seen by the host
+        self.kept: list[tuple[HostEvent, tuple[torch.Tensor, ...]]] = []
         self.host_waits = 0  # ``host_sync`` calls that found them pending (as CudaCopies')
         self.log: list[tuple] = []
 

@@ -38,20 +38,21 @@ __all__ = ["Snapshot", "snapshot"]
 #: How often ``Snapshot.wait`` polls a released snapshot's copy (no fence left to block on).
 _POLL_S = 0.0005
 
-# The host sources of copies in flight, each with its copy's event (the module docstring).
-_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
-_in_flight_lock = threading.Lock()
+# Guards every ``Copies.kept`` (snapshots of one copy stream may be taken from two threads).
+_kept_lock = threading.Lock()
 
 
-def _retire_landed(done: Any = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
-    """Drop the sources whose copies landed; keep ``keep`` (host memory that ``record_stream``
-    cannot protect: a CPU tensor, a device view of a host block) alive until ``done``, not
-    complete, completes."""
-    with _in_flight_lock:
-        if _in_flight:
-            _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
+def _retire_landed(copies: Copies, done: Any = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
+    """Drop the host sources of ``copies`` whose copies landed; keep ``keep`` (host memory that
+    ``record_stream`` cannot protect: a CPU tensor, a device view of a host block) alive until
+    ``done``, not complete, completes. They are the copy stream's (``Copies.kept``), so what a
+    copy that never ran holds goes with its stream (the CPU stand-in's, closed with a runtime)."""
+    in_flight = copies.kept
+    with _kept_lock:
+        if in_flight:
+            in_flight[:] = [(e, kept) for e, kept in in_flight if not e.query()]
         if keep:
-            _in_flight.append((done, keep))
+            in_flight.append((done, keep))
 
 
 class Snapshot:
@@ -86,7 +87,7 @@ class Snapshot:
         stand-in cannot wait for a copy queued behind an event not complete: RuntimeError."""
         if timeout is None:
             self._done.synchronize()
-            _retire_landed()
+            _retire_landed(self._copies)
             self.landed = True
             return self.tensors
         end = time.monotonic() + timeout
@@ -99,7 +100,7 @@ class Snapshot:
                     f"snapshot: {len(self.tensors)} copies not landed after {timeout} s"
                 )
             time.sleep(_POLL_S)
-        _retire_landed()
+        _retire_landed(self._copies)
         self.landed = True
         return self.tensors
 
@@ -173,8 +174,8 @@ def snapshot(
     dsts = tuple(dsts)
     done = copies.copy(dsts, srcs, [ready])
     landed = bool(done.query())
-    if (keep and not landed) or _in_flight:  # host memory that record_stream does not protect
-        _retire_landed(done, () if landed else tuple(keep))
+    if (keep and not landed) or copies.kept:  # host memory that record_stream cannot protect
+        _retire_landed(copies, done, () if landed else tuple(keep))
     stream = copies.stream  # the slot fence: the copy's completion
     handle, device = (0, -1) if stream is None else (stream.cuda_stream, stream.device.index)
     for lease in leases:
