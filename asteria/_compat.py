@@ -1,27 +1,19 @@
 """What differs between the torch releases Asteria supports, in one place.
 
-Owns: each behaviour of torch that changed inside the supported range (torch 2.11 to 2.15,
-asteria/_supported.py) and Asteria's side of it, decided once from the running torch's release
-(Note [Per-release differences]). The rest of asteria asks here instead of comparing versions.
-
-Must not: import anything of asteria beyond ``asteria._supported`` (the optimizers' base imports
-this module), or hold a difference without a test that runs on every release
-(tests/unit/test_torch_compat.py).
+Owns: each behaviour of torch that changed inside the supported range (asteria/_supported.py)
+and Asteria's side of it, decided once from the running release (Note [Per-release
+differences]); the rest of asteria asks here instead of comparing versions. Must not: import
+anything of asteria beyond ``asteria._supported``, or hold a difference without a test on every
+release (tests/unit/test_torch_compat.py).
 
 Note [Per-release differences]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Measured by running the whole suite on 2.11.0, 2.13.0, 2.14.1 and 2.15.0 (docs/versions.md):
-
-* A bare *set* of parameters given to an optimizer's constructor. torch up to 2.14 accepts it
-  silently (its ``add_param_group`` refuses a set inside a group, from 2.11 on); torch 2.15 warns
-  (``FutureWarning``, "optimizer parameters need to be organized in ordered collections ... This
-  will be an error in a future release") and goes on, and its conformance suite
-  (``torch.testing._internal``'s ``get_error_inputs_for_all_optims``) expects that warning.
-  A set's order changes between runs, and an optimizer's state_dict keys its state by position,
-  so Asteria refuses one where torch does not speak (``TypeError``) and, from 2.15 on, gives
-  torch's own warning and takes the set's order, as torch does: the same rule as ``torch.optim``
-  on each release, stricter only where torch is silent. A set inside a parameter group stays a
-  ``TypeError`` on every release, as in torch.
+Measured with the whole suite on 2.11.0, 2.13.0, 2.14.1 and 2.15.0 (docs/versions.md). A bare
+*set* of parameters: torch up to 2.14 takes it silently, 2.15 warns (``FutureWarning``) and its
+conformance suite expects the warning. A set's order changes between runs and a state_dict is
+positional, so Asteria refuses one where torch is silent (``TypeError``) and from 2.15 gives
+torch's warning and takes the set's order, as torch does; a set inside a group is a
+``TypeError`` everywhere, as in torch.
 """
 
 from __future__ import annotations

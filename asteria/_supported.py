@@ -1,30 +1,21 @@
 """The torch and Python versions Asteria supports, in one place.
 
 Owns: the supported ranges, ``verdict(torch_version)`` (inside, newer, older) and the messages
-that setup.py, ``import asteria`` and ``asteria.info`` give for a torch or Python outside them
-(Note [Supported torch]). What differs between the releases inside the range is
-asteria/_compat.py's.
+that setup.py, ``import asteria`` and ``asteria.info`` give outside them (Note [Supported
+torch]); what differs inside the range is asteria/_compat.py's.
 
 Must not: import torch or anything of asteria: setup.py reads this file before it builds.
 
 Note [Supported torch]
 ~~~~~~~~~~~~~~~~~~~~~~
-Asteria's C++ extension is built against one torch and loads only with it (asteria/_ext.py),
-and its Python code follows torch's optimizer and compile internals closely enough (the step
-hooks' wrapper, the state-dict hooks, ``torch.compiler.disable``, ``torch.testing``'s
-``OptimizerInfo``) that a release is supported only once the whole suite has passed on it:
-torch ``TORCH_MIN`` through ``TORCH_MAX`` (2.11 to 2.15: what CUDA machines have at this date),
-on CPython ``PYTHON_MIN`` through ``PYTHON_MAX``. ``TESTED`` says how each release is tested:
-CI runs the suite at both ends its machine can install (the CPU 2.13.0 wheel in .venv, the CUDA
-2.14.1 wheel, on the CPU, in .venv-cuda; .ci/run), ``make test-torch TORCH=<release>`` against
-any other in a venv of its own, and docs/versions.md records the runs made by hand (2.11, 2.15,
-Python 3.12).
-
-Outside the range, by side:
-  * an older torch is refused (setup.py exits before it builds) with the message that says what
-    works; ``ASTERIA_UNSUPPORTED_TORCH=1`` builds anyway, with a warning;
-  * a newer torch (or Python) builds and runs, with a warning that names the tested range: a new
-    release usually works, and refusing it would stop users at no gain.
+The extension loads only with the torch it was built against (asteria/_ext.py), and the Python
+code follows torch's optimizer and compile internals closely (step hooks, state-dict hooks,
+``torch.compiler.disable``, ``OptimizerInfo``), so a release is supported once the suite passed
+on it: torch ``TORCH_MIN`` through ``TORCH_MAX`` on CPython ``PYTHON_MIN`` through
+``PYTHON_MAX``. ``TESTED`` says how (CI at both ends its machine installs, ``make test-torch
+TORCH=<release>``, docs/versions.md for runs by hand). An older torch is refused before the
+build (``ASTERIA_UNSUPPORTED_TORCH=1`` builds anyway, warning); a newer torch or Python builds and
+runs with a warning naming the tested range.
 """
 
 from __future__ import annotations

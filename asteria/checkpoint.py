@@ -1,26 +1,17 @@
 """Model, Asteria optimizer and runtime checkpoints through ``torch.distributed.checkpoint``.
 
-Owns: how a model, an Asteria optimizer (``SOAP``, ``KLShampoo``, ``Shampoo``) and a
-:class:`~asteria.Runtime` are written to and read from a DCP checkpoint (a directory, or any
-``checkpoint_id`` DCP's default storage accepts), on one process or on every rank of a
-``torch.distributed`` job (DDP, FSDP2 ``fully_shard``, HSDP). Must not: decide when to save,
-hold the caller's other state (LR schedulers, data position: pass them as ``extra``).
+Owns: how a model, an Asteria optimizer and a :class:`~asteria.Runtime` are written to and read
+from a DCP checkpoint, on one process or every rank of a ``torch.distributed`` job (DDP, FSDP2,
+HSDP). Must not: decide when to save, or hold the caller's other state (pass it as ``extra``).
 
-Note [Sharded optimizer checkpoints]: DCP reshards DTensors and treats every plain tensor as
-replicated: of several ranks that save a plain tensor under one key, one writes it. That is right
-for the model (``get_model_state_dict`` gives FSDP2's sharded DTensors, which DCP can load on any
-number of ranks) and wrong for an Asteria optimizer under FSDP2, whose state is per *local shard*:
-its blocks, factors, moments and bases are those of this rank's shard (Note [Distributed
-coherence]). So each rank writes its optimizer's ``state_dict`` (and its runtime's) under keys of
-its own, ``asteria_optimizer.rank<r>``: the tensors as tensors (DCP writes them in parallel) and
-the rest as one pickled *skeleton* that names each tensor's shape and dtype. Loading reads the
-skeleton first, allocates the tensors it names, then reads them.
-
-An optimizer's state cannot be resharded: the factors of two half-shards are not the factors of
-the whole. Loading it on a different number of ranks therefore fails with a message that says
-what to do (load on the ranks that saved it, or load the model alone, which DCP reshards, and let
-the optimizer start fresh), unless every parameter was replicated (DDP, HSDP without sharding, or
-one process): then every rank's state is the same and rank 0's is loaded everywhere.
+Note [Sharded optimizer checkpoints]: DCP reshards DTensors and treats plain tensors as
+replicated (one rank writes a key), right for the model, wrong for an optimizer under FSDP2,
+whose state is per *local shard*. So each rank writes its optimizer's (and runtime's)
+``state_dict`` under keys of its own, ``asteria_optimizer.rank<r>``: the tensors as tensors
+(written in parallel) and the rest as a pickled *skeleton* naming each tensor's shape and dtype,
+read first on load. The state cannot be resharded (two half-shards' factors are not the whole's):
+a load on another number of ranks fails saying what to do, unless every parameter was replicated
+(then rank 0's state loads everywhere).
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asteria.optim.base import local_tensor
+from asteria.optim.tensors import local_tensor
 
 __all__ = ["load", "parts", "save"]
 
@@ -95,11 +86,10 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     runtime: Any | None = None,
 ) -> dict[str, Any] | None:
-    """Read what :func:`save` wrote into ``model``, ``optimizer`` and ``runtime`` (each only if
-    given; load the runtime's part into a runtime attached to the loaded optimizer), and return
-    the ``extra`` it saved (None if none). Collective under ``torch.distributed``. The model may
-    be loaded on any number of ranks; the optimizer and runtime need the same number of ranks as
-    the save unless every parameter was replicated (Note [Sharded optimizer checkpoints])."""
+    """Read what :func:`save` wrote into ``model``, ``optimizer`` and ``runtime`` (each if given;
+    the runtime attached to the loaded optimizer) and return its ``extra`` (None if none).
+    Collective under ``torch.distributed``; the optimizer and runtime need the saving number of
+    ranks unless every parameter was replicated (Note [Sharded optimizer checkpoints])."""
     dcp = _dcp()
     rank, world = _rank_world()
     meta = _meta(dcp, checkpoint_id)

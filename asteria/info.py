@@ -1,15 +1,11 @@
 """``python -m asteria.info``: how the extension was built, what it found, and whether that fits,
 and what the public low-level API can do here.
 
-Owns: the build report (xformers' ``python -m xformers.info`` idea): the supported torch and
-Python range and whether the running ones are inside it (asteria/_supported.py), the extension's
-build record (``asteria/_build_info.py``), ``asteria._C.build_info()``, torch's own config, and
-``asteria.lowlevel.capabilities()`` (CUDA, pinned and mapped memory, the CUDA copy stream,
-O_DIRECT in the spill directory, the LAPACK path, per-worker LAPACK threads, the custom ops).
-``--spill-dir DIR`` probes O_DIRECT there instead of the temporary directory.
-
-Must not: change any state (threads, devices) or build anything; the O_DIRECT probe's 4 KiB
-scratch file is deleted before it returns.
+Owns: the build report (xformers' ``python -m xformers.info`` idea): the supported range and the
+running torch and Python (asteria/_supported.py), the build record (``asteria/_build_info.py``),
+``asteria._C.build_info()``, torch's config and ``asteria.lowlevel.capabilities()``;
+``--spill-dir DIR`` probes O_DIRECT there. Must not: change any state or build anything (the
+probe's scratch file is deleted before it returns).
 """
 
 from __future__ import annotations
@@ -79,11 +75,8 @@ _IN_RANGE = {
 
 
 def verdict(info: dict[str, Any]) -> str:
-    """One line: is this build usable as it stands, and if not, what to do.
-
-    A build against another torch never gets here: ``import asteria`` already refused it with an
-    ImportError that says how to rebuild (asteria/_ext.py).
-    """
+    """One line: is this build usable as it stands, and if not, what to do (a build against another
+    torch never gets here: ``import asteria`` refused it)."""
     if info["torch_in_range"] != "inside" or not info["python_in_range"]:
         return f"OK, outside the tested range ({info['supported_range']}): docs/versions.md"
     if info.get("cuda_missing") and not info["cuda_extension"]:

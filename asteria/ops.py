@@ -1,21 +1,16 @@
 """The matrix functions as ``torch.library`` custom ops: ``torch.ops.asteria.*``.
 
-Owns: the three ops ``asteria::eigh_descending``, ``asteria::qr_refresh`` and
-``asteria::inverse_root``, their fake (meta) kernels, and the Python functions of the same names
-that call them (what ``asteria.lowlevel`` exports). The ops run the pure-torch functions of
-``asteria.optim.matrix_functions`` on any device (the same results, bit for bit) and are opaque to
-``torch.compile``: dynamo records one call per op in the graph instead of breaking it on a
-pybind function or tracing into LAPACK calls and their data-dependent float64 retry.
+Owns: the ops ``asteria::eigh_descending``, ``asteria::qr_refresh`` and ``asteria::inverse_root``,
+their fake kernels, and the Python functions of the same names (what ``asteria.lowlevel``
+exports). They run ``asteria.optim.matrix_functions`` on any device (bit for bit) and are opaque
+to ``torch.compile``: one call per op in the graph, no break on a pybind function, no tracing into
+LAPACK and its float64 retry.
 
-Note [Custom op schemas]: a custom op returns tensors only, so ``qr_refresh``'s "no permutation"
-(``sort=False``) is an empty int64 vector in the op and ``None`` in the Python function. The fake
-kernels make outputs of the shapes, dtypes, strides and device the real kernels return (compiled
-code asserts the strides: eigenvectors and Q come column-major from LAPACK), and refuse the same
-arguments with the same errors as far as they can be told from shapes and values known at trace
-time (a factor that is not a real square matrix, a basis of another shape, ``root`` or
-``epsilon`` not positive);
-non-finite entries are found by the real kernel only. The ops have no autograd formula: they are
-refreshes of optimizer state, which runs under ``torch.no_grad``.
+Note [Custom op schemas]: an op returns tensors only, so ``qr_refresh``'s "no permutation" is an
+empty int64 vector in the op and ``None`` in the Python function. The fake kernels return the real
+ones' shapes, dtypes, strides (eigenvectors and Q column-major) and device, and refuse what they
+can tell at trace time with the same errors; non-finite entries only the real kernel finds. No
+autograd formula: they refresh optimizer state, under ``torch.no_grad``.
 
 Must not: hold math of its own (matrix_functions.py does) or know about optimizers.
 """

@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from asteria._ext import load_extension  # noqa: E402
 from asteria.optim import SOAP, KLShampoo, Shampoo  # noqa: E402
 from asteria.optim.refresher import QRRefresh, RefreshJob, RootRefresh  # noqa: E402
+from asteria.runtime.placement import Submission  # noqa: E402
 from asteria.train.models import get_preset  # noqa: E402
 from bench._common import emit_json, env_header, median, print_table  # noqa: E402
 
@@ -92,7 +93,7 @@ def count_jobs(
                 for job in jobs:
                     key = (job.kind, int(job.factor.shape[0]))
                     counts[key] += 1
-                    example.setdefault(key, job.without_tensors())
+                    example.setdefault(key, job)
     return blocks, counts, example
 
 
@@ -113,7 +114,7 @@ def time_on_one_core(pool: Any, job: RefreshJob, repeats: int) -> float:
     times = []
     for r in range(repeats + 1):
         start = time.perf_counter()
-        job.submit(pool, "capacity", r, r, job.factor, job.basis).result()
+        job.submit(pool, Submission(job, "capacity", r, r)).result()
         times.append(time.perf_counter() - start)
     return median(times[1:])
 

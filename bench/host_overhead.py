@@ -205,15 +205,18 @@ def _profiler(counts: Counts) -> Callable:
     return profile
 
 
-def _counted(counts: Counts, tag: str, extra: str | None, fn: Callable) -> Callable:
-    """``fn`` run under ``tag``, counting ``extra`` once per call."""
+def _counted(
+    counts: Counts, tag: str, extra: str | None, fn: Callable, many: bool = False
+) -> Callable:
+    """``fn`` run under ``tag``, counting ``extra`` once per call (``many``: once per item of
+    its first argument after ``self``, a list of blocks or requests)."""
 
     @functools.wraps(fn)
     def counted(*args: Any, **kwargs: Any) -> Any:
         counts.begin(tag)
         try:
             if extra is not None:
-                counts.add(extra)
+                counts.add(extra, len(args[1]) if many else 1)
             return fn(*args, **kwargs)
         finally:
             counts.end(tag)
@@ -222,14 +225,20 @@ def _counted(counts: Counts, tag: str, extra: str | None, fn: Callable) -> Calla
 
 
 @contextlib.contextmanager
-def _patched(cls: type, name: str, counts: Counts, tag: str, extra: str | None) -> Iterator[None]:
-    """``cls.name`` runs under ``tag`` (and counts ``extra`` once per call) while active."""
-    original = cls.__dict__[name]
-    setattr(cls, name, _counted(counts, tag, extra, original))
+def _patched(
+    cls: type, name: str, counts: Counts, tag: str, extra: str | None, many: bool = False
+) -> Iterator[None]:
+    """``cls.name`` runs under ``tag`` (and counts ``extra`` once per call, or per item:
+    ``_counted``) while active."""
+    own, original = name in cls.__dict__, getattr(cls, name)
+    setattr(cls, name, _counted(counts, tag, extra, original, many))
     try:
         yield
     finally:
-        setattr(cls, name, original)
+        if own:
+            setattr(cls, name, original)
+        else:
+            delattr(cls, name)
 
 
 @contextlib.contextmanager
@@ -326,10 +335,12 @@ def run_pass(
     steps: list[dict[str, int]] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_signals_counted(counts))
-        stack.enter_context(_patched(Refreshes, "request", counts, "request", "requests"))
+        patch = _patched(Refreshes, "request_many", counts, "request", "requests", many=True)
+        stack.enter_context(patch)
         if name != "adamw":
-            cls = type(opt)
-            stack.enter_context(_patched(cls, "install_refresh", counts, "install", "installs"))
+            cls = type(opt)  # (every install goes through ``install_refresh_many``)
+            patch = _patched(cls, "install_refresh_many", counts, "install", "installs", many=True)
+            stack.enter_context(patch)
         if mode != "native":
             with _forced(mode, device, int(args.device_free_gib * 2**30)):
                 placement = {"bases": "device" if mode == "device" else "host"}

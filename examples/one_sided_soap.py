@@ -3,9 +3,10 @@
 Each parameter is viewed as a matrix (its first dim by the product of the others); its smaller
 side gets a factor ``F = EMA(G G^T)`` whose eigenbasis ``Q`` is refreshed every
 ``precondition_frequency`` steps (SOAP's warm-started power iteration + QR), and Adam runs on
-``Q^T G``; 1-D parameters run Adam. This file says what a block holds, how a step updates it, what
-a refresh computes and how it is installed; *when* refreshes run is the base's and the runtime's
-(native: inside ``step()``; under ``asteria.Runtime``: on the worker pool, within the budget).
+``Q^T G``; 1-D parameters run Adam. This file says what a block holds, how a step updates it
+(its kernel, over shape groups of blocks), what a refresh computes and how it is installed;
+*when* refreshes run is the base's and the runtime's (native: inside ``step()``; under
+``asteria.Runtime``: on the worker pool, within the budget).
 """
 
 from __future__ import annotations
@@ -16,27 +17,47 @@ from typing import Any
 import torch
 
 from asteria.optim import KroneckerOptimizer
-from asteria.optim.base import (
-    BlockEnd,
-    QRRefresh,
-    basis_zeros,
-    block_views,
-    check_betas,
-    state_dtype,
-)
 from asteria.optim.blocking import ParamLayout, make_layout
+from asteria.optim.checks import check_betas
+from asteria.optim.kernels import Kernel
 from asteria.optim.kron import gram, mode_products
 from asteria.optim.matrix_functions import eigh_descending
+from asteria.optim.refresher import QRRefresh
+from asteria.optim.tensors import basis_zeros, block_views, state_dtype
 
 __all__ = ["OneSidedSOAP"]
+
+
+class OneSidedKernel(Kernel):
+    """The step's math, per shape group of blocks: the factor EMA, and Adam on ``Q^T G``."""
+
+    def statistics(self, groups, hp) -> None:
+        for g in groups:
+            for block, grad in zip(g.blocks, g.views["grad"]):
+                _accumulate(block["factors"], grad, hp["betas"][1])
+
+    def whole(self, groups, bases, hp) -> None:
+        (beta1, beta2), lr = hp["betas"], hp["lr"]
+        for g, qs in zip(groups, bases):
+            step_size = lr * (1 - beta2**g.step) ** 0.5 / (1 - beta1**g.step)
+            for block, q, grad, w in zip(g.blocks, qs, g.views["grad"], g.views["weight"]):
+                g_rot = mode_products(grad, q, transpose=True)
+                block["exp_avg"].lerp_(g_rot, 1 - beta1)
+                block["exp_avg_sq"].mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
+                ratio = block["exp_avg"] / block["exp_avg_sq"].sqrt().add_(hp["eps"])
+                w.add_(mode_products(ratio, q, transpose=False), alpha=-step_size)
+
+    def end(self, work, hp) -> None:
+        for u in work.updates:
+            u.p.mul_(1 - hp["lr"] * hp["weight_decay"])
 
 
 class OneSidedSOAP(KroneckerOptimizer):
     """Adam in the refreshed eigenbasis of the smaller side's factor of each parameter."""
 
-    reads_bases_through_refresher = True  # the update reads bases only via refresher.bases
+    kernel = OneSidedKernel()
+    phases = ("update", "statistics", "plan")  # a refresh of step t is used from t + 1, as SOAP's
     install_reads_bases = True  # install_refresh rotates m by Q_old^T Q_new
-    refresh_precedes_update = False  # a refresh of step t is used from step t + 1, as SOAP's
 
     def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.01, precondition_frequency: int = 10,
@@ -80,7 +101,7 @@ class OneSidedSOAP(KroneckerOptimizer):
             "bases": per_dim(lambda d: basis_zeros(d, dtype, device)),  # column-major
         }
 
-    # -- the algorithm -------------------------------------------------------------------------
+    # -- the first step ------------------------------------------------------------------------
 
     def _init_param(self, pid, p, grad, group, state, layout) -> None:
         """The first gradient sets the factor and its eigenbasis; no update (SOAP's rule)."""
@@ -94,27 +115,6 @@ class OneSidedSOAP(KroneckerOptimizer):
                 for f in block["factors"]
             ]
             state["blocks"].append(block)
-
-    def _update_param(self, pid, p, grad, group, state, layout) -> None:
-        (beta1, beta2), t = group["betas"], state["step"] + 1
-        state["step"] = t
-        step_size = group["lr"] * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
-        ends = []
-        for bi, (block, g, w) in enumerate(
-            zip(state["blocks"], block_views(grad, layout), block_views(p, layout))
-        ):
-            q = self.refresher.bases((pid, bi), block)  # the runtime's or the block's own
-            g_rot = mode_products(g, q, transpose=True)
-            block["exp_avg"].lerp_(g_rot, 1 - beta1)
-            block["exp_avg_sq"].mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
-            ratio = block["exp_avg"] / block["exp_avg_sq"].sqrt().add_(group["eps"])
-            w.add_(mode_products(ratio, q, transpose=False), alpha=-step_size)
-            factored = any(f is not None for f in block["factors"])
-            due = factored and t % group["precondition_frequency"] == 0
-            fn = _accumulate if factored else None  # nothing to accumulate for Adam's blocks
-            ends.append(BlockEnd((pid, bi), block, t, due, fn, (block["factors"], g, beta2)))
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        self._end_blocks(group, ends)  # statistics, then each block's boundary, in order
 
     # -- the refresh: described as jobs, so that a runtime can run it elsewhere --------------
 

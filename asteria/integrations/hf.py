@@ -1,22 +1,19 @@
 """Asteria's optimizers and runtime in the Hugging Face ``Trainer``.
 
-The Trainer takes any ``torch.optim.Optimizer`` through ``optimizers=(optimizer, scheduler)``, so
-native mode needs nothing more than an Asteria optimizer; Asteria mode (refreshes on the C++
-workers, off the critical path) adds a callback that attaches an ``asteria.Runtime`` when
-training begins and closes it when training ends. ``trainer_kwargs`` gives both::
+The Trainer takes any ``torch.optim.Optimizer`` (``optimizers=(optimizer, scheduler)``), so
+native mode needs an Asteria optimizer only; Asteria mode adds a callback that attaches an
+``asteria.Runtime`` when training begins and closes it when it ends. ``trainer_kwargs`` gives
+both::
 
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       **trainer_kwargs(model, "soap", lr=3e-3))  # doctest: +SKIP
 
-Checkpoints need nothing: the Trainer saves ``optimizer.state_dict()``, which carries the
-runtime's refreshes in flight (Note [Runtime state in the optimizer's checkpoint] in
-asteria/optim/base.py), and a resumed Trainer loads it before ``on_train_begin``, so the runtime
-attached then installs them. examples/hf_trainer.py trains with it (tests/unit/
-test_train_examples.py).
+Checkpoints need nothing: ``optimizer.state_dict()`` carries the refreshes in flight (Note
+[Runtime state in the optimizer's checkpoint] in asteria/optim/state_io.py), loaded before
+``on_train_begin``. examples/hf_trainer.py trains with it (tests/unit/test_train_examples.py).
 
-Owns: the optimizer a Trainer is given (``make_optimizer``), the runtime callback
-(``AsteriaRuntimeCallback``) and ``trainer_kwargs``. Must not: import transformers before this
-module is imported (asteria.integrations, asteria do not), or change the Trainer's own loop.
+Owns: ``make_optimizer``, ``AsteriaRuntimeCallback`` and ``trainer_kwargs``. Must not: import
+transformers before this module is imported, or change the Trainer's own loop.
 """
 
 from __future__ import annotations

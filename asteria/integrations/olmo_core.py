@@ -1,28 +1,24 @@
 """Asteria's optimizers and runtime in OLMo-core's trainer: ``OptimConfig`` subclasses and a
 runtime callback.
 
-OLMo-core builds its optimizer from an ``OptimConfig`` (``TransformerTrainModuleConfig(optim=...)``
-calls ``optim.build(model)``); every field of the config but ``group_overrides``, ``compile`` and
-``fixed_fields`` becomes a keyword of the optimizer class that ``optimizer()`` returns. So an
-Asteria optimizer in OLMo-core is a dataclass with its hyperparameters (``AsteriaSOAPConfig``,
-``AsteriaKLShampooConfig``, ``AsteriaShampooConfig``), and Asteria mode (refreshes on the C++
-workers) is a trainer callback, ``AsteriaRuntimeCallback``, that attaches an ``asteria.Runtime``
-for the length of ``trainer.fit()``; without it the optimizer runs in native mode::
+OLMo-core builds its optimizer from an ``OptimConfig`` whose fields (but ``group_overrides``,
+``compile`` and ``fixed_fields``) become the optimizer's keywords: so an Asteria optimizer there
+is a dataclass of its hyperparameters (``AsteriaSOAPConfig``, ``AsteriaKLShampooConfig``,
+``AsteriaShampooConfig``), and Asteria mode is a trainer callback, ``AsteriaRuntimeCallback``,
+that attaches an ``asteria.Runtime`` for ``trainer.fit()``::
 
     train_module = TransformerTrainModuleConfig(optim=AsteriaSOAPConfig(lr=3e-3), ...)
     trainer = TrainerConfig(callbacks={"asteria": AsteriaRuntimeCallback()}, ...)
 
-Checkpoints are OLMo-core's own, through ``torch.distributed.checkpoint.state_dict`` with
-OLMo-core's defaults (``flatten_optimizer_state_dict=True``, ``cpu_offload=True``; Note [Flat
-optimizer state] in asteria/optim/state_format.py); the callback's ``state_dict`` (part of the
-trainer state) carries the runtime's refreshes in flight and puts them back after attaching
-(Note [Checkpoints with work in flight] in asteria/runtime/state.py). Single-process and DDP
-only: under FSDP2 the optimizer state is per local shard, which torch's state-dict API cannot
-carry (Asteria refuses it; use ``asteria.checkpoint``). examples/olmo_core_optim.py trains with
-these, and resumes bit for bit (tests/unit/test_train_examples.py).
+Checkpoints are OLMo-core's (DCP's state-dict API with ``flatten_optimizer_state_dict=True``:
+Note [Flat optimizer state] in asteria/optim/state_format.py); the callback's ``state_dict``
+carries the refreshes in flight (Note [Checkpoints with work in flight] in
+asteria/runtime/state.py). Single-process and DDP only (FSDP2's per-shard state: use
+``asteria.checkpoint``). examples/olmo_core_optim.py trains and resumes bit for bit
+(tests/unit/test_train_examples.py).
 
-Owns: the configs and the callback. Must not: import OLMo-core before this module is imported
-(asteria.integrations, asteria do not), or hold optimizer or runtime logic of its own.
+Owns: the configs and the callback. Must not: import OLMo-core before this module is imported,
+or hold optimizer or runtime logic of its own.
 """
 
 from __future__ import annotations
@@ -103,12 +99,9 @@ CONFIGS: dict[str, type[_optim.OptimConfig]] = {
 @dataclass
 class AsteriaRuntimeCallback(_callbacks.Callback):
     """Attach an ``asteria.Runtime`` to the train module's optimizer before training, detach it
-    after (``staleness``/``fixed_delay``/``workers``: ``asteria.RuntimeConfig``'s, None for the
-    default). ``stats`` holds the runtime's ``stats()`` from the moment it was detached.
-
-    Its ``state_dict`` (part of OLMo-core's trainer state) is the runtime's refreshes in flight;
-    a resumed trainer loads it before ``pre_train``, so it is kept until the runtime is attached.
-    """
+    after (``staleness``/``fixed_delay``/``workers``: ``RuntimeConfig``'s; None: default); ``stats``
+    holds its ``stats()`` once detached. Its ``state_dict`` (in OLMo-core's trainer state) is the
+    refreshes in flight, kept from a resume's load until the runtime attaches."""
 
     staleness: int | None = None
     fixed_delay: int | None = None

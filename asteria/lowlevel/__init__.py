@@ -1,32 +1,20 @@
 """Asteria's public low-level API: the parts the runtime is made of, for optimizers of your own.
 
-* the refresh worker pool: ``WorkerPool`` (C++ threads with per-worker LAPACK threads and a
-  nice value), ``submit_eigh`` / ``submit_qr_refresh`` / ``submit_inverse_root`` returning
-  ``RefreshFuture``s (``result(timeout)``, ``cancel()``, deadline order as priority);
-* the matrix functions, synchronous: ``eigh_descending``, ``qr_refresh``, ``inverse_root``
-  (the ``torch.ops.asteria.*`` custom ops, traceable by ``torch.compile``);
-* host memory: ``host_empty`` (aligned, pinned and mapped where a GPU is visible),
-  ``host_empty_like``, ``host_copy``, ``device_view`` (zero-copy CUDA views of pinned memory),
-  ``host_memory_stats``, ``host_tensor_info``, ``is_host_tensor``, ``release_host_cache`` (the
-  blocks ``host_empty(..., reuse=True)`` left for reuse); every tensor owns its memory through
-  its storage;
-* the staging path: ``StagingRing`` / ``StagingSlot`` (fenced, reusable pinned slots),
-  ``copy_stream`` (the copy stream, ``CopyStream``), ``snapshot`` / ``Snapshot``
-  (device-to-host copies into ring slots with their fences);
-* the NVMe spill store: ``SpillStore`` / ``SpillFuture``;
-* ``capabilities()``: what this build and machine offer (``python -m asteria.info`` prints it).
+The refresh worker pool (``WorkerPool``: C++ threads with their LAPACK threads and nice value;
+``submit_eigh`` / ``submit_qr_refresh`` / ``submit_inverse_root`` return ``RefreshFuture``s,
+deadline order as priority); the matrix functions (``eigh_descending``, ``qr_refresh``,
+``inverse_root``: the ``torch.ops.asteria.*`` custom ops); host memory (``host_empty`` and
+friends, ``device_view``, ``host_memory_stats``, ``release_host_cache``: every tensor owns its
+memory through its storage); the staging path (``StagingRing`` / ``StagingSlot``,
+``copy_stream``, ``snapshot`` / ``Snapshot``); the NVMe spill store (``SpillStore`` /
+``SpillFuture``); ``capabilities()`` (``python -m asteria.info`` prints it).
 
-Stability: every name in ``__all__`` is stable across minor versions (0.x -> 0.y): its
-signature keeps working (new parameters come as keyword arguments with defaults), its documented
-contract (docs/api.md) holds, and the errors it documents stay those exception types (messages
-may change). Dict keys of ``stats()`` may be added to, never removed. What may change in a minor
-version: anything not in ``__all__``, ``asteria._C`` (private: the extension's bindings and its
-``_testing_*`` hooks), reprs, the module each name is defined in (import them from here), and
-performance. A breaking change to a name here comes with a deprecation warning for one minor
-version first, and is listed in CHANGELOG.md.
-
-CUDA-only parts (pinned memory, ``device_view``, ``copy_stream("cuda")``) raise
-``CudaUnavailableError`` on a CPU-only build or without a GPU; everything else works on a CPU.
+Stability: every name in ``__all__`` is stable across minor versions (0.x -> 0.y): its signature
+keeps working (new parameters as keywords with defaults), its documented contract (docs/api.md)
+holds, its documented exception types stay; ``stats()`` keys may be added, never removed. Not
+covered: names outside ``__all__``, ``asteria._C``, reprs, the defining module (import from
+here), performance. A breaking change warns for one minor version first (CHANGELOG.md).
+CUDA-only parts raise ``CudaUnavailableError`` on a CPU-only build or machine.
 """
 
 from asteria._C import WaitTimeoutError

@@ -25,12 +25,8 @@ def host_empty(
     pinned: bool | None = None,
     reuse: bool = False,
 ) -> torch.Tensor:
-    """An uninitialized contiguous CPU tensor over a fresh 4 KiB-aligned host block, freed when
-    the last tensor (or view) over it goes. ``pinned``: None pins where a CUDA build sees a GPU,
-    True requires it (``CudaUnavailableError`` otherwise), False never pins. ``reuse``: the block
-    comes from, and goes back to, the process's cache of reused blocks (same size and pinning;
-    at most 4 GiB; ``release_host_cache()`` frees it): for memory allocated and freed often, where
-    registering pinned memory again each time would cost milliseconds."""
+    """``asteria.memory.host_empty`` (a contiguous CPU tensor over a fresh 4 KiB-aligned host
+    block), with ``pinned=True`` raising ``CudaUnavailableError`` where nothing can be pinned."""
     if pinned:
         require_cuda("host_empty(pinned=True) (page-locked host memory)")
     return host.host_empty(shape, dtype, pinned, reuse)

@@ -2,26 +2,19 @@
 jobs, get futures.
 
 Owns: ``WorkerPool`` and ``RefreshFuture``, a typed face of the C++ pool (``asteria._C
-.WorkerPool``, csrc/core/refresh_pool.h) with keyword arguments, a context manager and explicit
-cancellation. The pool's contract is the C++ one: jobs run on its own threads, each with
-``lapack_threads`` LAPACK/BLAS threads of its own and ``nice`` added to its priority; the queue
-runs the job with the smallest ``deadline`` first (ties: submission order), so the deadline is a
-job's priority; a newer submission for the same ``block`` cancels the older one while it is still
-queued; inputs are copied at submission (``copy=False`` hands a CPU tensor over instead);
-``result`` waits with the GIL released; a result is owned by its future alone.
+.WorkerPool``, csrc/core/refresh_pool.h) with keywords, a context manager and cancellation. The
+contract is the C++ one: jobs run on the pool's threads (``lapack_threads`` LAPACK threads and
+``nice`` each); the smallest ``deadline`` runs first (ties: submission order); a newer job of the
+same ``block`` cancels a queued older one; inputs are copied at submission (``copy=False`` hands
+a CPU tensor over); ``result`` waits with the GIL released; a result belongs to its future.
 
-Note [Cancelling a queued job]: the C++ pool cancels a queued job when a newer job for its block
-is submitted, and has no binding that cancels one by itself. ``RefreshFuture.cancel`` therefore
-supersedes the job with the smallest job there is (the eigendecomposition of a 1x1 matrix, with
-the job's version, at the earliest deadline, so that the next free worker runs it in
-microseconds and the block is clear again) and returns whether the job is cancelled: True when
-it was still queued (or already cancelled), False when it is running or finished (a running job
-is never interrupted). The superseding job is counted in ``stats()`` (one more submitted and
-completed). While it waits for a free worker, the block takes only versions at least the
-cancelled job's, as while any job of the block is queued. Only the newest job of a block can be
-cancelled this way; an older one that is not done is running (its successor's submission
-cancelled it otherwise). Binding the C++ ``JobHandle::cancel`` as ``Future.cancel()`` would
-remove the extra job; that needs a rebuild of the extension.
+Note [Cancelling a queued job]: the C++ pool cancels a queued job only when a newer job of its
+block is submitted. ``RefreshFuture.cancel`` therefore supersedes it with the smallest job there
+is (an eigh of a 1x1 matrix, same version, earliest deadline: microseconds) and returns whether
+the job is cancelled (True: it was still queued; False: running or finished, never interrupted).
+The superseding job counts in ``stats()``. Only a block's newest job can be cancelled so (an
+older one not done is running). Binding ``JobHandle::cancel`` would remove the extra job; that
+needs a rebuild of the extension.
 
 Must not: hold scheduling of its own (the C++ queue decides), or keep results (futures do).
 """
@@ -113,12 +106,9 @@ class RefreshFuture(Generic[R]):
         return self._future.status()
 
     def result(self, timeout: float | None = None) -> R:
-        """The job's result, waiting (GIL released) up to ``timeout`` seconds (None: no limit).
-
-        Raises ``FutureTimeoutError`` when the time runs out (the job goes on),
-        ``CancelledError`` for a cancelled job, and the job's own error with its block and
-        version prepended: ``MatrixFunctionError`` for a refresh that failed in its dtype and in
-        float64 or got a non-finite input, ``ValueError`` for a bad shape."""
+        """The job's result, waiting (GIL released) up to ``timeout`` s (None: no limit); raises
+        ``FutureTimeoutError`` (the job goes on), ``CancelledError``, or the job's error with its
+        block and version (``MatrixFunctionError``, ``ValueError``)."""
         return self._future.result(timeout)
 
     def cancel(self) -> bool:
@@ -134,19 +124,13 @@ class RefreshFuture(Generic[R]):
 
 
 class WorkerPool:
-    """``workers`` C++ threads (default: the build's ``default_workers``) that compute refreshes.
-
-    ``lapack_threads``: LAPACK/BLAS threads per worker (per worker where the build has
-    thread-local MKL or OpenMP: ``capabilities().per_worker_lapack_threads``). ``nice``: 0-19,
-    added to the workers' nice value (Linux), so that they yield to the training threads.
-    ``affinity``: CPU cores the workers are pinned to, round robin. ``queue_capacity``: jobs
-    queued at most (a submission beyond it raises RuntimeError). ``trim_bytes``: a worker that
-    goes idle after results of at least this many bytes returns freed memory to the system
-    (``malloc_trim``; 0: never). ValueError names a value out of range.
-
-    The pool shuts down at ``shutdown()``, at the end of a ``with`` block, when it is garbage
-    collected, and at interpreter exit.
-    """
+    """``workers`` C++ threads (default: the build's ``default_workers``) that compute refreshes:
+    ``lapack_threads`` LAPACK threads each (per worker where the build allows:
+    ``capabilities().per_worker_lapack_threads``), ``nice`` (0-19, Linux) added so that they yield
+    to the training, ``affinity`` (cores, round robin), ``queue_capacity`` (a submission beyond it
+    raises RuntimeError), ``trim_bytes`` (an idle worker after results of that many bytes returns
+    memory to the system; 0: never). ValueError names a value out of range. It shuts down at
+    ``shutdown()``, a ``with`` block's end, collection or exit."""
 
     def __init__(
         self,

@@ -1,24 +1,21 @@
 """State sizes of Asteria's optimizers, from shapes alone: what the tier policy is fed.
 
-Owns: ``estimate_blocks``, the bytes each preconditioner block of an optimizer will hold, by kind
-(``tiers.BlockSizes``), in the order a step touches them, computed from the optimizer's own
-description of its state (``state_template``, made on the ``meta`` device) and of its refresh jobs,
-never from which optimizer it is; nothing is allocated, so it works on parameters on the ``meta``
-device (bench/memory.py sizes OLMo-2 1B and 7B that way). ``detect_arch``: the architecture facts of
-a device. The runtime's ``memory_report()`` measures the same kinds on the tensors actually
-allocated, and tests/unit/test_tiers.py checks that the two agree to the byte.
-
-Must not: place anything (``tiers.py``) or allocate.
+Owns: ``estimate_blocks``, the bytes each block of an optimizer will hold, by kind
+(``tiers.BlockSizes``), in the order a step touches them, from the optimizer's own description
+of its state (``state_template`` on the ``meta`` device) and jobs, never from which optimizer it
+is: nothing is allocated (bench/memory.py sizes OLMo-2 7B that way); and ``detect_arch``.
+``memory_report()`` measures the same kinds on the allocated tensors (tests/unit/test_tiers.py:
+equal to the byte). Must not: place anything (``tiers.py``) or allocate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from asteria.memory.tiers import Arch, BlockSizes
-from asteria.optim.base import KroneckerOptimizer
 
 __all__ = ["detect_arch", "estimate_blocks", "snapshot_tensors"]
 
@@ -40,22 +37,15 @@ def detect_arch(device: torch.device | str) -> Arch:
 
 
 def estimate_blocks(
-    optimizer: KroneckerOptimizer,
+    optimizer: Any,
     name: Callable[[int, int], str] | None = None,
 ) -> list[BlockSizes]:
-    """Per block of ``optimizer`` (parameters that require grad), the state bytes by kind.
-
-    Sized from the optimizer's own state template (``KroneckerOptimizer.state_template``, on the
-    ``meta`` device) and refresh jobs (``refresh_jobs`` of that template), so every optimizer
-    that describes its state is sized by the same rule: ``factors`` (a block's ``"factors"``),
-    ``bases`` (its ``bases_field``: bases or inverse roots, in the state dtype), ``moments``
-    (every other tensor of a block, and the parameter-level state outside its blocks, such as
-    Shampoo's first moment and grafting state or AdamW's for KL-Shampoo's vectors), ``results``
-    (what a finished refresh holds: ``RefreshJob.result_bytes``, the basis or root in
-    ``refresh_dtype`` and SOAP's int64 permutation) and ``snapshots`` (a refresh's inputs:
-    ``RefreshJob.input_bytes``, the factor and the basis it starts from). Parameters that are
-    not preconditioned appear as blocks with only moments; parameter-level state is a block of
-    index -1. ``name(pid, block_index)`` names a block (default ``param{pid}[{bi}]``).
+    """Per block of ``optimizer`` (parameters that require grad), the state bytes by kind:
+    ``factors``, ``bases`` (its ``bases_field``, in the state dtype), ``moments`` (every other
+    tensor of a block, and parameter-level state as a block of index -1), ``results``
+    (``RefreshJob.result_bytes``) and ``snapshots`` (``RefreshJob.input_bytes``), from the
+    optimizer's ``state_template`` on the ``meta`` device and its ``refresh_jobs``. Parameters
+    not preconditioned are blocks with moments only. ``name(pid, block_index)`` names a block.
     ``ValueError``: an optimizer without a state template or refresh jobs.
     """
     if name is None:
@@ -85,7 +75,7 @@ def estimate_blocks(
     return out
 
 
-def snapshot_tensors(optimizer: KroneckerOptimizer) -> list[int]:
+def snapshot_tensors(optimizer: Any) -> list[int]:
     """The bytes of every tensor a refresh of ``optimizer``'s blocks snapshots (each job's
     factor, and the basis it starts from), from the same templates as ``estimate_blocks``: what
     the runtime's staging ring holds on a GPU. ``ValueError`` as ``estimate_blocks``."""
@@ -109,7 +99,7 @@ def snapshot_tensors(optimizer: KroneckerOptimizer) -> list[int]:
 
 
 def _block_sizes(
-    optimizer: KroneckerOptimizer, group: dict, block: dict, name: str, pid: int, gi: int
+    optimizer: Any, group: dict, block: dict, name: str, pid: int, gi: int
 ) -> BlockSizes:
     field = optimizer.bases_field
     jobs = [j for j in optimizer.refresh_jobs(block, group) if j is not None]

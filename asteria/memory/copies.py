@@ -1,29 +1,22 @@
 """The copy stream: the one way Asteria copies between host and device memory.
 
-Owns: ``Copies``, what a copy stream offers (device buffers, events recorded on the main stream,
-copies on the copy stream that wait for such events, making the main stream wait for a copy),
-and its two implementations: ``CudaCopies`` (one ``torch.cuda.Stream`` of the least priority
-per device: 0, the default stream's too, Note [Stream priorities] in asteria/runtime/streams.py;
-``torch.cuda.Event``s, ``non_blocking`` copies to and from pinned host memory) and
-``HostCopies``, the CPU stand-in with the same interface (the "device" is the CPU, the copy
-stream a queue of plain copies run in order once the events they wait for completed; events
-record the order and can be completed by hand). The runtime makes one per device and runs both
-directions through it: device-to-host snapshots of a refresh's inputs (asteria/runtime/
-snapshots.py) and host-to-device copies of the bases window (window.py).
+Owns: ``Copies``, what a copy stream offers (device buffers, events on the main stream, copies
+on the copy stream that wait for such events, the main stream waiting for a copy), and two
+implementations: ``CudaCopies`` (a least-priority ``torch.cuda.Stream`` per device, Note [Stream
+priorities] in asteria/runtime/streams.py; events, ``non_blocking`` copies to and from pinned
+memory) and ``HostCopies``, the CPU stand-in (the copy stream a queue of plain copies run in
+order once their events completed; events completed at once or by hand). The runtime makes one
+per device for both directions: snapshots of a refresh's inputs and the bases window's fills.
 
 Must not: decide what is copied or when, or own the memory it copies (the callers keep sources
 and destinations alive until the copy's event has completed).
 
-Note [Host writes]: the bases window keeps the bases in use in pinned host memory, so each
-install copies new bases from the device back there (``to_host``). A blocking copy would make
-the host wait for the GPU to drain the step's queued kernels at every install: with installs
-from module hooks, in the middle of the forward pass. ``to_host`` issues the copies on the main
-stream instead (they read what its kernels just wrote, and the caching allocator reuses a freed
-source only in that stream's order, so the source may be dropped at once) and remembers the
-event after them. Two kinds of reader see the host tensors before that event may have
-completed, and each waits for it: every later ``copy`` on the copy stream (the window's fills,
-the snapshots) waits for it on the device, and a reader on the host (a snapshot the pool copies
-itself, ``state_dict`` through ``Runtime.sync``) calls ``host_sync()`` first.
+Note [Host writes]: behind the window each install copies new bases back to pinned host memory
+(``to_host``). A blocking copy would make the host wait for the GPU at every install (from a
+forward hook, mid-forward), so ``to_host`` issues the copies on the main stream (after the
+kernels that wrote the sources, which may be dropped at once) and remembers the event after
+them; later copy-stream copies wait for it on the device, and a host reader (a snapshot the
+pool copies, ``Runtime.sync``) calls ``host_sync()`` first.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asteria.memory.host import is_host_tensor
+from asteria import _C
 
 __all__ = ["Copies", "CudaCopies", "HostCopies", "HostEvent", "copies_for"]
 
@@ -47,6 +40,9 @@ class Copies(Protocol):
     #: The copy stream (a ``torch.cuda.Stream``), or None for the stand-in: what a fence of the
     #: copies' completion is recorded on (``asteria.memory.StagingSlot.record``).
     stream: Any
+    #: Host memory its copies in flight read, each with the event after which it may be freed
+    #: (``asteria.memory.staging`` keeps it: ``record_stream`` cannot protect host memory).
+    kept: list[tuple[Any, tuple[torch.Tensor, ...]]]
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """A device buffer of ``nbytes`` bytes (uint8)."""
@@ -91,6 +87,7 @@ class CudaCopies:
         least, _greatest = torch.cuda.Stream.priority_range()  # (lowest, highest) priority
         self.stream = torch.cuda.Stream(self.device, priority=least)
         self._host_writes: torch.cuda.Event | None = None  # after the last ``to_host`` copies
+        self.kept: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
         #: ``host_sync`` calls that found the copies to host still in flight (the host waited)
         self.host_waits = 0
 
@@ -166,27 +163,15 @@ class HostEvent:
 
 
 class HostCopies:
-    """The CPU stand-in of ``CudaCopies``: buffers are CPU tensors, and the copy stream is a
-    queue of plain copies, each run (in order) once every event it waits for has completed.
+    """The CPU stand-in of ``CudaCopies``: buffers are CPU tensors, the copy stream a queue of plain
+    copies, each run in order once the events it waits for completed. ``auto_complete``: main stream
+    events complete at once (the runtime's); ``False``: a test completes them
+    (``HostEvent.complete``) and calls ``run()``. ``log`` lists what happened, in order.
 
-    ``auto_complete``: events recorded on the "main stream" are complete at once (the CPU runs
-    the kernels before it returns; what the runtime uses). ``False``: they stay pending until a
-    test completes them by hand (``HostEvent.complete``) and calls ``run()``. ``log`` lists
-    ``("record", event)``, ``("copy", event, waits)`` and ``("to_host", event)`` in the order
-    they happened.
-
-    Note [Stand-in host writes]: the stand-in orders host memory as CUDA does, so that a host
-    reader that forgets to wait fails on the CPU too. ``to_host`` writes its destinations only
-    when its event completes: with ``auto_complete``, when the host waits for it
-    (``host_sync``, ``synchronize`` or the event's ``synchronize``), as a device-to-host copy
-    behind a busy main stream may land no earlier than that, while later copies on the
-    "device" read what it writes (they are ordered after it); by hand otherwise. Until then the
-    host sees in the destinations what they held. And a pair
-    of a ``copy`` whose source and destination are both Asteria host memory (a staging slot
-    filled from a window's host basis) is what CUDA runs on the host at once, waiting for
-    nothing (``copy_`` between two CPU tensors, whatever stream is current): the stand-in runs
-    it at once too, before the queued device-side pairs and their waits.
-    """
+    Note [Stand-in host writes]: the stand-in orders host memory as CUDA does, so that a host reader
+    that forgets to wait fails on the CPU too: ``to_host`` writes its destinations only when its
+    event completes (with ``auto_complete``, when the host waits), while later "device" copies read
+    what it writes; a copy between two Asteria host tensors runs at once, as CUDA runs it."""
 
     stream = None  # no stream: fences of its copies are the CPU stand-in's
 
@@ -196,6 +181,7 @@ class HostCopies:
         self._queue: list[tuple[list, Tensors, Tensors, HostEvent]] = []
         self._host_writes: HostEvent | None = None
         self._unlanded: list[_HostWrites] = []  # copies to host not yet seen by the host
+        self.kept: list[tuple[HostEvent, tuple[torch.Tensor, ...]]] = []
         self.host_waits = 0  # ``host_sync`` calls that found them pending (as CudaCopies')
         self.log: list[tuple] = []
 
@@ -208,21 +194,34 @@ class HostCopies:
         return event
 
     def copy(self, dsts: Tensors, srcs: Tensors, waits: Sequence[HostEvent]) -> HostEvent:
-        on_host = [_host_pair(d, s) for d, s in zip(dsts, srcs)]
-        if any(on_host):  # run by the host at once, as CUDA does (Note [Stand-in host writes])
-            _copy_all(
-                [d for d, h in zip(dsts, on_host) if h], [s for s, h in zip(srcs, on_host) if h]
-            )
-            dsts = [None if h else d for d, h in zip(dsts, on_host)]
+        info, now = _C.host_tensor_info, None
+        for k, (d, s) in enumerate(zip(dsts, srcs)):  # (no Python call per pair)
+            if (
+                d is not None
+                and s is not None
+                and not d.is_cuda
+                and not s.is_cuda
+                and info(d) is not None
+                and info(s) is not None
+            ):
+                now = [] if now is None else now
+                now.append(k)
+        if now:  # run by the host at once, as CUDA does (Note [Stand-in host writes])
+            dsts, to, of = list(dsts), [], []
+            for k in now:
+                to.append(dsts[k])
+                of.append(srcs[k])
+                dsts[k] = None
+            _copy_all(to, of)
         waits = list(waits)
-        if self._host_writes is not None and not self._host_writes.query():
+        if self._host_writes is not None and not self._host_writes._done:
             if self.auto_complete:  # the device reads what the copies to host write; the host
-                srcs = [_landed(s, self._unlanded) for s in srcs]  # sees it once it waits
+                srcs = _landed(srcs, self._unlanded)  # sees it once it waits
             else:
                 waits.append(self._host_writes)
         done = HostEvent(next(self._order))
         self._queue.append((waits, dsts, srcs, done))
-        self.run()
+        self.run()  # (at once where it waits for nothing pending, as the stand-in's device)
         return done
 
     def to_host(self, dsts: Tensors, srcs: Tensors) -> HostEvent:
@@ -236,7 +235,7 @@ class HostCopies:
 
     def host_sync(self) -> None:
         if self._host_writes is not None:
-            if not self._host_writes.query():
+            if not self._host_writes._done:
                 self.host_waits += 1
             for event in self._unlanded:  # in their order (the main stream's)
                 event.synchronize()
@@ -245,10 +244,15 @@ class HostCopies:
 
     def run(self) -> None:
         """Run queued copies, in order, until one waits for an event not yet complete."""
-        while self._queue and all(e.query() for e in self._queue[0][0]):
-            waits, dsts, srcs, done = self._queue.pop(0)
+        queue = self._queue
+        while queue:
+            waits, dsts, srcs, done = queue[0]
+            for event in waits:
+                if not event._done:
+                    return
+            del queue[0]
             _copy_all(dsts, srcs)
-            done.complete()
+            done._done = True  # (a HostEvent's ``complete``)
             self.log.append(("copy", done, waits))
 
     def pending(self) -> int:
@@ -256,8 +260,9 @@ class HostCopies:
         return len(self._queue)
 
     def wait(self, event: HostEvent) -> None:
-        self.run()
-        if not event.query():
+        if self._queue:
+            self.run()
+        if not event._done:
             raise RuntimeError(
                 f"stand-in: the main stream would wait for {event!r}, a copy queued behind a "
                 "reader event that is not complete (complete it, then run())"
@@ -284,54 +289,43 @@ class _HostWrites(HostEvent):
         # device's work on a GPU, so an op counter (bench/host_overhead.py) does not see them.
         with _unseen():
             held = [torch.empty_like(s) for _, s in pairs]
-        _copy_all(held, [s for _, s in pairs])
+        _copy_all(held, [s for _, s in pairs])  # (a to_host: once per install batch)
         self._pairs = [(d, h) for (d, _), h in zip(pairs, held)]
         self._lands_when_waited = lands_when_waited
 
     def complete(self) -> None:
         if not self._done:
-            with _unseen():
-                _copy_all([d for d, _ in self._pairs], [s for _, s in self._pairs])
+            to, of = [], []
+            for d, s in self._pairs:
+                to.append(d)
+                of.append(s)
+            if torch._C._len_torch_dispatch_stack():
+                with _unseen():
+                    _copy_all(to, of)
+            else:
+                _copy_all(to, of)
             self._pairs = []
-        super().complete()
+        self._done = True
 
     def synchronize(self) -> None:
         if self._lands_when_waited:
             self.complete()
-        super().synchronize()
-
-    def value_of(self, dst: torch.Tensor | None) -> torch.Tensor | None:
-        """What this copy writes to ``dst`` (the same tensor memory), if it writes it and has
-        not landed."""
-        if dst is None or self._done:
-            return None
-        for d, s in self._pairs:
-            if (d.data_ptr(), d.shape, d.stride(), d.dtype) == (
-                dst.data_ptr(),
-                dst.shape,
-                dst.stride(),
-                dst.dtype,
-            ):
-                return s
-        return None
+        else:
+            HostEvent.synchronize(self)
 
 
-def _landed(src: torch.Tensor | None, unlanded: list[_HostWrites]) -> torch.Tensor | None:
-    """What the device reads at ``src`` after the copies to host ``unlanded`` (in order): the
-    last of them that writes ``src``, else ``src`` itself."""
-    for event in reversed(unlanded):
-        value = event.value_of(src)
-        if value is not None:
-            return value
-    return src
-
-
-def _host_pair(dst: torch.Tensor | None, src: torch.Tensor | None) -> bool:
-    """Whether a copy from ``src`` into ``dst`` is between two CPU tensors of Asteria host
-    memory (the stand-in's host memory; its device memory is plain CPU tensors)."""
-    if dst is None or src is None or dst.is_cuda or src.is_cuda:
-        return False
-    return is_host_tensor(dst) and is_host_tensor(src)
+def _landed(srcs: Tensors, unlanded: list[_HostWrites]) -> list[torch.Tensor | None]:
+    """What the device reads at each of ``srcs`` after the copies to host ``unlanded`` (in
+    order): what the last of them that writes that tensor memory writes, else the src."""
+    writes = {}
+    for event in unlanded:
+        if not event._done:
+            for d, s in event._pairs:
+                writes[(d.data_ptr(), d.shape, d.stride(), d.dtype)] = s
+    out = []
+    for s in srcs:
+        out.append(s if s is None else writes.get((s.data_ptr(), s.shape, s.stride(), s.dtype), s))
+    return out
 
 
 def copies_for(device: torch.device) -> Copies:
@@ -339,7 +333,7 @@ def copies_for(device: torch.device) -> Copies:
     return CudaCopies(device) if device.type == "cuda" else HostCopies()
 
 
-def _unseen():
+def _unseen() -> Any:
     """Torch dispatch modes (an op counter) off while the CPU stand-in keeps its own books."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -350,8 +344,10 @@ def _copy_all(dsts: Tensors, srcs: Tensors, non_blocking: bool = False) -> None:
     """Each src into its dst in one ``torch._foreach_copy_`` (one dispatch for a window's fill or a
     batch's copy to host, however many tensors: Note [Grouped install copies] in
     asteria/runtime/bases.py); pairs with a None are skipped."""
-    pairs = [(d, s) for d, s in zip(dsts, srcs) if d is not None and s is not None]
-    if pairs:
-        torch._foreach_copy_(
-            [d for d, _ in pairs], [s for _, s in pairs], non_blocking=non_blocking
-        )
+    to, of = [], []
+    for d, s in zip(dsts, srcs):
+        if d is not None and s is not None:
+            to.append(d)
+            of.append(s)
+    if to:
+        torch._foreach_copy_(to, of, non_blocking=non_blocking)

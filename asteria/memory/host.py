@@ -1,18 +1,14 @@
 """Host memory that Asteria owns: aligned tensors (pinned and mapped where a GPU is visible), the
 staging ring, and zero-copy device views.
 
-Owns: the Python face of ``csrc/memory`` in ``asteria._C``. ``host_empty`` makes tensors over 4 KiB
-aligned host blocks (``posix_memalign``; ``cudaHostRegister``-ed in chunks of at most 256 MiB on a
-CUDA build with a GPU, exactly the requested size rounded to 4 KiB, never a power of two).
-``StagingRing`` hands out N reusable slots of one such block, each again only after the copies
-that touched it completed and no tensor view of it is alive. ``device_view`` gives a CUDA tensor
-that aliases pinned host memory (zero-copy reads over the interconnect, or directly on
-unified-memory machines). Every tensor made here owns its memory through its storage: views keep
-it alive, and the last one to go frees it (``host_memory_stats`` counts live blocks and bytes).
+Owns: the Python face of ``csrc/memory``. ``host_empty`` makes tensors over 4 KiB aligned host
+blocks (registered with CUDA in chunks of at most 256 MiB on a CUDA build with a GPU);
+``StagingRing`` hands out reusable slots of one block, each again only once its copies completed
+and no view of it lives; ``device_view`` aliases pinned memory as a CUDA tensor. Every tensor
+owns its memory through its storage (``host_memory_stats`` counts the live blocks).
 
-Must not: decide what lives in host memory or when (the tier policy and the runtime do), or hand
-out memory whose lifetime it does not track. See docs/memory.md for how to use these from an
-optimizer of your own.
+Must not: decide what lives in host memory or when, or hand out memory whose lifetime it does not
+track. docs/memory.md shows their use from an optimizer of your own.
 """
 
 from __future__ import annotations
@@ -69,17 +65,12 @@ def host_empty(
 ) -> torch.Tensor:
     """An uninitialized, contiguous CPU tensor over a fresh 4 KiB-aligned host block.
 
-    ``pinned``: None pins (page-locks and maps for the GPU) where a GPU is visible to a CUDA build
-    and stays pageable elsewhere; True requires pinning (RuntimeError on a CPU-only build or
-    machine); False never pins. Pinned memory makes ``copy_(..., non_blocking=True)`` truly
-    asynchronous and allows ``device_view``.
-
-    ``reuse``: the block comes from the process's cache of reused blocks when one of the same
-    size and pinning is there, and goes back to it (still pinned) when the tensor's memory is
-    freed, instead of being registered and unregistered again: for memory replaced often, like
-    the bases window's (Note [Reused host blocks] in csrc/memory/host_block.cpp). The cache
-    holds at most 4 GiB; ``release_host_cache()`` frees it.
-    """
+    ``pinned``: None pins (page-locked, mapped for the GPU) where a CUDA build sees a GPU, else
+    pageable; True requires pinning (RuntimeError without); False never pins. Pinned memory makes
+    ``non_blocking`` copies asynchronous and allows ``device_view``. ``reuse``: the block comes
+    from, and goes back to (still pinned), the process's cache of blocks of its size and pinning,
+    instead of being registered again: for memory replaced often (Note [Reused host blocks] in
+    csrc/memory/host_block.cpp; at most 4 GiB, ``release_host_cache()`` frees it)."""
     return _C.host_empty(_sizes(shape), dtype, pinned, reuse)
 
 
@@ -124,27 +115,20 @@ def is_host_tensor(tensor: torch.Tensor) -> bool:
 
 
 def device_view(host: torch.Tensor, device: int | str | torch.device | None = None) -> torch.Tensor:
-    """A CUDA tensor with ``host``'s shape, strides and dtype that aliases its pinned memory.
+    """A CUDA tensor with ``host``'s shape, strides and dtype aliasing its pinned memory.
 
-    Zero-copy: kernels read (and write) the host memory over PCIe/NVLink-C2C at every access, so
-    use it for data read once or on unified-memory machines (GH200, GB10); copy per-step operands
-    to the device instead. The view keeps the host memory alive; keep it (or ``host``) alive until
-    the kernels that use it have completed. Raises RuntimeError on a CPU-only build or without a
-    GPU, ValueError for memory that is not from ``host_empty``/a staging slot or is not pinned,
-    and for a view that would span two 256 MiB registration chunks of its block (the driver
-    refuses copies across registrations: view slices of at most one chunk).
+    Zero-copy: kernels read the host memory over the interconnect at every access (for data read
+    once, or unified-memory machines). The view keeps the memory alive; keep it alive until its
+    kernels completed. RuntimeError without a CUDA build or GPU; ValueError for memory not from
+    ``host_empty``/a staging slot, not pinned, or a view spanning two 256 MiB registration chunks.
     """
     return _C.device_view(host, _device_index(device))
 
 
 class StagingSlot:
-    """A lease on one slot of a ``StagingRing``: the right to fill and read the slot until
-    ``release()`` (or the end of a ``with`` block).
-
-    The slot is handed out again only after every copy recorded on it (``record``) completed and
-    every tensor from ``view`` is gone, so releasing early is safe. The runtime fills its slots
-    on the copy stream (``asteria.memory.copies``) and records each copy there.
-    """
+    """A lease on one slot of a ``StagingRing``: the right to fill and read it until ``release()``
+    (or a ``with`` block's end). The slot is handed out again only once every copy recorded on it
+    (``record``) completed and every ``view`` is gone, so releasing early is safe."""
 
     def __init__(self, lease: _C.StagingSlot) -> None:
         self._lease = lease
@@ -206,14 +190,9 @@ class StagingSlot:
 
 
 class StagingRing:
-    """``slots`` reusable host slots of ``slot_bytes`` bytes (rounded up to 4 KiB) in one block,
-    allocated and pinned once (``pinned`` as in ``host_empty``).
-
-    ``acquire`` leases the next free slot in ring order, waiting (GIL released) for copies to
-    complete, views to be dropped and leases to be released; after ``timeout`` seconds it raises
-    ``TimeoutError`` saying what holds the slots. The memory lives until the ring, every lease and
-    every view are gone.
-    """
+    """``slots`` reusable host slots of ``slot_bytes`` (rounded up to 4 KiB) in one block, pinned as
+    in ``host_empty``. ``acquire`` leases the next free slot in ring order, waiting (GIL released)
+    for its copies, views and lease; after ``timeout`` s a ``TimeoutError`` says what holds them."""
 
     def __init__(self, slots: int, slot_bytes: int, pinned: bool | None = None) -> None:
         self._ring = _C.StagingRing(slots, slot_bytes, pinned)

@@ -1,17 +1,14 @@
 """The NVMe tier: tensors spilled to a preallocated scratch file and paged back ahead of use.
 
-Owns: ``SpillStore``, the Python face of ``csrc/io`` (``asteria._C.SpillStore``): string keys,
-tensors in and out (their shapes and dtypes are kept here), asynchronous ``put``/``get_async``
-returning futures, ``prefetch`` (page-in ahead of use, in the order given), ``delete``, ``stats``,
-and ``close``, which deletes the file. The I/O is C++: a small pool of its own threads (not the
-refresh workers) doing pread/pwrite on one file preallocated to the capacity, with O_DIRECT where
-the filesystem allows it and buffered I/O where it refuses (``mode`` says which), and an XXH64
-checksum per slot, checked on every read.
+Owns: ``SpillStore``, the Python face of ``csrc/io``: string keys, tensors in and out (shapes and
+dtypes kept here), asynchronous ``put``/``get_async`` futures, ``prefetch`` (in the order
+given), ``delete``, ``stats`` and ``close`` (which deletes the file). The I/O is C++: its own
+threads doing pread/pwrite on one file preallocated to the capacity (O_DIRECT where allowed:
+``mode``), with an XXH64 checksum per slot checked on every read.
 
-Must not: decide what to spill or when (the tier policy does), or hide an error: a failed write or
-read raises ``SpillIOError`` (an ``OSError`` carrying the errno, e.g. ENOSPC or EIO), and data that
-does not match its checksum raises ``SpillChecksumError`` naming the key; the caller decides
-whether to recompute.
+Must not: decide what to spill or when, or hide an error: a failed write or read raises
+``SpillIOError`` (an ``OSError`` with the errno), a checksum mismatch ``SpillChecksumError``
+naming the key; the caller decides whether to recompute.
 """
 
 from __future__ import annotations
@@ -78,16 +75,12 @@ class SpillFuture:
 class SpillStore:
     """Tensors under string keys in a scratch file of ``capacity_bytes`` in ``path_dir``.
 
-    ``path_dir`` must be an existing writable directory, ideally on a local NVMe drive; the file is
-    preallocated at once (ValueError when it does not fit the free space) and deleted by
-    ``close()`` or when the store is garbage collected. ``io_threads`` (1-64) threads do the I/O.
-    ``mode``: 'auto' (O_DIRECT where the filesystem takes it, else buffered), 'direct' (fail
-    where refused) or 'buffered' (through the page cache).
-
-    ``put`` does not copy a contiguous CPU tensor: do not modify it until its future resolved.
-    ``get`` returns a new CPU tensor over a 4 KiB-aligned pageable block, or fills ``out`` (give a
-    pinned ``host_empty`` tensor there to make the later host-to-device copy asynchronous).
-    """
+    ``path_dir``: an existing writable directory, ideally a local NVMe drive; the file is
+    preallocated (ValueError where it does not fit) and deleted by ``close()`` or collection.
+    ``io_threads`` (1-64) do the I/O; ``mode``: 'auto' (O_DIRECT where taken), 'direct' or
+    'buffered'. ``put`` does not copy a contiguous CPU tensor (leave it until its future resolved);
+    ``get`` returns a new 4 KiB-aligned CPU tensor or fills ``out`` (a pinned one makes the next
+    host-to-device copy asynchronous)."""
 
     def __init__(
         self,

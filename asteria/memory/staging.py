@@ -1,36 +1,20 @@
 """Snapshots of device tensors into the staging ring, on the copy stream, fenced.
 
-Owns: ``Snapshot`` and ``snapshot()``: host copies of a few tensors taken asynchronously on a
-copy stream (``asteria.memory.copies``) into slots of a ``StagingRing``, with the three fences a
-snapshot needs (Note [Snapshot fences]). This is the staging path of the runtime's staged
-snapshots (asteria/runtime/snapshots.py, Note [Staged snapshots]) for a caller of its own.
+Owns: ``Snapshot`` and ``snapshot()``: host copies of a few tensors taken asynchronously on a copy
+stream into slots of a ``StagingRing``, with their three fences (Note [Snapshot fences]): the
+runtime's staged snapshots, and a caller's own.
 
-Note [Snapshot fences]:
-* reader: the copies wait (on the device) for an event the main stream records when the snapshot
-  is taken, so they see every kernel issued before it; the main stream does not wait for them;
-* slot: each slot is fenced with the copy's completion on the copy stream, so the ring hands it
-  out again only once the copy has landed (and the snapshot's tensors are gone and its leases
-  released), never under a copy still writing it;
-* writer: ``fence()`` makes the main stream's later kernels wait for the copies: call it before
-  the sources are written again (the runtime does it at the start of the next step), so that a
-  copy never reads a value written after the snapshot.
-On the CPU stand-in (``HostCopies``) the copies run at once and every fence is complete.
+Note [Snapshot fences]: reader: the copies wait on the device for an event the main stream
+records when the snapshot is taken; slot: each slot is fenced with its copy's completion, handed
+out again only once it landed (and its views are gone); writer: ``fence()`` makes the main
+stream's later kernels wait for the copies, before the sources are written again. The CPU
+stand-in completes every fence at once.
 
-Note [Host sources of a snapshot]: a source in host memory (a block's basis behind the bases
-window, asteria/runtime/window_bases.py) makes its pair a copy between two CPU tensors, which
-CUDA runs on the host at once: the copy stream's waits (the reader fence, the ``to_host`` event)
-order device work only. Such a source may be the destination of a ``to_host`` copy still queued
-on the main stream (the same step's first read hosted the block's new bases, then its boundary
-requested a refresh: Note [Host writes] in asteria/memory/copies.py), so ``snapshot`` waits on
-the host for those copies first (``host_sync``, free once they landed). Without the wait a QR
-refresh started from stale or uninitialised pinned memory, and nothing counted it (issue 50;
-``HostCopies`` orders host memory the same way, Note [Stand-in host writes], so the CPU tests
-see it).
-
-A source must outlive the copy that reads it. For device memory the copy stream's
-``record_stream`` keeps the caching allocator from reusing it; host memory it does not track
-(a device view of an Asteria host block, a CPU tensor) is kept here, with the copy's event, until
-that event completes: past the ``Snapshot`` itself, dropped at a later ``snapshot()`` or wait.
+Note [Host sources of a snapshot]: a host source (a basis behind the window) is copied by the
+host at once, past the copy stream's waits, and may be the destination of a ``to_host`` still
+queued (Note [Host writes] in asteria/memory/copies.py): so ``snapshot`` waits for those first
+(``host_sync``), else a refresh started from stale pinned memory (issue 50). A host source is
+also kept alive here with its copy's event until that completes.
 
 Must not: decide what to snapshot or when.
 """
@@ -47,51 +31,54 @@ import torch
 
 from asteria import _C
 from asteria.memory.copies import Copies
-from asteria.memory.host import StagingRing, StagingSlot, is_host_tensor
+from asteria.memory.host import StagingRing
 
 __all__ = ["Snapshot", "snapshot"]
 
 #: How often ``Snapshot.wait`` polls a released snapshot's copy (no fence left to block on).
 _POLL_S = 0.0005
 
-# The host sources of copies in flight, each with its copy's event (the module docstring).
-_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
-_in_flight_lock = threading.Lock()
+# Guards every ``Copies.kept`` (snapshots of one copy stream may be taken from two threads).
+_kept_lock = threading.Lock()
 
 
-def _retire_landed(done: Any = None, srcs: Sequence[torch.Tensor] = ()) -> None:
-    """Drop the sources whose copies landed; keep the host memory among ``srcs`` (what
+def _retire_landed(copies: Copies, done: Any = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
+    """Drop the host sources of ``copies`` whose copies landed; keep ``keep`` (host memory that
     ``record_stream`` cannot protect: a CPU tensor, a device view of a host block) alive until
-    ``done`` completes."""
-    keep = tuple(t for t in srcs if not t.is_cuda or is_host_tensor(t))
-    with _in_flight_lock:
-        _in_flight[:] = [(e, kept) for e, kept in _in_flight if not e.query()]
-        if keep and not done.query():
-            _in_flight.append((done, keep))
+    ``done``, not complete, completes. They are the copy stream's (``Copies.kept``), so what a
+    copy that never ran holds goes with its stream (the CPU stand-in's, closed with a runtime)."""
+    in_flight = copies.kept
+    with _kept_lock:
+        if in_flight:
+            in_flight[:] = [(e, kept) for e, kept in in_flight if not e.query()]
+        if keep:
+            in_flight.append((done, keep))
 
 
 class Snapshot:
-    """Host copies of tensors in flight on a copy stream (``snapshot()`` makes one).
-
-    ``tensors`` are CPU tensors over the ring's slots, with the sources' shapes and dtypes: read
-    them once ``ready()`` (or after ``wait()``). The slots stay leased until ``release()`` (or the
-    end of a ``with`` block) and busy while any of ``tensors`` or a view of them is alive."""
+    """Host copies of tensors in flight on a copy stream (``snapshot()`` makes one): ``tensors``,
+    CPU tensors over the ring's slots with the sources' shapes and dtypes, to read once ``ready()``
+    (or after ``wait()``); the slots leased until ``release()`` (or a ``with`` block's end) and busy
+    while a view of them lives; ``landed``: the copies are known to have landed."""
 
     def __init__(
         self,
         copies: Copies,
         done: Any,
-        leases: list[StagingSlot],
+        leases: list[Any],
         tensors: tuple[torch.Tensor, ...],
+        landed: bool = False,
     ) -> None:
         self._copies = copies
         self._done = done
         self._leases = leases
         self.tensors = tensors
+        self.landed = landed
 
     def ready(self) -> bool:
         """Whether every copy has landed (no wait)."""
-        return bool(self._done.query())
+        self.landed = self.landed or bool(self._done.query())
+        return self.landed
 
     def wait(self, timeout: float | None = None) -> tuple[torch.Tensor, ...]:
         """Wait for the copies and return ``tensors``: with ``timeout`` None until they landed
@@ -100,7 +87,8 @@ class Snapshot:
         stand-in cannot wait for a copy queued behind an event not complete: RuntimeError."""
         if timeout is None:
             self._done.synchronize()
-            _retire_landed()
+            _retire_landed(self._copies)
+            self.landed = True
             return self.tensors
         end = time.monotonic() + timeout
         for lease in self._leases:
@@ -112,7 +100,8 @@ class Snapshot:
                     f"snapshot: {len(self.tensors)} copies not landed after {timeout} s"
                 )
             time.sleep(_POLL_S)
-        _retire_landed()
+        _retire_landed(self._copies)
+        self.landed = True
         return self.tensors
 
     def fence(self) -> None:
@@ -147,35 +136,50 @@ def snapshot(
     ring: StagingRing,
     copies: Copies,
     timeout: float | None = None,
+    release: bool = False,
 ) -> Snapshot:
-    """Start host copies of ``tensors`` (on ``copies``' device: CUDA tensors with
-    ``CudaCopies``, CPU ones with the stand-in) into one slot of ``ring`` each.
-
-    Waits up to ``timeout`` seconds (None: no limit) for free slots, then raises
-    ``WaitTimeoutError`` saying what holds them (no slot stays leased); ValueError for a tensor
-    larger than a slot. The copies wait for the work issued so far on the current stream
-    (Note [Snapshot fences])."""
+    """Start host copies of ``tensors`` (on ``copies``' device) into one slot of ``ring`` each,
+    after the work issued so far on the current stream (Note [Snapshot fences]). Waits up to
+    ``timeout`` s for slots, then ``WaitTimeoutError`` (none kept); ValueError for a tensor larger
+    than a slot. ``release``: the slots are given back at once (reused once the copies landed and
+    the tensors are gone)."""
     srcs = list(tensors)
-    for i, t in enumerate(srcs):
-        if t.nbytes > ring.slot_bytes:
+    limit, info = ring._ring.slot_bytes, _C.host_tensor_info
+    hosted, keep = False, []
+    for i, t in enumerate(srcs):  # (no Python call per tensor)
+        if t.nbytes > limit:
             raise ValueError(
                 f"snapshot: tensor {i} has {t.nbytes} bytes, more than a slot of the ring "
-                f"({ring.slot_bytes} bytes)"
+                f"({limit} bytes)"
             )
-    if any(not t.is_cuda and is_host_tensor(t) for t in srcs):
+        if not t.is_cuda:
+            keep.append(t)
+            hosted = hosted or info(t) is not None
+        elif info(t) is not None:
+            keep.append(t)
+    if hosted:
         copies.host_sync()  # Note [Host sources of a snapshot]
-    leases: list[StagingSlot] = []
+    acquire, leases = ring._ring.acquire, []
     try:
         for _ in srcs:
-            leases.append(ring.acquire(timeout))
+            leases.append(acquire(timeout))
     except BaseException:
         for lease in leases:
             lease.release()
         raise
     ready = copies.record()  # the reader fence: after every kernel that wrote the sources
-    dsts = tuple(lease.view(t.shape, t.dtype) for lease, t in zip(leases, srcs))
+    dsts = []
+    for lease, t in zip(leases, srcs):
+        dsts.append(lease.view(t.shape, t.dtype))
+    dsts = tuple(dsts)
     done = copies.copy(dsts, srcs, [ready])
-    _retire_landed(done, srcs)  # host memory that record_stream does not protect
+    landed = bool(done.query())
+    if (keep and not landed) or copies.kept:  # host memory that record_stream cannot protect
+        _retire_landed(copies, done, () if landed else tuple(keep))
+    stream = copies.stream  # the slot fence: the copy's completion
+    handle, device = (0, -1) if stream is None else (stream.cuda_stream, stream.device.index)
     for lease in leases:
-        lease.record(copies.stream)  # the slot fence: the copy's completion
-    return Snapshot(copies, done, leases, dsts)
+        lease.record(handle, device)
+        if release:
+            lease.release()
+    return Snapshot(copies, done, leases, dsts, landed)

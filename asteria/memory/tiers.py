@@ -1,46 +1,26 @@
 """The tier policy: which memory tier each kind of optimizer state lives in.
 
 Owns: the state kinds and tiers, the rule that places them (``plan``) and the planned bytes per
-tier and kind. Pure: budgets, architecture facts (``Arch``), per-block state sizes
-(``BlockSizes``, in the order the step touches the blocks) in; a ``Placement`` out. Nothing here
-allocates, touches tensors or knows an optimizer (``accounting.py`` turns an optimizer into
-``BlockSizes``; the runtime carries a placement out).
+tier and kind. Pure: budgets, architecture facts (``Arch``) and per-block sizes (``BlockSizes``,
+in the step's order) in, a ``Placement`` out (``accounting.py`` sizes an optimizer).
 
-State kinds:
-  * ``factors``: the Kronecker factors L, R. Written and read every step: always on the device.
-  * ``moments``: Adam/grafting moments, KL-Shampoo's eigenvalue estimates. Every step: device.
-  * ``bases``: refresh results in use (eigenbases, inverse roots), read every step by the device.
-    ``auto``: host memory. The device reads them through mapped views on unified-memory machines
-    (GH200, GB10) and directly on a CPU-only machine; on a discrete GPU they stay on the device
-    when they fit the bases budget (Note [Bases by budget]), else they are copied into a device
-    window just before use (Note [Bases window] in window.py), which needs an optimizer that
-    reads its bases block by block through the runtime (``bases_window``; Asteria's SOAP,
-    Shampoo and KL-Shampoo do); without it they stay on the device.
-  * ``results``: finished refreshes waiting for their install step (``fixed_delay``). Host;
-    the coldest (last in access order) go to NVMe when ``host_budget_bytes`` binds.
-  * ``snapshots``: a spilled refresh's inputs (factor, basis at request time), kept with it on
-    NVMe so that a corrupt slot is recomputed exactly.
-  * ``staging``: pinned host slots for device snapshots (CUDA only): host.
+Kinds: ``factors`` and ``moments`` (every step: the device); ``bases`` (the results in use:
+``auto`` puts them in host memory, read through mapped views on unified-memory machines and
+directly on a CPU, on a discrete GPU on the device where they fit the budget, Note [Bases by
+budget], else behind a device window, Note [Bases window] in window.py, for an optimizer that
+reads them in the runtime's pieces, ``bases_window``); ``results`` (finished refreshes waiting
+for ``fixed_delay``: host, the coldest to NVMe when ``host_budget_bytes`` binds);
+``snapshots`` (a spilled refresh's inputs, with it on NVMe); ``staging`` (pinned host slots).
 
-Note [Bases by budget]: on a discrete GPU the window costs the step host work per block (a fill,
-its event and its waits; bench/host_overhead.py counts it: 60 more ATen ops and 1.6x the Python
-calls of native SOAP's ``tiny`` step before issue 37) and device time for the copies, while
-bases on the device cost nothing per step. So under ``auto`` the bases stay on the device when
-the device's optimizer state with them (factors, moments, bases) fits ``bases_device_bytes``
-(the runtime passes ``RuntimeConfig.device_bases_fraction`` of the device memory free at attach)
-and ``device_budget_bytes``; only larger states go to host memory behind the window. An
-explicit ``placement`` is followed as given. The placement's notes say which was chosen and why
-(``memory_report()["placement"]["notes"]``).
+Note [Bases by budget]: behind the window a step pays host work per piece and device copies, on
+the device nothing. So under ``auto`` the bases stay on the device where its optimizer state with
+them fits ``bases_device_bytes`` (``device_bases_fraction`` of the memory free at attach) and
+``device_budget_bytes``. ``memory_report()["placement"]["notes"]`` says what was chosen, why.
 
-Note [Window by shape group]: the optimizers update a step's blocks per shape group, reading a
-piece's bases with one ``bases_many`` call, pieces cut at the window's slot (``bases_room``). A
-slot of one block's bases cut every group to single blocks: a fill, an event and the per-block
-ops for each, 4.4x (``tiny``) to 15.6x (16 layers) native SOAP's ATen ops per step, growing with
-the layers. So a slot holds the largest shape group's bases (``BlockSizes.group``: the blocks
-that one batched update reads together), as far as the room the budgets leave beside the
-factors and moments allows (at least the largest block's): a step then fills the window about
-once per shape group, whatever the number of layers, at a device cost of ``window_blocks`` such
-groups instead of ``window_blocks`` blocks.
+Note [Window by shape group]: a slot of one block's bases cut every group to single blocks (4.4x
+to 15.6x native SOAP's ATen ops a step, growing with the layers). So a slot holds the largest
+shape group's bases (``BlockSizes.group``), as far as the room beside the factors and moments
+allows (at least the largest block's): a step fills the window about once per shape group.
 """
 
 from __future__ import annotations
@@ -82,12 +62,9 @@ class Arch:
 
 @dataclass(frozen=True)
 class BlockSizes:
-    """Bytes of one preconditioner block's state, by kind (0 where the block has none).
-
-    ``param``: index of the block's parameter (blocks of one parameter are consecutive).
-    ``moments`` of parameters that are not preconditioned are a block of their own with only
-    moments. ``results`` is one finished refresh of the block; ``snapshots`` its inputs.
-    """
+    """Bytes of one block's state by kind (0: none). ``param``: its parameter's index (a parameter's
+    blocks are consecutive); unpreconditioned parameters' ``moments`` are a block of their own;
+    ``results``: one finished refresh; ``snapshots``: its inputs."""
 
     name: str
     param: int
@@ -103,14 +80,11 @@ class BlockSizes:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each kind lives, and the planned bytes per tier and kind.
-
-    ``tiers``: kind -> tier; ``results`` of the blocks named in ``spilled`` go to ``nvme``
-    instead (with their ``snapshots``). ``bases_access``: how the device reads host bases
-    (``"direct"`` on a CPU-only machine, ``"mapped"`` on unified memory, ``"window"`` through a
-    device window of ``window_bytes``), or ``None`` when they are on the device. ``bytes``: tier
-    -> kind -> planned bytes (peak: every block with a result waiting). ``notes``: why.
-    """
+    """Where each kind lives, and the planned bytes per tier and kind: ``tiers`` (kind -> tier; the
+    ``results``, and ``snapshots``, of the blocks in ``spilled`` go to ``nvme``), ``bases_access``
+    (how the device reads host bases: ``"direct"``, ``"mapped"`` or ``"window"`` of
+    ``window_bytes``; ``None``: on the device), ``bytes`` (tier -> kind -> planned peak bytes) and
+    ``notes`` (why)."""
 
     tiers: dict[str, str]
     spilled: frozenset[str] = frozenset()
@@ -162,16 +136,11 @@ def plan(
     window_blocks: int = 2,
     bases_device_bytes: int | None = None,
 ) -> Placement:
-    """Place every kind of state (see the module docstring for the rules).
-
-    ``blocks``: in access order (the order a step touches them). ``nvme``: whether a spill
-    directory is configured. ``bases_window``: whether the consumer can read host bases through
-    a device window: a ring of ``window_blocks`` slots (the block in use and the next), each as
-    large as the largest block's bases (asteria/memory/window.py). ``bases_device_bytes``: under
-    ``auto`` on a discrete GPU, the bases stay on the device when the device state with them
-    (factors, moments, bases) fits it (Note [Bases by budget]).
-    Raises ``ValueError`` saying what to change when the budgets cannot be met.
-    """
+    """Place every kind of state (the module docstring's rules). ``blocks``: in access order;
+    ``nvme``: a spill directory is configured; ``bases_window``: the consumer can read host bases
+    through a device window (a ring of ``window_blocks`` slots: asteria/memory/window.py);
+    ``bases_device_bytes``: Note [Bases by budget]. A ``ValueError`` says what to change where the
+    budgets cannot be met."""
     _check_budget("device_budget_bytes", device_budget_bytes)
     _check_budget("host_budget_bytes", host_budget_bytes)
     if placement == "auto":

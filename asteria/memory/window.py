@@ -1,52 +1,29 @@
 """The bases window: a ring of device buffers holding the bases of the blocks about to be used.
 
-Owns: ``BasesWindow``, the ordering rules of the ring (Note [Bases window]): which slot a block's
-bases are copied into, what each copy waits for, what the main stream waits for before it reads
-a slot, and how long a copy's host source stays alive. The copies themselves go through the copy
-stream of ``asteria.memory.copies`` (``CudaCopies``, or its CPU stand-in ``HostCopies``, with
-which the ordering logic is tested without a GPU: tests/unit/test_window.py; on a GPU
-tests/gpu/test_window_gpu.py).
+Owns: ``BasesWindow``, the ordering rules of the ring (Note [Bases window]), its copies going
+through ``asteria.memory.copies`` (``CudaCopies``, or the stand-in ``HostCopies``, with which
+tests/unit/test_window.py tests the ordering; on a GPU tests/gpu/test_window_gpu.py). Must not:
+decide what lives in host memory, which block comes next or when a slot grows, or know an
+optimizer.
 
-Must not: decide what lives in host memory, which block comes next or when a slot may grow (the
-runtime does, from the tier policy and the budgets), or know an optimizer.
+Note [Bases window]: the device holds copies of a few blocks' host bases: ``slots`` buffers of
+``slot_bytes``. ``use(key, srcs, upcoming)`` hands out the copies of ``srcs`` from the slot that
+holds exactly these tensors (a hit, by identity: an install replaces them) or from one it fills
+now, the main stream waiting for the copy; then it copies ``upcoming`` (the next read) into
+another slot: the prefetch. A slot is refilled only after the event recorded after its last
+reader (recorded by that refill, or ``finish``); the slot in use is never a prefetch's target.
+A slot keeps its host sources alive until the copy that read them completed. ``parts(many)`` hands
+out, as hits, copies of tensors a slot holds among its sources (an install reading the bases it
+replaces), filling nothing.
 
-Note [Bases window]: on a discrete GPU the bases in use (SOAP's eigenbases, Shampoo's inverse
-roots, KL-Shampoo's bases) live in pinned host memory, and the device holds copies of only a few
-blocks' bases: ``slots`` buffers of ``slot_bytes`` each (tiers.plan's ``window_bytes``).
+Note [Reads together]: ``use(..., together=True)`` keeps what was handed out since the last
+``finish`` valid (a piece whose runs the ring holds in as many slots): none of those slots is a
+refill's or prefetch's victim, and ``finish`` records one event for all; more than the ring
+holds raises.
 
-* ``use(key, srcs, upcoming)`` hands out device copies of ``srcs`` (the block's host tensors):
-  from the slot that already holds exactly these tensors (a hit; tensors are compared by
-  identity, and an install replaces them, so a copy of an older version never matches), or from
-  a slot it fills now. The main stream waits for the slot's copy event before the caller's
-  kernels read it. It then starts copying the ``upcoming`` block (the next one in the step's
-  known order) into another slot: the prefetch, which overlaps the current block's kernels.
-* A slot is refilled only after the event recorded on the main stream after the last kernel that
-  read it: the block handed out last counts as being read until the next ``use`` or ``finish``
-  (the end of the step), which record that event; the copy stream waits for it before the copy.
-  The slot in use is never the target of a prefetch, so with one slot nothing is prefetched and
-  each block's copy waits for the previous block's kernels.
-* A slot keeps the host tensors it was copied from alive; when it is refilled they are retired
-  with the event of the copy that read them and dropped once that event completed, so an install
-  that replaces a block's host tensors never frees memory a copy still reads.
-* ``part(srcs)`` hands out, as a hit, the copies of tensors that a slot holds as part of what it
-  was filled with (one block of a shape group's slot: an install reading the bases it replaces),
-  or None; it fills nothing.
-
-Note [Reads together]: ``use(..., together=True)`` hands out a block's copies while those handed
-out since the last ``finish`` stay valid: a read of several slots at once (a piece of a step
-larger than a slot, whose shape groups the ring holds in as many slots). The slots handed out
-are all "in use": none is a refill's or a prefetch's victim, and ``finish`` records one event
-after their readers for all of them. A read together that needs more slots than the ring has
-raises (the caller sizes its reads: ``WindowBases``).
-
-Note [Slot views by layout]: a fill hands out views of the slot's buffer with its sources'
-shapes, dtypes and strides. Making them costs some five view ops per tensor (a slice, a dtype
-view, the layout check's permute, the strided view, a detach), which a step of a window that
-cannot hold every shape group pays at every fill: 230 of the 552 view ops of an OLMo-150m step
-at 3 layers, and, on a GPU, host time per tensor. The views depend only on the sources' layout
-(dtype, shape, strides, in order), not on their data, so each slot keeps the views it made per
-layout (``_PACKED`` layouts, the oldest dropped first) and a refill with a layout it has packed
-before reuses them: the step's fills then dispatch their copies only.
+Note [Slot views by layout]: a fill hands out views with the sources' shapes, dtypes and strides,
+some five view ops a tensor; they depend on the layout alone, so a slot keeps the views it made
+per layout (``_PACKED``) and a refill reuses them.
 """
 
 from __future__ import annotations
@@ -68,7 +45,6 @@ WINDOW_BLOCKS = 2
 _PACKED = 16
 
 Tensors = Sequence[torch.Tensor | None]
-_USED = operator.attrgetter("used")
 
 
 class BasesWindow:
@@ -83,10 +59,10 @@ class BasesWindow:
         self._slots = [_Slot(i) for i in range(slots)]
         self._slot_bytes = 0
         self._current: list[_Slot] = []  # the slots handed out since the last finish()
+        self._read: list[_Slot] = []  # handed out before those, their reader event not recorded
         self._retired: list[tuple[Any, tuple]] = []
         self._clock = itertools.count(1)
         self.fills = self.hits = self.prefetches = self.prefetch_hits = self.part_hits = 0
-        self.spares = 0
         self.together = 0  # reads handed out together with the ones before (Note [Reads together])
         self.resize(slot_bytes)
 
@@ -123,17 +99,24 @@ class BasesWindow:
         together: bool = False,
         fit: Callable[[int], None] | None = None,
     ) -> list[torch.Tensor | None]:
-        """Device copies of ``srcs`` (the bases of block ``key``), ready for the main stream's
-        next kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot. With
-        ``together``, the copies handed out since the last ``finish`` stay valid too (their
-        slots are neither refilled nor prefetched into: Note [Reads together]). ``fit(need)``
-        is called before a fill of more bytes than a slot has (it resizes the window or
-        raises); without it, such a fill raises."""
+        """Device copies of ``srcs`` (block ``key``'s bases), ready for the main stream's next
+        kernels; then start copying ``upcoming`` (``(key, srcs)``) into another slot. ``together``:
+        the copies handed out since the last ``finish`` stay valid (Note [Reads together]).
+        ``fit(need)`` runs before a fill larger than a slot (it resizes or raises); without it such
+        a fill raises."""
         if not together:
-            self.finish()
+            if self._current:  # (their reader event: recorded by a fill of one, or ``finish``)
+                self._read += self._current
+                self._current = []
         else:
             self.together += 1
-        slot = self._holding(key, srcs)  # a hit fitted when it was filled
+        slot = None
+        for held in self._slots:  # a hit fitted when it was filled (``_holding``, inline)
+            h = held.srcs
+            if held.key == key and h is not None and len(h) == len(srcs):
+                if all(map(operator.is_, h, srcs)):
+                    slot = held
+                    break
         if slot is None:
             if srcs.count(None) == len(srcs):
                 return list(srcs)
@@ -160,54 +143,103 @@ class BasesWindow:
         slot.used = next(self._clock)
         if slot not in self._current:
             self._current.append(slot)
-        if upcoming is not None:
-            self._prefetch(*upcoming, exclude=self._current)
-        return list(slot.views)
+        out = list(slot.views)
+        if upcoming is None:
+            return out
+        key, srcs = upcoming  # the prefetch
+        for held in self._slots:  # (``_holding``, inline)
+            h = held.srcs
+            if held.key == key and h is not None and len(h) == len(srcs):
+                if all(map(operator.is_, h, srcs)):
+                    return out
+        need = 0
+        for s in srcs:  # (``bytes_of``, inline)
+            if s is not None:
+                k = s.element_size()
+                need = -(-need // k) * k + s.numel() * k
+        if need == 0 or need > self._slot_bytes:
+            return out
+        victim, current = None, self._current
+        for held in self._slots:  # (``_victim``, inline)
+            if held in current:
+                continue
+            if held.key == key:
+                victim = held
+                break
+            if victim is None or held.used < victim.used:
+                victim = held
+        if victim is not None:
+            self._fill(victim, key, srcs)
+            victim.prefetched = True
+            victim.used = next(self._clock)  # the next block: not what a miss evicts first
+            self.prefetches += 1
+        return out
 
-    def part(self, srcs: Tensors) -> list[torch.Tensor | None] | None:
-        """Device copies of ``srcs`` from a slot that holds each of them (compared by identity)
-        among the tensors it was filled with, handed out as a hit; None where no slot does."""
-        if all(s is None for s in srcs):
-            return list(srcs)
-        for slot in self._slots:
-            views = _part_of(slot, srcs)
-            if views is not None:
-                self.finish()
-                self.part_hits += 1
+    def parts(self, many: list[Tensors]) -> list[list[torch.Tensor | None] | None]:
+        """Per ``srcs`` of ``many``: device copies of ``srcs`` from a slot that holds each of
+        them (compared by identity) among the tensors it was filled with, handed out as hits,
+        all together (Note [Reads together]); None where no slot does. No Python call per
+        ``srcs``."""
+        out, hit = [], []
+        for srcs in many:
+            found = None
+            if srcs.count(None) == len(srcs):
+                found = list(srcs)
+            for slot in self._slots if found is None else ():
+                held, where, views = slot.srcs, slot.where, []
+                if held is None:
+                    continue
+                for s in srcs:  # (``_part_of``, inline)
+                    if s is None:
+                        views.append(None)
+                        continue
+                    i = where.get(id(s))
+                    if i is None or held[i] is not s:
+                        views = None
+                        break
+                    views.append(slot.views[i])
+                if views is not None:
+                    found = views
+                    self.part_hits += 1
+                    if slot not in hit:
+                        hit.append(slot)
+                    break
+            out.append(found)
+        if hit:
+            self.finish()
+            for slot in hit:
                 self.copies.wait(slot.copied)
                 slot.used = next(self._clock)
-                self._current = [slot]
-                return views
-        return None
-
-    def spare(self, srcs: Tensors) -> list[torch.Tensor | None]:
-        """Device copies of ``srcs`` in a buffer of their own, allocated now and freed with the
-        copies (one copy, one event): a read that the ring cannot hold together (Note [Reads
-        together]); the ring's slots are left as they are."""
-        self.finish()
-        buffer = self.copies.alloc(self.bytes_of(srcs))
-        views = _pack(buffer, srcs)
-        pairs = [(v, q) for v, q in zip(views, srcs) if q is not None]
-        # the buffer is the main stream's: the copy waits for its kernels issued so far
-        ready = self.copies.record()
-        event = self.copies.copy([v for v, _ in pairs], [q for _, q in pairs], [ready])
-        self._retired.append((event, tuple(srcs)))  # the host sources outlive the copy
-        self.copies.wait(event)
-        self.spares += 1
-        return views
+            self._current = hit
+        return out
 
     def holds(self, key: Hashable, srcs: Tensors) -> bool:
         """Whether a slot holds exactly ``srcs`` as ``key``'s (``use`` then hands it out)."""
         return self._holding(key, srcs) is not None
 
+    def last_used(self, reads: list[tuple[Hashable, Tensors]]) -> list[int]:
+        """Per ``(key, srcs)`` of ``reads``: when the slot that holds exactly ``srcs`` as
+        ``key``'s was last handed out (a clock, larger is later), 0 where none holds them."""
+        out = []
+        for key, srcs in reads:  # (``_holding``, inline)
+            used = 0
+            for held in self._slots:
+                h = held.srcs
+                if held.key == key and h is not None and len(h) == len(srcs):
+                    if all(map(operator.is_, h, srcs)):
+                        used = held.used
+                        break
+            out.append(used)
+        return out
+
     def finish(self) -> None:
         """The blocks handed out since the last ``finish`` are no longer read by kernels issued
         from now on: record the event their slots' next copies wait for."""
-        if self._current:
+        if self._current or self._read:
             event = self.copies.record()
-            for slot in self._current:
+            for slot in self._current + self._read:
                 slot.read = event
-            self._current = []
+            self._current, self._read = [], []
 
     def resize(self, slot_bytes: int) -> None:
         """Every slot to ``slot_bytes`` bytes (waits for every copy and reader first)."""
@@ -237,7 +269,6 @@ class BasesWindow:
             "prefetches": self.prefetches,
             "prefetch_hits": self.prefetch_hits,
             "part_hits": self.part_hits,
-            "spares": self.spares,
             "together": self.together,
         }
 
@@ -258,40 +289,49 @@ class BasesWindow:
     def _victim(self, key: Hashable, exclude: Sequence[_Slot]) -> _Slot | None:
         """The slot to fill for ``key``: one holding an older copy of it, else the least
         recently used; never one of ``exclude`` (the slots in use)."""
-        free = [s for s in self._slots if s not in exclude]
-        for slot in free:
+        oldest = None
+        for slot in self._slots:
+            if slot in exclude:
+                continue
             if slot.key == key:
                 return slot
-        return min(free, key=_USED, default=None)
-
-    def _prefetch(self, key: Hashable, srcs: Tensors, exclude: Sequence[_Slot]) -> None:
-        if self._holding(key, srcs) is not None:
-            return
-        if srcs.count(None) == len(srcs) or self.bytes_of(srcs) > self._slot_bytes:
-            return
-        slot = self._victim(key, exclude)
-        if slot is not None:
-            self._fill(slot, key, srcs)
-            slot.prefetched = True
-            slot.used = next(self._clock)  # the next block: not what a miss evicts first
-            self.prefetches += 1
+            if oldest is None or slot.used < oldest.used:
+                oldest = slot
+        return oldest
 
     def _fill(self, slot: _Slot, key: Hashable, srcs: Tensors) -> None:
-        layout = _layout(srcs)  # Note [Slot views by layout]
+        if self._read and slot in self._read:  # its readers' event, recorded now (their kernels
+            event = self.copies.record()  # were issued before, on the same stream)
+            for held in self._read:
+                held.read = event
+            self._read = []
+        layout, dsts, copied, where = [], [], [], {}
+        for i, s in enumerate(srcs):  # (loops: no call per tensor)
+            if s is None:
+                layout.append(None)
+                continue
+            layout.append((s.dtype, s.shape, s.stride()))
+            copied.append(s)
+            where[id(s)] = i
+        layout = tuple(layout)  # Note [Slot views by layout]
         views = slot.packed.get(layout)
         if views is None:
             views = _pack(slot.buffer, srcs)
             if len(slot.packed) >= _PACKED:
                 del slot.packed[next(iter(slot.packed))]
             slot.packed[layout] = views
-        dsts = [v for v, s in zip(views, srcs) if s is not None]
-        waits = [] if slot.read is None else [slot.read]
-        event = self.copies.copy(dsts, [s for s in srcs if s is not None], waits)
+        for v in views:
+            if v is not None:
+                dsts.append(v)
+        event = self.copies.copy(dsts, copied, [] if slot.read is None else [slot.read])
+        retired = self._retired
         if slot.srcs is not None and slot.copied is not None:
-            self._retired.append((slot.copied, slot.srcs))
-        self._retired = [(e, s) for e, s in self._retired if not e.query()]
+            retired.append((slot.copied, slot.srcs))
+        if len(retired) > len(self._slots):  # (pruned now and then; the copies complete in
+            if retired[-1][0].query():  # order, on one stream: the last done, all are)
+                retired.clear()
         slot.key, slot.srcs, slot.views, slot.copied = key, tuple(srcs), views, event
-        slot.where = {id(t): i for i, t in enumerate(srcs) if t is not None}
+        slot.where = where
         slot.read = None  # the new contents have no reader yet; later copies queue behind this one
         self.fills += 1
 
@@ -329,31 +369,6 @@ class _Slot:
         self.prefetched = False
 
 
-def _part_of(slot: _Slot, srcs: Tensors) -> list[torch.Tensor | None] | None:
-    """The views of ``slot`` holding each of ``srcs`` (None stays None), or None."""
-    held, where, views = slot.srcs, slot.where, []
-    if held is None:
-        return None
-    for s in srcs:
-        if s is None:
-            views.append(None)
-            continue
-        i = where.get(id(s))
-        if i is None or held[i] is not s:
-            return None
-        views.append(slot.views[i])
-    return views
-
-
-def _layout(srcs: Tensors) -> tuple:
-    """What the views of a slot filled with ``srcs`` depend on (Note [Slot views by layout])."""
-    return tuple([None if s is None else (s.dtype, s.shape, s.stride()) for s in srcs])
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
 def _pack(buffer: torch.Tensor | None, srcs: Tensors) -> list[torch.Tensor | None]:
     """Views of ``buffer`` with ``srcs``' shapes and dtypes, packed as ``bytes_of`` counts."""
     views: list[torch.Tensor | None] = []
@@ -362,8 +377,9 @@ def _pack(buffer: torch.Tensor | None, srcs: Tensors) -> list[torch.Tensor | Non
         if s is None:
             views.append(None)
             continue
-        offset = _round_up(offset, s.element_size())
-        n = s.numel() * s.element_size()
+        k = s.element_size()
+        offset = -(-offset // k) * k
+        n = s.numel() * k
         views.append(view_like(buffer[offset : offset + n].view(s.dtype), s))
         offset += n
     return views
@@ -374,7 +390,8 @@ def view_like(flat: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     when ``src`` is dense (a permutation of a contiguous tensor, e.g. LAPACK's column-major
     results): kernels then read the copy with the layout they read the original with, which
     keeps their arithmetic, and so the run, bitwise the same."""
-    order = sorted(range(src.dim()), key=lambda i: -src.stride(i))
+    strides = src.stride()  # (its dims by stride, largest first, in order among equals)
+    order = sorted(range(len(strides)), key=strides.__getitem__, reverse=True)
     if src.permute(order).is_contiguous():
-        return flat.as_strided(src.shape, src.stride())
+        return flat.as_strided(src.shape, strides)
     return flat.view(src.shape)

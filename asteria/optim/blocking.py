@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "make_layout",
     "merge_small_dims",
     "over_budget",
+    "warn_over_budget",
     "without_factors",
 ]
 
@@ -87,25 +89,15 @@ class FactorBudgetWarning(UserWarning):
 
 # Note [Factor budget]
 # ~~~~~~~~~~~~~~~~~~~~
-# A ``d x d`` factor costs ``d^2`` elements (SOAP and KL-Shampoo keep a basis of the same size)
-# and ``O(d^3)`` per refresh. Measured on the 2-core AMD EPYC of the project (one thread,
-# fp32): a QR refresh (power iteration + QR) 0.14 s at d = 1024, 0.92 s at 2048, 6.1 s at 4096;
-# an eigh (SOAP's first bases) 0.28, 1.26 and 11 s: about 90 s and 160 s at 10000, with 400 MB
-# a factor. Blocking a long dim at ``max_preconditioner_dim`` (SOAP's and KL-Shampoo's default
-# 10000) made a ``(1, 100000)`` parameter ten blocks of ``(1, 10000)``, each with a 10000-wide
-# factor for a gradient of rank one a step: 4 GB, and no first step within 100 s. So a dim's
-# factor is built only within the budget: at most ``FACTOR_BUDGET_DIM`` (2048) wide, or holding
-# at most ``FACTOR_BUDGET_RATIO`` (16) times the elements of the block it preconditions (a
-# ``(4096, 10000)`` block keeps both factors, an embedding's ``(10000, 768)`` blocks too). A dim
-# over the budget is left unpreconditioned and not split, the SOAP authors' rule for a dim
-# above ``max_precond_dim`` (nikhilvyas/SOAP: no factor, Adam along it); the optimizer warns
-# once (``FactorBudgetWarning``, naming the parameter's shape, the dim and the factor it would
-# have built), and ``ParamLayout.over_budget`` names the dims. KL-Shampoo and Shampoo factor
-# every dim of a block or none: there the parameter goes without factors (their fallback:
-# AdamW, the grafting method). A ``(1, 100000)`` SOAP parameter
-# is one block with a 1 x 1 factor: its first step takes milliseconds
-# (tests/unit/test_layouts.py). At the optimizers' defaults no factor of a square-ish block is
-# affected; Shampoo's 1-D factors (default ``max_preconditioner_dim`` 1024) are never over it.
+# A ``d x d`` factor costs ``d^2`` elements (and a basis as large) and ``O(d^3)`` per refresh (one
+# thread on the project's EPYC: a QR refresh 0.14 s at 1024, 6.1 s at 4096; an eigh 11 s at 4096,
+# 160 s at 10000). Blocking a ``(1, 100000)`` parameter at 10000 made ten 10000-wide factors for a
+# rank-one gradient: 4 GB, no first step within 100 s. So a dim's factor is built only within
+# the budget: at most ``FACTOR_BUDGET_DIM`` (2048) wide, or at most ``FACTOR_BUDGET_RATIO`` (16)
+# times the elements of its block. A dim over it is left unpreconditioned and not split (the SOAP
+# authors' rule: Adam along it), with one ``FactorBudgetWarning``; KL-Shampoo and Shampoo factor
+# every dim of a block or none, so there the parameter goes without factors (AdamW, grafting).
+# At the defaults no square-ish block is affected (tests/unit/test_layouts.py).
 
 
 def without_factors(layout: ParamLayout) -> ParamLayout:
@@ -185,3 +177,30 @@ def make_layout(
         for idx in itertools.product(*per_dim)
     )
     return ParamLayout(view_shape=view, blocks=blocks, over_budget=over)
+
+
+def warn_over_budget(
+    optimizer: str, name: str, p: torch.Tensor, layout: ParamLayout, group: dict, some_dims: bool
+) -> None:
+    """Note [Factor budget]: the warning, once per optimizer, for the first parameter (``name``,
+    ``p`` its local tensor) a dim of which is left without a factor (every dim where the
+    optimizer factors all dims of a block or none: ``some_dims`` False)."""
+    dims = ", ".join(
+        f"dim {i} ({layout.view_shape[i]}: a factor of up to "
+        f"{min(layout.view_shape[i], group['max_preconditioner_dim'])} wide)"
+        for i in layout.over_budget
+    )
+    every = f"(every dim: {optimizer} factors all dims of a block or none) for {dims}"
+    where = f"along {dims}" if some_dims else every
+    warnings.warn(
+        f"{optimizer}: parameter '{name}' of shape {tuple(p.shape)} (viewed as "
+        f"{layout.view_shape}) is left unpreconditioned {where}, as the SOAP authors "
+        f"leave a dim above max_precond_dim: the factor would be wider than "
+        f"{FACTOR_BUDGET_DIM} and hold more than {FACTOR_BUDGET_RATIO} times the elements of "
+        "the block it preconditions (Note [Factor budget] in asteria/optim/blocking.py: "
+        "about 90 s a refresh and 400 MB at 10000 wide on a CPU). To precondition it, "
+        "reshape the parameter so that no dim is much longer than the others. Shown once "
+        "per optimizer.",
+        FactorBudgetWarning,
+        stacklevel=4,
+    )

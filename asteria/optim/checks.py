@@ -1,9 +1,8 @@
-"""Checks of the optimizers' inputs: hyperparameter ranges and finite gradients.
+"""Checks of the optimizers' constructor inputs: hyperparameter ranges and parameters.
 
 Owns: ``check_range`` and its pair/optional variants (a ``ValueError`` that names the argument and
-the allowed range), and ``gradient_verdicts`` (Notes [Non-finite gradients] and [Overflowing
-gradients] in base.py: which gradients of a step have NaN or Inf values or would overflow the
-optimizer's statistics, one fused reduction per gradient, agreed over a DTensor's mesh).
+the allowed range) and the parameters as torch.optim takes them (``param_list``,
+``drop_duplicates``: Note [torch.optim conventions]). A step's own checks are overflow.py's.
 
 Must not: change anything it checks.
 """
@@ -15,15 +14,15 @@ from typing import Any
 
 import torch
 
+from asteria import _compat
+
 __all__ = [
-    "NONFINITE",
-    "OVERFLOW",
     "check_betas",
     "check_lr",
     "check_range",
     "check_shampoo_beta",
-    "finite_flags",
-    "gradient_verdicts",
+    "drop_duplicates",
+    "param_list",
 ]
 
 
@@ -79,96 +78,53 @@ def check_shampoo_beta(value: Any) -> None:
         check_range("shampoo_beta", value, 0.0, 1.0, high_inclusive=False)
 
 
-def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """Whether each gradient is finite (``gradient_verdicts`` without a limit)."""
-    verdicts, _ = gradient_verdicts(grads, [math.inf] * len(grads))
-    return [v != NONFINITE for v in verdicts]
+# Note [torch.optim conventions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# SOAP, KL-Shampoo and Shampoo keep every generic convention of ``torch.optim.Optimizer`` that
+# torch's own tests check (test/test_optim.py), as tests/unit/test_torch_conformance.py checks on
+# an ``OptimizerInfo`` per optimizer, natively and with a runtime: params as tensors, groups or
+# ``(name, tensor)`` pairs (names into ``param_names`` and the ``state_dict``; anything else a
+# ``TypeError`` in torch's words; duplicates warn and are kept once, Note [Duplicate
+# parameters]; a parameter in two groups a ``ValueError``; an empty list one empty group);
+# a 1-element tensor ``lr``; ``state_dict``/``load_state_dict`` with their pre- and post-hooks,
+# deterministic, loading into equal parameters and surviving ``torch.load(weights_only=True)``;
+# ``copy.deepcopy`` and pickling (less the hooks, the refresher and the layout cache); step
+# hooks in torch's order. Not offered: foreach, fused, capturable, differentiable (a
+# ``TypeError``), maximize, complex or sparse parameters or gradients (a ``RuntimeError``).
 
 
-#: ``gradient_verdicts``' verdicts: a NaN or Inf value; finite but over its limit.
-NONFINITE, OVERFLOW = "non-finite", "overflow"
+def param_list(name: str, params: Any) -> list:
+    """``params`` as a list; an empty one becomes one empty group (an optimizer with nothing to
+    do steps as a no-op, where ``torch.optim`` raises). What is not an ordered iterable is a
+    ``TypeError`` in torch's words (Note [torch.optim conventions])."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)} ({name}: a single tensor goes in a list)"
+        )
+    _compat.check_params_not_a_set(name, params)  # torch 2.15 warns: Note [Per-release differences]
+    try:
+        params = list(params)
+    except TypeError:
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {type(params).__name__} ({name})"
+        ) from None
+    return params if params else [{"params": []}]
 
 
-def gradient_verdicts(
-    grads: list[torch.Tensor], limits: list[float]
-) -> tuple[list[str | None], list[float]]:
-    """Per gradient: ``None`` (use it), ``NONFINITE`` or ``OVERFLOW`` (its 2-norm is above its
-    entry of ``limits``: Note [Overflowing gradients] in overflow.py), and an upper bound on its
-    2-norm (a host float).
+def drop_duplicates(group: dict[str, Any]) -> None:
+    """A parameter listed twice in ``group`` kept once, at its first place (and its name).
 
-    One 2-norm per gradient, one host sync per device, and an inf-norm for a gradient whose
-    2-norm is not finite: NaN and Inf propagate into both norms, and the 2-norm can overflow on
-    large finite values where the inf-norm, a max of absolute values, cannot (such a gradient's
-    2-norm is bounded by ``inf-norm * sqrt(numel)``). Sharded (DTensor) gradients are checked
-    on their local shards, and the "skip" flags are max-reduced over every dim of their mesh
-    (one small collective per mesh dim, issued in the same order on every rank), so every rank
-    of a shard group takes the same decision.
-    """
-    verdicts: list[str | None] = [None] * len(grads)
-    norms = [0.0] * len(grads)
-    by_device: dict[torch.device, list[int]] = {}
-    sharded: list[int] = []
-    for i, g in enumerate(grads):
-        if hasattr(g, "to_local"):
-            sharded.append(i)
-        else:
-            by_device.setdefault(g.device, []).append(i)
-    for indices in by_device.values():
-        # A finite 2-norm means finite values, and on the CPU it is several times cheaper than
-        # the inf-norm; a 2-norm that overflowed on large finite values is told apart by the
-        # inf-norm of that gradient.
-        two = torch.stack(torch._foreach_norm([grads[i] for i in indices], 2)).tolist()
-        suspects = [i for i, v in zip(indices, two) if not math.isfinite(v)]
-        for i, v in zip(indices, two):
-            norms[i] = v
-        if suspects:
-            inf = torch.stack(torch._foreach_norm([grads[i] for i in suspects], math.inf)).tolist()
-            for i, v in zip(suspects, inf):
-                norms[i] = v * math.sqrt(grads[i].numel()) if math.isfinite(v) else math.inf
-                if not math.isfinite(v):
-                    verdicts[i] = NONFINITE
-        for i in indices:
-            if verdicts[i] is None and norms[i] > limits[i]:
-                verdicts[i] = OVERFLOW
-    if sharded:
-        _sharded_verdicts(grads, sharded, limits, verdicts, norms)
-    return verdicts, norms
-
-
-def _sharded_verdicts(
-    grads: list[torch.Tensor],
-    indices: list[int],
-    limits: list[float],
-    verdicts: list[str | None],
-    norms: list[float],
-) -> None:
-    """``gradient_verdicts`` for DTensor gradients: local inf-norms (a shard's 2-norm bounded by
-    ``inf-norm * sqrt(global numel)``), the flags (1: overflow, 2: non-finite) max-reduced over
-    the mesh."""
-    import torch.distributed as dist
-
-    by_mesh: dict[int, tuple[Any, list[int]]] = {}
-    for i in indices:
-        mesh = grads[i].device_mesh
-        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
-    for mesh, members in by_mesh.values():
-        locals_ = [grads[i].to_local() for i in members]
-        flags = torch.zeros(len(members), dtype=torch.float32, device=locals_[0].device)
-        device = locals_[0].device
-        inf = torch.stack(
-            [  # an empty shard (uneven sharding) is finite
-                torch.linalg.vector_norm(g, math.inf).float()
-                if g.numel()
-                else torch.zeros((), device=device)
-                for g in locals_
-            ]
-        ).tolist()
-        for k, i in enumerate(members):
-            bound = inf[k] * math.sqrt(grads[i].numel())
-            norms[i] = bound if math.isfinite(inf[k]) else math.inf
-            flags[k] = 2.0 if not math.isfinite(inf[k]) else float(bound > limits[i])
-        for dim in range(mesh.ndim):
-            if mesh.size(dim) > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-        for i, v in zip(members, flags.tolist()):
-            verdicts[i] = NONFINITE if v == 2.0 else OVERFLOW if v == 1.0 else None
+    Note [Duplicate parameters]: ``torch.optim`` warns and steps a duplicate once per listing on one
+    state: a Kronecker-factored optimizer would add its statistics twice, and a runtime give one
+    block two keys (an internal AssertionError). So after torch's warning the group keeps the first
+    listing only, natively and under a runtime (tests/unit/test_layouts.py)."""
+    params = group["params"]
+    seen: set[int] = set()
+    keep = [i for i, p in enumerate(params) if not (id(p) in seen or seen.add(id(p)))]
+    if len(keep) == len(params):
+        return
+    group["params"] = [params[i] for i in keep]
+    if "param_names" in group:
+        group["param_names"] = [group["param_names"][i] for i in keep]

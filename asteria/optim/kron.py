@@ -20,12 +20,10 @@ Mats = Sequence[torch.Tensor | None]
 
 
 def mode_products(x: torch.Tensor, mats: Mats, transpose: bool) -> torch.Tensor:
-    """Multiply every dim ``i`` of ``x`` by ``mats[i]`` (``None``: identity).
-
-    ``transpose=True`` applies ``mats[i]^T`` (into an eigenbasis: ``Q_L^T X Q_R`` for a matrix);
-    ``transpose=False`` applies ``mats[i]`` (back: ``Q_L X Q_R^T``).
+    """Multiply every dim ``i`` of ``x`` by ``mats[i]`` (``None``: identity): ``mats[i]^T`` with
+    ``transpose`` (into an eigenbasis: ``Q_L^T X Q_R``), else ``mats[i]`` (back: ``Q_L X Q_R^T``).
     """
-    if all(m is None for m in mats):
+    if mats.count(None) == len(mats):
         return x  # an unfactored block (SOAP's 1-D ones without precondition_1d)
     if x.dim() == 2:
         left, right = mats

@@ -154,11 +154,8 @@ def _one_thread(t: torch.Tensor):
 
 
 def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
-    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result run ``fn(float64)`` once,
-    each on one LAPACK thread where ``on`` (the input) is on the CPU.
-
-    ``valid(*outputs)`` is the finiteness gate (``_finite`` unless the caller knows a cheaper
-    exact one)."""
+    """Run ``fn(dtype)``; on a LAPACK error or a non-finite result (``valid``) run ``fn(float64)``
+    once, each on one LAPACK thread where ``on`` is on the CPU."""
     if on is not None:
         with _one_thread(on):
             return _with_fp64_retry(fn, dtype, what, valid)
@@ -192,11 +189,8 @@ def _with_fp64_retry(fn, dtype: torch.dtype, what: str, valid=_finite, on=None):
 def eigh_descending(
     factor: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues and eigenvectors of a symmetric ``factor``, in descending eigenvalue order.
-
-    Computed in ``dtype`` (float64 retry on failure), returned in ``dtype``. The columns of the
-    eigenvector matrix are flipped from LAPACK's ascending order, as SOAP's authors do.
-    """
+    """Eigenvalues and eigenvectors of a symmetric ``factor``, eigenvalues descending (LAPACK's
+    columns flipped, as SOAP's authors do), in ``dtype`` (float64 retry on failure)."""
     _check_square("factor", factor)
     if not _finite(factor):
         raise MatrixFunctionError("eigh: factor has non-finite entries")
@@ -216,13 +210,9 @@ def qr_refresh(
     sort: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One warm-started power iteration plus QR: ``Q = qr(factor @ basis[:, perm]).Q``.
-
-    With ``sort`` (SOAP), the columns of ``basis`` are first ordered by the estimated eigenvalues
-    ``diag(basis^T factor basis)``, descending, and the permutation is returned so that state kept
-    in the old basis (SOAP's second moment) can be permuted the same way. Without ``sort``
-    (KL-Shampoo) the permutation is ``None``.
-    """
+    """One warm-started power iteration plus QR: ``Q = qr(factor @ basis[:, perm]).Q``. With
+    ``sort`` (SOAP) the columns of ``basis`` are first ordered by ``diag(basis^T factor basis)``,
+    descending, and the permutation returned (for state kept in the old basis); else it is None."""
     _check_square("factor", factor)
     if basis.shape != factor.shape:
         raise ValueError(f"basis shape {tuple(basis.shape)} != factor shape {tuple(factor.shape)}")
@@ -253,14 +243,15 @@ def qr_refresh_many(
     sort: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """``qr_refresh`` of factors of one shape at once. On the CPU one operator runs the pool's
-    ``qr_refresh`` on each factor (Note [Refreshes one by one on the CPU] in
-    csrc/core/aligned.cpp); elsewhere the power iteration is one ``bmm``, the estimates, sort
-    and gather one op each, the QR one batched ``geqrf`` + ``orgqr``. A block whose result is not
-    finite (or whose ``qr_refresh`` failed) gets ``None``: its caller runs ``qr_refresh``, with
-    its float64 retry and its error, for it alone."""
-    for f, q in zip(factors, bases):
-        _check_square("factor", f)
+    """``qr_refresh`` of factors of one shape at once: on the CPU one operator running the pool's
+    ``qr_refresh`` on each (Note [Refreshes one by one on the CPU] in csrc/core/aligned.cpp),
+    elsewhere batched ops. A factor whose result is not finite (or failed) gets ``None``: its caller
+    runs ``qr_refresh``, with its retry and error, for it alone."""
+    for f, q in zip(factors, bases):  # (the checks inline: no call per factor)
+        if not (f.is_floating_point() and f.layout == torch.strided and f.dim() == 2):
+            _check_square("factor", f)
+        if f.shape[0] != f.shape[1]:
+            _check_square("factor", f)
         if q.shape != f.shape:
             raise ValueError(f"basis shape {tuple(q.shape)} != factor shape {tuple(f.shape)}")
     on_cpu = bool(factors) and factors[0].device.type == "cpu"
@@ -342,21 +333,22 @@ def inverse_root_many(
     epsilons: list[float],
     dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor | None]:
-    """``inverse_root(factors[i], root, epsilons[i], dtype)`` of factors of one shape at once
-    (Note [Batched roots]): the shifted copies one op, the eigendecompositions one batched
-    ``eigh`` (LAPACK per matrix: the same calls, bit for bit), Meta's shift and the round-off
-    floor per matrix along the batch, the products one ``bmm``. A factor that is not finite, or
-    whose batched root is not, gets ``None``: its caller runs ``inverse_root``, with its
-    float64 retry and its error, for it alone; so does every factor when the batch's ``eigh``
-    fails, and factors of order ``d`` with ``d^3 < SMALL_BMM`` on the CPU."""
+    """``inverse_root`` of factors of one shape at once (Note [Batched roots]). A factor that is not
+    finite, or whose root is not, gets ``None`` (its caller runs ``inverse_root`` for it alone), as
+    every factor does when the batch's ``eigh`` fails, and factors with ``d^3 < SMALL_BMM`` on the
+    CPU."""
     if len(epsilons) != len(factors):
         raise ValueError(f"{len(factors)} factors but {len(epsilons)} epsilons")
-    for f in factors:
-        _check_square("factor", f)
+    for f in factors:  # (the checks inline: no call per factor)
+        if not (f.is_floating_point() and f.layout == torch.strided and f.dim() == 2):
+            _check_square("factor", f)
+        if f.shape[0] != f.shape[1]:
+            _check_square("factor", f)
     if root <= 0:
         raise ValueError(f"root must be > 0, got {root}")
-    if any(e <= 0 for e in epsilons):
-        raise ValueError(f"every epsilon must be > 0, got {epsilons}")
+    for e in epsilons:
+        if e <= 0:
+            raise ValueError(f"every epsilon must be > 0, got {epsilons}")
     if len({(tuple(f.shape), f.dtype, f.device) for f in factors}) > 1:
         raise ValueError("inverse_root_many: factors of one shape, dtype and device")
     d = factors[0].shape[0] if factors else 0
@@ -387,7 +379,7 @@ def _roots_many(stacked: torch.Tensor, root: float, epsilons: list[float], dtype
     """``inverse_root``'s ``run`` in ``dtype`` along a stack's leading dim (Note [Batched
     roots])."""
     n, d = stacked.shape[0], stacked.shape[1]
-    same = all(e == epsilons[0] for e in epsilons)
+    same = epsilons.count(epsilons[0]) == len(epsilons)
     # each epsilon rounded to dtype as a Python scalar is in the per-matrix ops
     eps = (
         epsilons[0] if same else torch.tensor(epsilons, dtype=dtype, device=stacked.device)[:, None]
@@ -420,36 +412,25 @@ def _inverse_root_or_none(f, root, epsilon, dtype):
 
 # Note [Batched roots]
 # ~~~~~~~~~~~~~~~~~~~~
-# Shampoo's refresh is one root per factor: an ``eigh`` and some elementwise ops. Natively (and
-# on a device stream) the due factors of one shape run as one stack: the ops are those of
-# ``inverse_root`` in its order, each over the stack, with each matrix's own round-off floor
-# (its largest |eigenvalue| along the batch) and Meta's shift by its own smallest eigenvalue.
-# On the CPU the result is bitwise ``inverse_root`` of each factor: the batched ``eigh`` copies
-# the stack to column-major (the layout ``_shifted`` makes) and calls LAPACK's ``syevd`` per
-# matrix; a per-matrix max/min is exact; the elementwise ops round each entry alone, but for
-# ``pow``, whose vectorised kernel rounds otherwise than its scalar tail: it runs per matrix
-# (``_foreach_pow``: one dispatch), so each row meets the lanes it met alone; an epsilon as a
-# tensor of ``dtype`` rounds as the Python scalar does; the ``bmm`` reads its operands in the
-# layouts ``mm`` read (column-major ``evecs * scale``, row-major ``evecs^T``) and calls the
-# same ``gemm`` per matrix above ``SMALL_BMM`` (tests/unit/test_batched_roots.py).
-# On a GPU the batched ``eigh`` (cuSOLVER's batched ``syevj`` for small matrices) and ``bmm``
-# may differ from the single ones in the last bits: the results agree to rounding.
+# The due factors of one shape run as one stack through ``inverse_root``'s ops in its order, each
+# matrix with its own round-off floor and Meta's shift. On the CPU bitwise ``inverse_root`` of
+# each: the batched ``eigh`` calls LAPACK per column-major matrix; per-matrix max/min are exact;
+# ``pow``, whose vector kernel rounds otherwise than its scalar tail, runs per matrix
+# (``_foreach_pow``); an epsilon tensor of ``dtype`` rounds as the scalar; the ``bmm`` reads the
+# operands in ``mm``'s layouts, one ``gemm`` per matrix above ``SMALL_BMM``
+# (tests/unit/test_batched_roots.py). On a GPU: equal to rounding.
 
 
 def _perturbed(lam: torch.Tensor, epsilon: float) -> torch.Tensor:
     """Meta's second perturbation: ``lam - min(lam) + epsilon`` where ``min(lam) < epsilon``
     (without a host sync: both branches are computed).
 
-    Note [Singular factors]: a Shampoo factor is singular whenever it has seen fewer gradients
-    than its dim (a 1-D block's factor gains rank one a step), and the eigenvalues eigh computes
-    for its null space are round-off of either sign. Clamping them at zero and adding
-    ``epsilon`` (what this module did before) gives each negative one the root's largest scale,
-    ``epsilon^{-1/root}`` (1e6 for a 1-D block at Meta's 1e-12), and the grafting then puts the
-    block's step on those round-off directions; Meta's shift gives that scale to one direction
-    only and the others the scale of the round-off itself. On torch's generic test problem
-    (tests/unit/test_torch_conformance.py: ``(w x + b)^2``, one input vector, Meta's defaults,
-    20 steps) Meta's Shampoo takes the loss from 149.2 to 133.7 and the clamp took it up to
-    149.5 on a Xeon (down on an EPYC: the round-off decides); with the shift, to 134.5."""
+    Note [Singular factors]: a Shampoo factor is singular while it has seen fewer gradients than
+    its dim, its null space's eigenvalues round-off of either sign. Clamping them at zero and
+    adding ``epsilon`` gave each negative one the root's largest scale, ``epsilon^{-1/root}``,
+    and grafting put the block's step there; Meta's shift gives that scale to one direction only
+    (docs/fidelity.md, "Singular factors", has the measurements).
+    """
     lam = torch.maximum(lam, roundoff_floor(lam))
     low = lam.min()
     return torch.where(low < epsilon, (lam - low) + epsilon, lam)
@@ -459,18 +440,12 @@ def roundoff_floor(lam: torch.Tensor) -> torch.Tensor:
     """``n * eps * max|lam|`` (a 0-d tensor, no host sync): how far the eigenvalues of an
     ``n x n`` symmetric matrix that eigh returns in ``lam``'s dtype can be from its own.
 
-    Note [Round-off floor]: eigh is backward stable: what it returns are the exact eigenvalues
-    of ``L + E`` with ``||E|| <= c n eps ||L||``, so an eigenvalue below ``n eps max|lam|`` is
-    not a property of ``L`` but of the round-off: a rank-deficient factor's null space comes
-    back as noise of either sign at that scale. Meta's shift (Note [Singular factors]) then
-    gives those directions scales of ``noise^{-1/root}``, up to ``epsilon^{-1/root}`` (1e6 for
-    a 1-D block at 1e-12), and Shampoo's direction, rescaled by the grafting, is mostly noise:
-    on torch's generic test problem (one input vector, ``(w x + b)^2``, a 50-vector factor of
-    rank <= 20; tests/unit/test_torch_conformance.py) the loss rose over 20 steps on 3 of 100
-    seeds with SGD grafting, 2 with RMSprop, 14 without grafting, as Meta's does (2 and 3 with
-    SGD and RMSprop); raised to the floor, on none, and the loss ends at 0.04x its start against
-    0.40x (SGD grafting; docs/fidelity.md, "Singular factors"). Where every eigenvalue is above
-    the floor (a full-rank factor, every parity case against Meta but its defaults) the root is
-    Meta's bit for bit; at Meta's defaults (rank-1 factors rooted at step 1) the two agree to
-    7.8e-11 (1.2e-10 without the floor). csrc/core/matrix_functions.cpp computes the same."""
+    Note [Round-off floor]: eigh returns the exact eigenvalues of ``L + E`` with ``||E|| <= c n
+    eps ||L||``, so an eigenvalue below ``n eps max|lam|`` is round-off (a rank-deficient
+    factor's null space, of either sign), which Meta's shift (Note [Singular factors]) would give
+    scales up to ``epsilon^{-1/root}``: Shampoo's direction, rescaled by grafting, was then mostly
+    noise. Raised to the floor, torch's generic test problem no longer diverges on any seed
+    (docs/fidelity.md, "Singular factors"). Above the floor (a full-rank factor) the root is
+    Meta's bit for bit. csrc/core/matrix_functions.cpp computes the same.
+    """
     return lam.abs().max() * (lam.shape[0] * torch.finfo(lam.dtype).eps)

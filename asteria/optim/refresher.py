@@ -1,40 +1,38 @@
 """The seam between an optimizer's step and whoever computes its refreshes.
 
-Owns: the refresh jobs (``RefreshJob``: one factor's refresh, described so that it can run here
-or on the worker pool; its kinds are types, ``QRRefresh`` and ``RootRefresh``, each of which
-knows how it runs, how it is submitted to the pool, what its result holds and how it is
-written in a checkpoint), ``Update`` (one parameter's update of a step), ``BlockEnd`` (what a
-block hands its refresher at the end of its step), the ``Refresher`` protocol the optimizers
-call during a step, ``NativeRefresher``, the synchronous algorithm (a due refresh computed
-and installed inside the step), and ``run_batched`` (jobs of one kind and shape computed
-together: Note [Batched refreshes]). ``asteria.Runtime`` is the other refresher. A refresher
-is bound to its optimizer when it is made or attached, so its methods do not take the optimizer.
+Owns: the refresh jobs (``RefreshJob``, one factor's refresh; its kinds are types, ``QRRefresh``
+and ``RootRefresh``, each knowing how it computes, how it goes to a pool, what its result holds
+and its checkpoint form), ``Update`` (a parameter's update of a step), the ``Refresher`` protocol
+the step skeleton calls, ``Piece`` (blocks whose bases are handed out together),
+``NativeRefresher`` (a due refresh computed and installed in the step), ``run_batched`` (Note
+[Batched refreshes]) and ``RefreshFailedError``. ``asteria.Runtime`` is the other refresher; a
+refresher is bound to its optimizer, so its methods do not take it.
 
-Must not: hold any algorithm's math beyond running a job's matrix function.
+Must not: hold any algorithm's math beyond running a job's matrix function, or import the
+runtime.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-from asteria.optim import batched
+from asteria.optim import groups as grouping
 from asteria.optim import matrix_functions as mf
 from asteria.optim.blocking import ParamLayout
-
-if TYPE_CHECKING:
-    from asteria.optim.base import KroneckerOptimizer
+from asteria.optim.groups import BlockGroup
 
 __all__ = [
-    "BlockEnd",
     "BlockKey",
     "JOB_KINDS",
     "NativeRefresher",
+    "Piece",
     "QRRefresh",
+    "RefreshFailedError",
     "RefreshJob",
     "Refresher",
     "RootRefresh",
@@ -47,11 +45,14 @@ __all__ = [
 BlockKey = tuple[int, int]
 
 
+class RefreshFailedError(RuntimeError):
+    """A block's refresh failed ``max_consecutive_failures`` times in a row, or crashed."""
+
+
 class RefreshJob:
     """One factor's refresh (``factor``, and the ``basis`` it starts from where it takes one),
-    computed in ``dtype``, described so that it can run here (``run``) or on Asteria's worker
-    pool (``submit``). A job without its tensors (``without_tensors``) still describes the
-    refresh: what a pending refresh, a sync or a checkpoint keeps."""
+    computed in ``dtype``: here (``run``, or ``compute`` on copies of its inputs) or on Asteria's
+    worker pool (``submit``). A job made from a checkpoint's ``options`` has no tensors."""
 
     #: The kind's name in a checkpoint (``options``; ``JOB_KINDS`` maps it back).
     kind: ClassVar[str]
@@ -60,20 +61,18 @@ class RefreshJob:
     dtype: torch.dtype
 
     def run(self) -> Any:
-        """The refresh, computed here (asteria.optim.matrix_functions)."""
+        """The refresh of the job's own tensors, computed here."""
+        return self.compute(self.factor, self.basis)
+
+    def compute(self, factor: torch.Tensor, basis: torch.Tensor | None) -> Any:
+        """The refresh of ``factor`` and ``basis`` (the job's inputs or copies of them), computed
+        here (asteria.optim.matrix_functions)."""
         raise NotImplementedError
 
-    def submit(
-        self,
-        pool: Any,
-        name: str,
-        version: int,
-        deadline: int,
-        factor: torch.Tensor,
-        basis: torch.Tensor | None,
-    ) -> Any:
-        """The refresh of ``factor`` (and ``basis``) on ``pool`` (``asteria._C.WorkerPool``,
-        which copies them at submission): its future."""
+    def submit(self, pool: Any, sub: Any) -> Any:
+        """The refresh on ``pool`` (``asteria._C.WorkerPool``, which copies the inputs at
+        submission) of ``sub``'s ``factor`` and ``basis`` (the job's inputs or their snapshot),
+        named ``sub.name``, version ``sub.version``, deadline ``sub.deadline``: its future."""
         raise NotImplementedError
 
     @property
@@ -98,9 +97,6 @@ class RefreshJob:
     def input_bytes(self) -> int:
         """Bytes of the job's inputs (its snapshot): the factor, and the basis it starts from."""
         return sum(t.nbytes for t in (self.factor, self.basis) if t is not None)
-
-    def without_tensors(self) -> RefreshJob:
-        return replace(self, factor=None, basis=None)
 
     def options(self) -> dict[str, Any]:
         """The job's options as plain values (a checkpoint's), ``kind`` first."""
@@ -128,11 +124,13 @@ class QRRefresh(RefreshJob):
     sort: bool = False
     dtype: torch.dtype = torch.float32
 
-    def run(self) -> Any:
-        return mf.qr_refresh(self.factor, self.basis, sort=self.sort, dtype=self.dtype)
+    def compute(self, factor, basis) -> Any:
+        return mf.qr_refresh(factor, basis, sort=self.sort, dtype=self.dtype)
 
-    def submit(self, pool, name, version, deadline, factor, basis):
-        return pool.submit_qr_refresh(name, version, deadline, factor, basis, self.sort, self.dtype)
+    def submit(self, pool, sub):
+        return pool.submit_qr_refresh(
+            sub.name, sub.version, sub.deadline, sub.factor, sub.basis, self.sort, self.dtype
+        )
 
     @property
     def permutes(self) -> bool:
@@ -180,17 +178,15 @@ class RootRefresh(RefreshJob):
         """The epsilon for a factor whose infinity norm (in float64) is ``bound``."""
         return max(self.epsilon, self.rel_epsilon * bound)  # (a NaN bound: the factor's error)
 
-    def run(self) -> Any:
-        epsilon = self.damping(self.factor)
-        return mf.inverse_root(self.factor, self.root, epsilon, dtype=self.dtype)
+    def compute(self, factor, basis=None) -> Any:
+        return mf.inverse_root(factor, self.root, self.damping(factor), dtype=self.dtype)
 
-    def submit(self, pool, name, version, deadline, factor, basis):
+    def submit(self, pool, sub):
+        f = sub.factor
+        damping = self.epsilon if self.rel_epsilon == 0.0 else self.damping(f)
         return pool.submit_inverse_root(
-            name, version, deadline, factor, self.root, self.damping(factor), self.dtype
+            sub.name, sub.version, sub.deadline, f, self.root, damping, self.dtype
         )
-
-    def without_tensors(self) -> RefreshJob:
-        return replace(self, factor=None)
 
     def options(self) -> dict[str, Any]:
         o = {"kind": self.kind, "sort": False, "root": self.root, "epsilon": self.epsilon,
@@ -219,65 +215,65 @@ class Update(NamedTuple):
     layout: ParamLayout
 
 
-class BlockEnd(NamedTuple):
-    """What block ``key`` hands its refresher at the end of its step (``KroneckerOptimizer.
-    _end_blocks``): its statistics update ``statistics(*args)`` (None: it has none), then its
-    boundary at optimizer step ``step``, where a refresh is ``due``."""
+class Piece:
+    """Shape groups (or runs of one) whose bases a refresher hands out together: ``groups``,
+    and ``bases()``, per group and block the tensors to read as the block's bases (its
+    ``bases_field``), valid until the next piece's ``bases()`` or the step's end."""
 
-    key: BlockKey
-    block: dict[str, Any]
-    step: int
-    due: bool
-    statistics: Callable[..., None] | None
-    args: tuple
+    __slots__ = ("groups", "_read")
+
+    def __init__(self, groups: list[BlockGroup], read: Callable[[Piece], list]) -> None:
+        self.groups = groups
+        self._read = read
+
+    def bases(self) -> list[list[list[torch.Tensor | None]]]:
+        return self._read(self)
 
 
 class Refresher(Protocol):
-    """Decides when a block's refresh is computed and installed (see ``NativeRefresher``); bound
-    to one optimizer (the one it was made for, or attached to)."""
+    """Who computes an optimizer's refreshes, and hands out its bases (see ``NativeRefresher``;
+    docs/architecture.md draws a step through it). Bound to one optimizer."""
 
-    def step_begin(self) -> None: ...
-
-    def block_boundary(
-        self, key: BlockKey, block: dict, group: dict, step: int, due: bool
-    ) -> None: ...
-
-    def step_end(self) -> None: ...
-
-    def accumulate(self, key: BlockKey, fn: Callable, *args: Any) -> None:
-        """Run ``fn(*args)``, the block's statistics update of this step, now or later: nothing
-        the step reads afterwards depends on it before ``block_begin``/a refresh of ``key``."""
-        ...
-
-    def block_begin(self, key: BlockKey, block: dict) -> None:
-        """Called before an update reads state that ``accumulate`` writes (KL-Shampoo)."""
-        ...
-
-    def bases(self, key: BlockKey, block: dict) -> list:
-        """The tensors to read as ``block``'s bases (``block[opt.bases_field]``) in the update
-        that follows: the block's own, or device copies of them (Note [Bases window] in
-        asteria/memory/window.py). Called right before the update's first read, once per block
-        and step, in the order the step touches the blocks; what it returns is read by kernels
-        issued before the next call (or ``step_end``) only, unless ``bases_stable``."""
-        ...
-
-    def bases_many(self, keys: Sequence[BlockKey], blocks: Sequence[dict]) -> list[list]:
-        """The bases (SOAP/KL-Shampoo) or roots (Shampoo) of each block, what ``bases(key,
-        block)`` returns, valid together until the next ``bases``/``bases_many`` call or
-        ``step_end``. A batched update (Note [Batched steps] in batched.py) takes a shape
-        group's bases with one call, in pieces of at most ``bases_room`` bytes."""
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer it is bound to."""
         ...
 
     @property
-    def bases_room(self) -> int | None:
-        """Bytes of bases one ``bases_many`` call can hand out at once; ``None``: unlimited,
-        ``0``: one block a call."""
+    def closed(self) -> bool:
+        """Whether it was closed (a closed refresher is attached to nothing again)."""
         ...
 
-    @property
-    def bases_stable(self) -> bool:
-        """Whether what ``bases`` returns stays valid until ``step_end`` (so an update may read
-        several blocks' bases at once), not only until the next call."""
+    def begin(self) -> None:
+        """A step begins, before it changes anything (a runtime raises a failure kept since the
+        last step here)."""
+        ...
+
+    def accumulate(self, keys: Sequence[BlockKey], fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)``, the step's statistics of blocks ``keys``, now or later on another
+        thread: the step reads what it writes only in a later step's ``pieces``, and a refresh
+        of one of ``keys`` snapshots the factors only after it."""
+        ...
+
+    def plan(self, groups: Sequence[BlockGroup], hp: dict[str, Any]) -> None:
+        """Every refresh decision of the blocks of ``groups`` (the factored ones of a parameter
+        group ``hp``) at their step, carried out: the installs due, the requests, the due
+        requests coalesced into the refresh in flight, the waits."""
+        ...
+
+    def pieces(self, groups: list[BlockGroup], passes: int = 1) -> list[Piece]:
+        """``groups`` in the pieces whose bases the refresher hands out together, in the order
+        the step reads them (``passes`` 2: the pieces in that order, then in reverse)."""
+        ...
+
+    def run(self, fn: Callable[..., None], groups: list[BlockGroup], bases: list, *args) -> None:
+        """``fn(groups, bases, *args)``, part of the step's update: where a runtime has a thread
+        beside this one, as two calls on halves of the blocks, one on each (Note [Split
+        updates] in asteria/runtime/lane.py)."""
+        ...
+
+    def end(self) -> None:
+        """The step ended: raise a refresh failure kept for it (Note [Refresh failures])."""
         ...
 
     def sync(self) -> None:
@@ -287,49 +283,37 @@ class Refresher(Protocol):
     def state_replaced(self) -> None:
         """The optimizer's state was replaced (``load_state_dict``): forget what was kept for
         the old one (refreshes in flight, failure counts; Note [Transactional loads] in
-        base.py)."""
+        state_io.py)."""
         ...
 
-    @property
-    def splits_updates(self) -> bool:
-        """Whether ``beside`` has a thread to run part of the step's update on."""
+    def state_dict(self) -> dict[str, Any] | None:
+        """The refreshes in flight, to save with the optimizer's state (None: none)."""
         ...
 
-    @property
-    def lead(self) -> int:
-        """How many steps before the step that uses it an optimizer whose update uses the
-        refresh of its own step (``refresh_precedes_update``) requests a refresh: 0 in the
-        synchronous algorithm (Note [Refresh lead] in asteria/runtime/schedule.py)."""
+    def check_state_dict(self, saved: Any, groups: list[dict], state: dict) -> None:
+        """Raise ``ValueError`` where ``load_state_dict(saved)`` after loading ``groups`` and
+        ``state`` would be refused (checked before the optimizer's load changes anything)."""
         ...
 
-    @property
-    def first_lead(self) -> int:
-        """``lead`` for a block's first refresh (no bases yet): 0 where the step that first uses
-        it waits for it (Note [First roots] in asteria/runtime/schedule.py)."""
-        ...
-
-    def beside(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
-        """Start ``fn(*args)``, part of the step's update, on another thread, concurrently with
-        the caller, and return the function that waits for it (and raises its error). Only
-        called where ``splits_updates``. ``fn`` runs after everything the refresher queued
-        before (installs, statistics)."""
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Take the refreshes in flight of a checkpoint (after the optimizer's own load)."""
         ...
 
 
 class NativeRefresher:
-    """The synchronous algorithm: a due refresh is computed and installed in the step itself.
+    """The synchronous algorithm: a due refresh computed and installed in the step, at its ``plan``
+    (after the update for SOAP and KL-Shampoo, before it for Shampoo).
 
-    Note [Refresh failures]: a refresh that fails (``MatrixFunctionError``: the matrix function
-    failed in its dtype and again in float64, or gave a non-finite result) installs nothing: the
-    block keeps its previous bases or roots, all of them, and the failure is counted
-    (``failures``: consecutive failures per block; ``failed``: all of them). A success resets the
-    block's count. When a block reaches ``opt.max_consecutive_failures`` failures in a row, the
-    step still runs to its end, every block updated with what it has, and ``step_end`` raises
-    ``RefreshFailedError`` (``asteria.runtime``'s): no step is left half-applied. The runtime
-    keeps, counts and raises after ``RuntimeConfig.max_consecutive_failures`` the same way.
-    """
+    Note [Refresh failures]: a refresh that fails (``MatrixFunctionError``: failed in its dtype and
+    in float64, or not finite) installs nothing: the block keeps all its previous bases or roots,
+    and the failure is counted (``failures`` per block, consecutive; ``failed``); a success resets
+    the block's count. At ``opt.max_consecutive_failures`` in a row the step still runs to its end
+    and ``end`` raises ``RefreshFailedError``: no step is left half-applied. The runtime does the
+    same with ``RuntimeConfig.max_consecutive_failures``."""
 
-    def __init__(self, opt: KroneckerOptimizer) -> None:
+    closed = False
+
+    def __init__(self, opt: Any) -> None:
         self._opt = weakref.ref(opt)  # the optimizer holds its refresher
         self._field = opt.bases_field
         #: Consecutive failed refreshes per block (blocks absent have none).
@@ -337,28 +321,38 @@ class NativeRefresher:
         #: Failed refreshes since this refresher was attached.
         self.failed = 0
         self._error: BaseException | None = None
-        #: Blocks whose refresh is due this step, not yet run: (key, block, group, step).
-        self._due: list[tuple] = []
 
-    def step_begin(self) -> None:
-        pass
+    @property
+    def optimizer(self) -> Any:
+        return self._opt()
 
-    def accumulate(self, key, fn, *args) -> None:
+    def begin(self) -> None:
+        # a native step computes its own refreshes: a checkpoint's have no one to install
+        self._opt()._resumed_refreshes = None
+
+    def accumulate(self, keys, fn, *args) -> None:
         fn(*args)
 
-    def block_begin(self, key, block) -> None:
-        pass
+    def plan(self, groups, hp) -> None:
+        opt, due, asked = self._opt(), [], {}
+        for g in groups:  # (the schedule asked once per step of the groups)
+            now = asked.get(g.step)
+            if now is None:
+                now = asked[g.step] = opt.refresh_due(g.step, hp)
+            if now:
+                due.append(g)
+        if due:
+            self._refresh(opt, due, hp)
 
-    def bases(self, key, block) -> list:
-        self._run_due()
-        return block[self._field]
+    def pieces(self, groups, passes=1) -> list[Piece]:
+        return [Piece(groups, self._bases)]
 
-    def bases_many(self, keys, blocks) -> list[list]:
-        self._run_due()
-        return [block[self._field] for block in blocks]
+    def _bases(self, piece: Piece) -> list:
+        field = self._field
+        return [[b[field] for b in g.blocks] for g in piece.groups]
 
-    bases_stable = True  # the blocks' own tensors
-    bases_room = None
+    def run(self, fn, groups, bases, *args) -> None:
+        fn(groups, bases, *args)
 
     def sync(self) -> None:
         pass
@@ -366,51 +360,45 @@ class NativeRefresher:
     def state_replaced(self) -> None:
         self.failures.clear()
         self._error = None
-        self._due.clear()
 
-    splits_updates = False  # everything in the step's own thread
+    def state_dict(self) -> None:
+        return None
 
-    lead = 0  # a due refresh is computed in the step that uses it
-    first_lead = 0
+    def check_state_dict(self, saved, groups, state) -> None:
+        pass
 
-    def beside(self, fn, *args):
-        raise RuntimeError("NativeRefresher runs the whole update in the step's thread")
+    def load_state_dict(self, saved) -> None:
+        self._opt()._resumed_refreshes = saved  # for the runtime attached next
 
-    def block_boundary(self, key, block, group, step, due) -> None:
-        if due:  # run before anything reads the bases again (Note [Batched refreshes])
-            self._due.append((key, block, group, step))
-
-    def _run_due(self) -> None:
-        """The due refreshes, those of one kind and shape computed together, then installed
-        in block order (Note [Batched refreshes])."""
-        if not self._due:
-            return
-        due, self._due = self._due, []
-        opt = self._opt()
-        jobs = [opt.refresh_jobs(block, group) for _, block, group, _ in due]
+    def _refresh(self, opt: Any, due: list[BlockGroup], hp: dict[str, Any]) -> None:
+        """The due blocks' refreshes, those of one kind and shape computed together, then
+        installed in block order (Note [Batched refreshes])."""
+        blocks = [b for g in due for b in g.blocks]
+        jobs = [opt.refresh_jobs(b, hp) for b in blocks]
         flat = [j for block_jobs in jobs for j in block_jobs if j is not None]
         precomputed = {id(j): r for j, r in zip(flat, run_batched(flat)) if r is not None}
-        blocks, installs = [], []
-        for (key, block, _, step), block_jobs in zip(due, jobs):
+        keys = grouping.keys_of(due)
+        done, installs = [], []
+        for key, block, block_jobs in zip(keys, blocks, jobs):
             try:
-                results = [None if j is None else _result(j, precomputed) for j in block_jobs]
+                results = []
+                for j in block_jobs:  # (a loop: no call per block but a job's own run)
+                    r = None if j is None else precomputed.get(id(j))
+                    results.append(j.run() if r is None and j is not None else r)
             except mf.MatrixFunctionError as err:
-                self._count_failure(opt, key, step, err)
+                self._count_failure(opt, key, due[0].step, err)
                 continue  # Note [Refresh failures]: the previous bases or roots stay
             self.failures.pop(key, None)
-            blocks.append(block)
+            done.append(block)
             installs.append(results)
-        opt.install_refresh_many(blocks, installs)
+        opt.install_refresh_many(done, installs)
 
     def _count_failure(self, opt, key: BlockKey, step: int, err: BaseException) -> None:
         self.failed += 1
         n = self.failures.get(key, 0) + 1
         self.failures[key] = n
-        limit = getattr(opt, "max_consecutive_failures", 3)
-        if n >= limit and self._error is None:
-            from asteria.runtime.registry import RefreshFailedError  # (asteria.runtime imports us)
-
-            name = getattr(opt, "param_names", {}).get(key[0], f"param{key[0]}")
+        if n >= opt.max_consecutive_failures and self._error is None:
+            name = opt.param_names.get(key[0], f"param{key[0]}")
             error = RefreshFailedError(
                 f"{type(opt).__name__}: the refresh of block '{name}[{key[1]}]' failed {n} times "
                 f"in a row (step {step}); the step was applied with its previous version; "
@@ -419,25 +407,16 @@ class NativeRefresher:
             error.__cause__ = err
             self._error = error
 
-    def step_end(self) -> None:
-        self._run_due()
+    def end(self) -> None:
         error, self._error = self._error, None
         if error is not None:
             raise error
 
 
-def _result(job: RefreshJob, precomputed: dict[int, Any]) -> Any:
-    result = precomputed.get(id(job))
-    return job.run() if result is None else result
-
-
 def run_batched(jobs: Sequence[RefreshJob]) -> list[Any | None]:
-    """Each job's result (what ``job.run()`` returns), computed together with the jobs of its
-    kind, shape and options (Note [Batched refreshes]): ``QRRefresh`` jobs as one
-    ``qr_refresh_many``, ``RootRefresh`` jobs as one ``inverse_root_many`` (each with its own
-    ``damping``), in pieces of at most ``batched.BATCH_ELEMENTS`` factor elements. ``None``
-    for a job to run alone (``job.run()``, which raises its error): alone of its group, or
-    whose batched result failed or was not finite."""
+    """Each job's result (``job.run()``'s), computed with the jobs of its kind, shape and options
+    (Note [Batched refreshes]) in pieces of at most ``groups.BATCH_ELEMENTS`` factor elements; None
+    for a job to run alone (alone of its group, or whose batched result failed or is not finite)."""
     groups: dict[Any, list[int]] = {}
     for i, j in enumerate(jobs):
         f = j.factor
@@ -452,9 +431,9 @@ def run_batched(jobs: Sequence[RefreshJob]) -> list[Any | None]:
     for idx in groups.values():
         # pieces of at most BATCH_ELEMENTS factor elements: a batch's temporaries (a few
         # copies of its stack) are bounded by that, not by the model
-        numel = jobs[idx[0]].factor.numel()
-        limit = batched.BATCH_ELEMENTS
-        for piece in batched.pieces(idx, lambda _, n=numel: n, lambda _: 0, None, limit):
+        per = max(1, grouping.BATCH_ELEMENTS // max(jobs[idx[0]].factor.numel(), 1))
+        for at in range(0, len(idx), per):
+            piece = idx[at : at + per]
             if len(piece) < 2:
                 continue
             for i, r in zip(piece, _run_group([jobs[i] for i in piece])):
@@ -473,7 +452,8 @@ def _run_group(group: list[Any]) -> list[Any | None]:
 
 def _dampings(group: list[RootRefresh]) -> list[float]:
     """``job.damping(job.factor)`` of each job, the relative ones' norms in one op."""
-    if all(j.rel_epsilon == 0.0 for j in group):
+    rel = [j.rel_epsilon for j in group]
+    if rel.count(0.0) == len(rel):
         return [j.epsilon for j in group]
     stacked = torch.stack([j.factor for j in group]).double()
     bounds = torch.linalg.matrix_norm(stacked, ord=float("inf")).tolist()
@@ -482,18 +462,10 @@ def _dampings(group: list[RootRefresh]) -> list[float]:
 
 # Note [Batched refreshes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# Natively a due refresh is computed in the step, from the factors the step's statistics
-# updated. ``NativeRefresher`` keeps the due blocks of a step and runs them together before the
-# bases are read again (the next ``bases``/``bases_many`` call: Shampoo's roots of step t
-# precondition step t) or at ``step_end``, whichever comes first: QR refreshes of one shape
-# (SOAP, KL-Shampoo) as one ``qr_refresh_many`` (on a GPU one batched power iteration, sort
-# and ``geqrf``/``orgqr``; on the CPU one operator that runs the pool's ``qr_refresh`` on each
-# factor, unstacked: Note [Refreshes one by one on the CPU] in csrc/core/aligned.cpp),
-# Shampoo's roots of one shape and root as one ``inverse_root_many`` (one batched ``eigh``,
-# Meta's shifts and the
-# round-off floor per matrix: Note [Batched roots] in matrix_functions.py; bitwise each
-# ``inverse_root`` on the CPU) (``run_batched``, which a device-stream executor can call on its
-# queue as well), then the installs, in one ``install_refresh_many`` (SOAP's per shape group:
-# Note [Batched installs] in soap.py; bitwise each block's ``install_refresh`` on the CPU).
-# Nothing reads a block's bases, moments or factors between its boundary and that point. A
-# runtime's pool runs one job a core: its jobs stay per block.
+# ``NativeRefresher.plan`` computes a parameter group's due refreshes together, where the
+# optimizer's ``phases`` put it (``run_batched``: QR refreshes of one shape as one
+# ``qr_refresh_many``, on the CPU one operator running the pool's ``qr_refresh`` per factor,
+# Note [Refreshes one by one on the CPU] in csrc/core/aligned.cpp; roots of one shape as one
+# ``inverse_root_many``, Note [Batched roots] in matrix_functions.py), then installs them in one
+# ``install_refresh_many`` (SOAP's per shape group: Note [Batched installs] in soap.py): bitwise
+# the per-block path on the CPU. A runtime's pool runs one job a core: its jobs stay per block.

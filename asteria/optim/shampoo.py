@@ -1,122 +1,55 @@
 """Shampoo (Gupta et al., 2018) with grafting, as Meta's Distributed Shampoo computes it.
 
 Owns: Shampoo's math for one block, with Meta's option names, meanings and defaults
-(facebookresearch/optimizers ``distributed_shampoo``, ``DistributedShampoo`` with
-``RootInvShampooPreconditionerConfig``; docs/fidelity.md):
+(facebookresearch/optimizers ``DistributedShampoo`` with ``RootInvShampooPreconditionerConfig``;
+docs/fidelity.md): the parameter's view (size-1 dims squeezed, small dims merged from the last
+down while their product stays ``<= max_preconditioner_dim``: Meta's ``merge_small_dims``; then
+blocks of at most that: ``multi_dim_split``; 1-D views a full factor with exponent ``1/2``); the
+factors ``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` (sums at ``b2 == 1``), kept bias-corrected with
+``use_bias_correction``; the roots ``L_i^{-1/(2k)}`` (Meta's shift below ``epsilon``: Note
+[Singular factors] in matrix_functions.py) at ``start_preconditioning_step`` and every multiple of
+the frequency after it; the preconditioned first moment ``M`` (bias-corrected), grafted per block
+(``P * ||graft|| / (||P|| + 1e-16)``; the grafting method alone before the start); decoupled
+weight decay before momentum (Meta's ``ClassicMomentumConfig``), then ``W -= lr P``: before the
+start with Adam grafting exactly ``torch.optim.AdamW``.
 
-  * the parameter's view: size-1 dims squeezed and small dims merged from the last dim down
-    while their product stays ``<= max_preconditioner_dim`` (Meta's ``merge_small_dims`` with
-    ``target_parameter_dimensionality=1``; ``merge_dims=False`` only squeezes), then every dim
-    split into blocks of at most ``max_preconditioner_dim`` (Meta's ``multi_dim_split``);
-    1-D views (biases, norm weights, merged small tensors) get a full-matrix factor with
-    exponent ``1/2``, 0-d parameters a ``1 x 1`` one;
-  * Kronecker factors ``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` (plain sums when ``b2 == 1``),
-    bias-corrected by ``1 - b2^t`` when ``use_bias_correction`` (the factors are kept
-    bias-corrected: ``_update_factors``);
-  * inverse roots ``L_i^{-1/(2k)}`` (the eigenvalues of ``L_i + epsilon I``, shifted as Meta
-    shifts them where the smallest is below ``epsilon``: Note [Singular factors] in
-    matrix_functions.py) at ``start_preconditioning_step``
-    and at every multiple of ``precondition_frequency`` after it (Meta's
-    ``perform_amortized_computation``);
-  * the first moment ``M = lerp(M, G, 1 - b1)``, divided by ``1 - b1^t`` when
-    ``use_bias_correction``, is the preconditioned quantity; per-block grafting
-    (``P * ||graft|| / (||P|| + 1e-16)``); before ``start_preconditioning_step`` the grafting
-    method alone (with ``grafting="none"``: ``M``, Meta's identity roots);
-  * decoupled weight decay added to the direction before momentum (``P + wd W``), momentum
-    (Meta's ``ClassicMomentumConfig`` without dampening or Nesterov), then ``W -= lr P``.
-    Without momentum that is ``W (1 - lr wd) - lr P``; before the start with Adam grafting it is
-    exactly ``torch.optim.AdamW`` (same operations, same order).
-
-Where Asteria differs from Meta (docs/fidelity.md has the table):
-  * the default grafting is Adam's (``AdamPreconditionerConfig``'s defaults: ``grafting_beta2``
-    0.999, ``grafting_epsilon`` 1e-10), where ``DistributedShampoo`` defaults to none. Meta's
-    README says to graft from the method being replaced, and without grafting the step size is
-    set by ``epsilon^{-1/(2k)}`` on a rank-deficient factor's round-off (frequency 1 roots a
-    rank-1 factor at step 1): the test suite's small fp32 problems went to NaN within 3 steps at
-    lr 3e-3. ``grafting="none"`` is Meta's default exactly;
-  * a block whose roots were never computed (a runtime's first roots arriving up to ``S``
-    steps late, or a first root that failed) takes the grafting direction; Meta starts from
-    identity roots (the block's ``M`` rescaled to the grafting norm, which puts the whole step
-    of an embedding on its few frequent rows: one such step on the ``tiny`` LM took the loss
-    from 3.3 to 5.1);
-  * a ``start_preconditioning_step`` below ``precondition_frequency`` is allowed (Meta refuses
-    it): the first roots are computed at the start, the next at the next multiple;
-  * a failed root keeps the block's previous roots (all of the block's factors, where Meta
-    keeps the failed factor's only); ``max_consecutive_failures`` failures in a row raise
-    ``RefreshFailedError`` at the end of the step (Note [Refresh failures] in refresher.py);
-  * step counts are per parameter (a parameter without a gradient, or with a non-finite one,
-    does not count the step), where Meta counts the group's steps;
-  * grafting ``"rmsprop"`` takes the one ``grafting_beta2`` default, 0.999 (Meta's
-    ``RMSpropPreconditionerConfig`` defaults to 0.99); ``refresh_dtype`` is the precision of
-    the roots (Meta's ``factor_matrix_dtype``); factors and roots are in the state dtype (fp32,
-    or the parameter's when wider).
+Where Asteria differs from Meta (docs/fidelity.md has the table and the reasons): Adam grafting
+by default (``grafting="none"`` is Meta's default exactly); a block without roots yet takes the
+grafting direction (Meta: identity roots); a ``start_preconditioning_step`` below the frequency
+is allowed; a failed root keeps all the block's previous roots, and ``max_consecutive_failures``
+in a row raise (Note [Refresh failures] in refresher.py); step counts are per parameter;
+``"rmsprop"`` grafting takes ``grafting_beta2`` 0.999; ``refresh_dtype`` is Meta's
+``factor_matrix_dtype``.
 
 Must not: know about runtimes, pools or memory tiers.
 """
 
 from __future__ import annotations
 
-import math
-import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from asteria.optim.base import (
-    BlockEnd,
-    KroneckerOptimizer,
-    ParamsT,
-    RefreshJob,
-    RootRefresh,
-    Update,
-    block_views,
-    check_betas,
-    check_range,
-    state_dtype,
-)
+from asteria.optim.base import KroneckerOptimizer, ParamsT
 from asteria.optim.blocking import ParamLayout, make_layout
-from asteria.optim.kron import gram, mode_products
-from asteria.optim.shampoo_step import update_group
+from asteria.optim.checks import check_betas, check_range
+from asteria.optim.kernels import shampoo as kernel
+from asteria.optim.refresher import RefreshJob, RootRefresh
+from asteria.optim.tensors import state_dtype
 
 __all__ = ["Shampoo", "GRAFTINGS", "merge_small_dims_reversed"]
 
 GRAFTINGS = ("adam", "rmsprop", "adagrad", "sgd", "none")
 
-#: Meta adds this to the Shampoo direction's norm before the grafting ratio.
-GRAFTING_NORM_EPSILON = 1e-16
-
-
-# Note [Young factors] in asteria/runtime/schedule.py: a root that misses this share of its
-# factor's statistics or more is refreshed at its step (measured on nano, seeds 1-8: 1/4, the
-# refreshes of steps 20 to 40 at frequency 10, keeps every seed within 0.41% of native at
-# staleness 1 and 5; waiting for the refresh of step 20 alone left seed 5 at +0.80%)
+#: Note [Young factors] in asteria/runtime/schedule.py: a root that misses this share of its
+#: factor's statistics or more is refreshed at its step.
 YOUNG_SHARE = 0.25
 
 
-def due_step(step: int, group: dict[str, Any]) -> int:
-    """The refresh due at or after ``step``: the next multiple of the group's frequency."""
-    f = group["precondition_frequency"]
-    return -(-step // f) * f
-
-
-class _Urgency(NamedTuple):
-    """A parameter's urgency as ``_keep_urgency`` kept it."""
-
-    first: weakref.ref  # the parameter's first factor (a loaded state's are other tensors)
-    due_at: int | None  # the due step it was judged at; None while a root is missing
-    freq: int | None  # the group's frequency it was judged at
-    betas: tuple | None  # the group's betas it was judged at
-    urgent: bool
-    missing: tuple[int, int] | None  # (block, dim) of a missing root
-
-
 def new_mass_share(step: int, group: dict[str, Any]) -> float:
-    """The share of a factor's statistics at ``step`` that the last ``precondition_frequency``
-    steps brought, gradients of equal size assumed: ``L_t = b2 L_{t-1} + (1 - b2) G G^T`` (or
-    the sum, ``b2 = 1``) holds ``m(t) = sum_{i<t} b2^i`` of them, of which ``b2^f m(t - f)``
-    are older than the interval, so ``1 - b2^f m(t - f) / m(t)``: ``f / t`` at ``b2 = 1``,
-    ``1`` for ``t <= f``, and at ``b2 < 1`` falling to ``1 - b2^f``. Bias correction divides
-    every term alike and leaves it unchanged."""
+    """The share of a factor's statistics at ``step`` the last ``precondition_frequency`` steps
+    brought, gradients of equal size assumed: ``1 - b2^f m(t - f) / m(t)`` with ``m(t) = sum_{i<t}
+    b2^i`` (``f / t`` at ``b2 = 1``, 1 for ``t <= f``); bias correction leaves it unchanged."""
     f = group["precondition_frequency"]
     if step <= f:
         return 1.0
@@ -132,36 +65,30 @@ class Shampoo(KroneckerOptimizer):
     Args:
         params: parameters or parameter groups.
         lr: learning rate.
-        betas: ``(beta1, beta2)``: beta1 for the gradient's first moment, beta2 for the factors
-            (``1.0`` means plain sums, Meta's default).
+        betas: ``(beta1, beta2)``: the first moment's, the factors' (``1.0``: sums, Meta's).
         epsilon: added to the factors' eigenvalues before the root.
-        rel_epsilon: where larger, ``rel_epsilon * ||L||_inf`` (a bound on the factor's largest
-            eigenvalue) is added instead, as Meta's ``CoupledHigherOrderConfig.rel_epsilon``
-            (applied here to the eigendecomposition's root). ``0.0`` (default): ``epsilon``
-            alone, Meta's ``EigenConfig``. Note [Damping stale roots].
-        weight_decay: decoupled weight decay (added to the direction before momentum).
-        max_preconditioner_dim: largest factor dim; larger dims are split into blocks, and
-            small dims are merged up to it (``merge_dims``).
+        rel_epsilon: where larger, ``rel_epsilon * ||L||_inf`` is added instead (Meta's
+            ``CoupledHigherOrderConfig.rel_epsilon``; ``0.0``: Meta's ``EigenConfig``). Note
+            [Damping stale roots].
+        weight_decay: decoupled weight decay, added to the direction before momentum.
+        max_preconditioner_dim: largest factor dim; larger dims are split, small ones merged.
         precondition_frequency: recompute the inverse roots every this many steps.
-        start_preconditioning_step: first step that uses the Shampoo direction (its roots are
-            computed in that step); ``-1`` (or ``None``) means ``precondition_frequency``.
-        use_bias_correction: divide the first moment by ``1 - b1^t`` and the factors by
-            ``1 - b2^t`` (the latter only for ``b2 < 1``).
-        grafting: ``"adam"``, ``"rmsprop"``, ``"adagrad"``, ``"sgd"`` or ``"none"`` (Meta's
-            ``grafting_config``: ``AdamPreconditionerConfig`` and so on, or ``None``). The one
-            default that is not Meta's (``None``): see the module docstring.
-        grafting_beta2: second-moment EMA coefficient of Adam / RMSprop grafting.
-        grafting_epsilon: epsilon of the grafting method's denominator.
-        momentum: momentum on the direction (Meta's ``ClassicMomentumConfig(momentum)``).
-        merge_dims: merge small dims as Meta does (``False``: only squeeze size-1 dims, Meta's
-            ``target_parameter_dimensionality=math.inf``).
+        start_preconditioning_step: the first step on the Shampoo direction (its roots computed
+            then); ``-1`` or ``None``: ``precondition_frequency``.
+        use_bias_correction: divide the first moment by ``1 - b1^t`` and ``b2 < 1`` factors by
+            ``1 - b2^t``.
+        grafting: ``"adam"`` (not Meta's default: the module docstring), ``"rmsprop"``,
+            ``"adagrad"``, ``"sgd"`` or ``"none"`` (Meta's ``grafting_config``).
+        grafting_beta2, grafting_epsilon: the grafting method's second-moment EMA and epsilon.
+        momentum: momentum on the direction (Meta's ``ClassicMomentumConfig``).
+        merge_dims: merge small dims as Meta does (``False``: only squeeze size-1 dims).
         refresh_dtype: precision of the root computation.
     """
 
+    kernel = kernel
+    phases = ("statistics", "plan", "update")  # the roots of step t precondition step t
     bases_field = "roots"
-    reads_bases_through_refresher = True
     install_reads_bases = False
-    refresh_precedes_update = True
 
     def __init__(
         self,
@@ -200,8 +127,6 @@ class Shampoo(KroneckerOptimizer):
             refresh_dtype=refresh_dtype,
         )
         super().__init__(params, defaults)
-        #: id of a parameter's blocks -> its urgency, kept (``_keep_urgency``)
-        self._urgency: dict[int, _Urgency] = {}
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -245,19 +170,14 @@ class Shampoo(KroneckerOptimizer):
             view = tuple(d for d in shape if d != 1) or (1,)
         return make_layout(view, max_dim, squeeze=False, factor_1d=True)
 
-    @staticmethod
-    def _start(group: dict[str, Any]) -> int:
-        start = group["start_preconditioning_step"]
-        return group["precondition_frequency"] if start is None or start == -1 else start
-
-    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any], next_step: bool) -> bool:
+    def refresh_due(self, step: int, group: dict[str, Any]) -> bool:
         """Meta's ``perform_amortized_computation``: at the start, and at every multiple of the
         frequency after it."""
-        if "blocks" not in state:
-            return False
-        t = state["step"] + (1 if next_step else 0)
-        start = self._start(group)
-        return t > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))
+        start = group["start_preconditioning_step"]  # (``kernel.start_step``, inline)
+        start = group["precondition_frequency"] if start is None or start == -1 else start
+        return step > 0 and (
+            step == start or (step > start and step % group["precondition_frequency"] == 0)
+        )
 
     # -- the algorithm ------------------------------------------------------------------------
 
@@ -278,7 +198,7 @@ class Shampoo(KroneckerOptimizer):
                 }
                 for spec in layout.blocks
             ]
-        self._update_param(pid, p, grad, group, state, layout)
+        return True  # the first step updates the parameter too
 
     def _state_template(self, p, group, layout) -> dict[str, Any]:
         dtype, device = state_dtype(p), p.device
@@ -297,231 +217,53 @@ class Shampoo(KroneckerOptimizer):
             ]
         return state
 
-    def _update_params(self, group: dict[str, Any], updates: list[Update]) -> None:
-        """The group's parameters at once (shampoo_step.py, Note [Batched steps] in
-        batched.py): the ops of ``_update_param``, each over many blocks. With momentum or a
-        tensor ``lr`` (step sizes that are tensors) each parameter runs ``_update_param``."""
-        if group["momentum"] > 0 or isinstance(group["lr"], torch.Tensor):
-            super()._update_params(group, updates)
-            return
-        update_group(self, group, updates)
-
-    def _update_param(self, pid, p, grad, group, state, layout) -> None:
-        beta1 = group["betas"][0]
-        lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
-        state["step"] += 1
-        t = state["step"]
-        exp_avg = state["exp_avg"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        bias_correction1 = 1 - beta1**t if group["use_bias_correction"] else 1.0
-        denom = self._grafting_denominator(state, grad, group, t)
-
-        blocks = state.get("blocks")
-        if blocks is not None:
-            due = self._due_now_or_ahead(state, group, blocks, t)
-            stats = self._update_factors
-            self._end_blocks(
-                group,
-                (
-                    BlockEnd((pid, bi), b, t, due, stats, (b, g, group, t))
-                    for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout)))
-                ),
-            )
-        preconditioning = blocks is not None and t >= self._start(group)
-
-        if not preconditioning and group["momentum"] == 0:
-            # The grafting method alone, in torch.optim.AdamW's exact operation order (Meta's
-            # W - lr (P + wd W) in exact arithmetic).
-            p.mul_(1 - lr * wd)
-            if denom is None:
-                p.add_(exp_avg, alpha=-lr / bias_correction1)
-            else:
-                p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-            return
-
-        m_hat = exp_avg / bias_correction1
-        graft = m_hat if denom is None else m_hat / denom
-        if preconditioning:
-            direction = torch.empty_like(m_hat)
-            for bi, (b, m_b, g_b, out) in enumerate(
-                zip(
-                    blocks,
-                    block_views(m_hat, layout),
-                    block_views(graft, layout),
-                    block_views(direction, layout),
-                )
-            ):
-                roots = self._refresher.bases((pid, bi), b)  # b["roots"], or device copies
-                if all(r is None for r in roots):
-                    out.copy_(g_b)  # no roots yet: the grafting direction, as before the start
-                    continue
-                pre = mode_products(m_b, roots, transpose=False)
-                if grafting != "none":
-                    norm = torch.linalg.vector_norm(pre) + GRAFTING_NORM_EPSILON
-                    pre = pre * (torch.linalg.vector_norm(g_b) / norm)
-                out.copy_(pre)
-        else:
-            direction = graft
-        if group["momentum"] > 0:
-            if wd > 0:
-                direction = direction + wd * p  # Meta: the decay goes through the momentum
-            buf = state["momentum_buffer"]
-            buf.mul_(group["momentum"]).add_(direction)
-            p.add_(buf, alpha=-lr)
-            return
-        p.mul_(1 - lr * wd)
-        p.add_(direction, alpha=-lr)
-
-    @staticmethod
-    def _grafting_denominator(state, grad, group, t: int) -> torch.Tensor | None:
-        grafting = group["grafting"]
-        if grafting in ("sgd", "none"):
-            return None
-        v = state["exp_avg_sq"]
-        eps = group["grafting_epsilon"]
-        if grafting == "adagrad":
-            v.addcmul_(grad, grad, value=1.0)
-            return v.sqrt().add_(eps)
-        b2 = group["grafting_beta2"]
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        if grafting == "rmsprop":
-            return v.sqrt().add_(eps)
-        return (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)
-
-    @staticmethod
-    def _update_factors(
-        block: dict[str, Any], g: torch.Tensor, group: dict[str, Any], t: int
-    ) -> None:
-        """Step ``t``'s factor update. With ``b2 < 1`` and ``use_bias_correction`` the factors
-        are kept divided by ``c_t = 1 - b2^t`` (what Meta divides them by before each root):
-        ``L_t / c_t = (b2 c_{t-1}) / c_t * L_{t-1} / c_{t-1} + (1 - b2) / c_t * G G^T``."""
-        scale, weight = factor_scales(group, t)
-        for i, f in enumerate(block["factors"]):
-            if scale != 1.0:
-                f.mul_(scale)
-            f.add_(gram(g, i), alpha=weight)
-
     # Note [Damping stale roots]: a root of L_s used at a later step t amplifies the directions
-    # of the gradients since s that L_s lacks by up to epsilon^{-1/(2k)} (1e3 for a matrix at
-    # Meta's 1e-12), and the grafting then puts the block's whole step on them. Native Shampoo
-    # meets this between its refreshes; roots that arrive late (a runtime's, up to S steps)
-    # meet it on more steps. Most of the gap that late roots once cost (bench/shampoo_gap.py,
-    # nano, lr 1.5e-3, seeds 1-3, S = 5: +2.7%) was not staleness but this module's clamp of
-    # a singular factor's negative round-off eigenvalues, each then scaled by the root's
-    # largest factor (Note [Singular factors] in matrix_functions.py): with Meta's perturbation
-    # late roots are +0.1% there, always one step late +0.1%, always five steps late +1.3%
-    # (docs/benchmarks.md, "Shampoo's gap to native"). rel_epsilon damps relative to the
-    # factor's scale; measured with the clamp, at 1e-4 it narrowed the gap to +1.4% and at 1e-3
-    # made native worse (2.076 against 2.052), so the default stays Meta's (0.0). Forming the
-    # late root in the late eigenvectors with the current factor's eigenvalue estimates (as
-    # eigenvalue-corrected K-FAC does) was tried and dropped: with Meta's perturbation it made
-    # the late roots worse, +0.6% at the defaults and +1.7% five steps late at lr 1.5e-3.
-    # At lr 3e-3 over eight seeds (shampoo_gap_cpu_nano_lr3e-3.json) the cost follows the
-    # lateness: installs 1-2 steps late +0.5%, always one step late +0.3%, five +1.9%; roots
-    # extrapolated from L_{t-1} and the newest gradient's Gram did not help (+0.4%) and stay out.
-    # The lateness was capacity: a whole round of roots at once on one worker. The runtime's
-    # staggered refresh (Note [Staggered refresh] in asteria/runtime/schedule.py) spreads the
-    # round over the interval and puts the installs on time (time-to-target, seeds 1-3: nano
-    # +1.9% -> +0.8%, tiny +1.6% -> +1.0%). Most of what was left on tiny was the first round
-    # of roots, one gradient short under the refresh lead; the runtime now waits for the first
-    # roots in the step that first uses them (Note [First roots] in runtime/schedule.py):
-    # tiny +1.2% -> +0.2%, nano +0.3% -> +0.0%.
+    # of the gradients since s that L_s lacks by up to epsilon^{-1/(2k)}, and the grafting puts
+    # the block's whole step on them; native Shampoo meets this between its refreshes, a
+    # runtime's late roots on more steps. ``rel_epsilon`` damps relative to the factor's scale,
+    # off by default (Meta's 0.0): with Meta's shifts the gap late roots cost is the lateness,
+    # which the runtime's schedule removes instead (Notes [Staggered refresh], [First roots] in
+    # asteria/runtime/schedule.py). The runs: docs/benchmarks.md, "Shampoo's gap to native".
 
     # -- the refresh, split so that a runtime can run it elsewhere ---------------------------
 
-    def _due_now_or_ahead(
-        self, state: dict[str, Any], group: dict[str, Any], blocks: list[dict], t: int
-    ) -> bool:
-        """Whether a parameter's blocks request a refresh at step ``t``: a runtime may request
-        the refresh of step t + lead now (Note [Refresh lead]), and the first roots, or those
-        of rank-deficient factors, of step t itself (Notes [First roots] and [Rank-deficient
-        factors] in asteria/runtime/schedule.py)."""
-        r = self._refresher
-        if r.first_lead == r.lead:  # native mode, or no waits: urgency cannot change the lead
-            return self._refresh_due(state, group, next_step=r.lead > 0)
-        kept = self._urgency.get(id(blocks))  # inline: read per parameter and step
-        if kept is None or kept.first() is not blocks[0]["factors"][0]:
-            kept = self._keep_urgency(group, blocks, t)
-        elif kept.missing is None:  # every root exists: the answer of the due step and betas
-            f = group["precondition_frequency"]  # due_step(t) is due_at, inline (no call)
-            if not (kept.freq == f and kept.due_at - f < t <= kept.due_at) or (
-                kept.betas != group["betas"]
-            ):
-                kept = self._keep_urgency(group, blocks, t)
-        elif blocks[kept.missing[0]]["roots"][kept.missing[1]] is not None:  # it arrived
-            kept = self._keep_urgency(group, blocks, t)
-        lead = r.first_lead if kept.urgent else r.lead
-        return self._refresh_due(state, group, next_step=lead > 0)
-
-    def _keep_urgency(self, group: dict[str, Any], blocks: list[dict], t: int) -> _Urgency:
-        """Whether a block of a parameter has no roots yet or is ``refresh_urgent`` at ``t``,
-        kept (``_due_now_or_ahead`` reads it back): asked per block at every step, it was host
-        work per block and step (issue 37). Without some root the parameter is urgent until
-        that root arrives; with every root, the answer holds over the interval
-        (``refresh_urgent``) at the group's betas. The entry is the parameter's first factor's
-        (a loaded state's blocks are other tensors) and holds no tensor alive (``_Urgency``)."""
-        first = weakref.ref(blocks[0]["factors"][0])
-        if len(self._urgency) > 64 + 4 * len(self.state):  # entries of states loaded over
-            self._urgency.clear()
-        for bi, b in enumerate(blocks):
-            for ri, root in enumerate(b["roots"]):
-                if root is None:  # the first roots (Note [First roots] in schedule.py)
-                    kept = _Urgency(first, None, None, None, True, (bi, ri))
-                    self._urgency[id(blocks)] = kept
-                    return kept
-        urgent = any(self.refresh_urgent(b, t, group) for b in blocks)
-        f = group["precondition_frequency"]
-        kept = _Urgency(first, due_step(t, group), f, group["betas"], urgent, None)
-        self._urgency[id(blocks)] = kept
-        return kept
-
     def refresh_urgent(self, block: dict[str, Any], step: int, group: dict[str, Any]) -> bool:
-        """While a late root of ``block`` costs the most, judged at the refresh due at or after
-        ``step`` (``t``, a multiple of the frequency: the answer holds over a whole interval,
-        so that a request made ahead and one made at its step never both miss a due step): a
-        factor that may still be rank-deficient (``L_i`` of a block of ``n`` elements gains at
-        most ``n / d_i`` dims of rank a step, so ``t * n / d_i < d_i``; a 1-D block's factor:
-        ``t < d``), or factors of which the last interval brought a large share
-        (``new_mass_share(t, group) >= YOUNG_SHARE``: Note [Young factors] in
-        asteria/runtime/schedule.py). Both depend on the shapes, the step and the group's
-        ``betas`` and frequency only."""
-        t = due_step(step, group)
+        """Judged at the refresh due at or after ``step`` (``t``): a factor that may still be
+        rank-deficient (a block of ``n`` elements gains at most ``n / d_i`` dims of rank a step: ``t
+        * n / d_i < d_i``), or factors the last interval brought a large share of
+        (``new_mass_share(t) >= YOUNG_SHARE``: Note [Young factors])."""
+        f = group["precondition_frequency"]
+        t = -(-step // f) * f  # the refresh due at or after ``step``
         if new_mass_share(t, group) >= YOUNG_SHARE:
             return True
-        dims = [f.shape[0] for f in block["factors"]]
-        numel = math.prod(dims)
-        return any(t * (numel // d) < d for d in dims)
+        numel = 1
+        for factor in block["factors"]:
+            numel *= factor.shape[0]
+        for factor in block["factors"]:  # (loops: no call per block)
+            d = factor.shape[0]
+            if t * (numel // d) < d:
+                return True
+        return False
 
     def refresh_jobs(self, block: dict[str, Any], group: dict[str, Any]) -> list[RefreshJob]:
         """``L_i^{-1/(2k)}`` for every factor of an order-k block (``1/2`` for 1-D blocks)."""
-        root = 2 * len(block["factors"])
-        return [
-            RootRefresh(
-                f,
-                root=root,
-                epsilon=group["epsilon"],
-                dtype=group["refresh_dtype"],
-                rel_epsilon=group.get("rel_epsilon", 0.0),
-            )
-            for f in block["factors"]
-        ]
+        factors, jobs = block["factors"], []
+        eps, dtype, rel = group["epsilon"], group["refresh_dtype"], group.get("rel_epsilon", 0.0)
+        root = 2 * len(factors)
+        for f in factors:  # (a loop: no call per request)
+            jobs.append(RootRefresh(f, root=root, epsilon=eps, dtype=dtype, rel_epsilon=rel))
+        return jobs
 
     def install_refresh(self, block: dict[str, Any], results: list[Any]) -> None:
-        block["roots"] = [
-            r.to(dtype=f.dtype, device=f.device) for r, f in zip(results, block["factors"])
-        ]
+        self.install_refresh_many([block], [results])
 
-
-def factor_scales(group: dict[str, Any], t: int) -> tuple[float, float]:
-    """Step ``t``'s ``(scale, weight)`` of the factor update ``L <- scale L + weight G G^T``
-    (``Shampoo._update_factors``)."""
-    beta2 = group["betas"][1]
-    if beta2 == 1.0:
-        return 1.0, 1.0
-    if group["use_bias_correction"]:
-        c_prev, c = 1 - beta2 ** (t - 1), 1 - beta2**t
-        return beta2 * c_prev / c, (1 - beta2) / c
-    return beta2, 1 - beta2
+    def install_refresh_many(self, blocks: list[dict[str, Any]], results: list[list]) -> None:
+        """The new roots, in the factors' dtype and device (loops: no call per block)."""
+        for block, result in zip(blocks, results):
+            roots = []
+            for r, f in zip(result, block["factors"]):
+                roots.append(r.to(dtype=f.dtype, device=f.device))
+            block["roots"] = roots
 
 
 def merge_small_dims_reversed(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from asteria.optim.tensors import local_tensor
+
 __all__ = [
     "check_nested",
     "check_tensor",
@@ -24,32 +26,25 @@ __all__ = [
     "group_from_portable",
     "portable_group",
     "refuse_sharded_state_dict_api",
+    "state_init_probe",
 ]
 
 
 def flat_state(state: dict[str, Any], bases_field: str) -> dict[str, Any]:
     """One parameter's live state as dotted keys to tensors and numbers.
 
-    Note [Flat optimizer state]: ``state_dict()`` writes each parameter's state as one flat dict,
-    ``{"step": 12, "blocks.0.exp_avg": t, "blocks.0.bases.1": t, ...}``, because that is what
-    ``torch.distributed.checkpoint.state_dict`` takes: its flattening
-    (``flatten_optimizer_state_dict=True``, OLMo-core's default) accepts tensors, ints, floats and
-    dicts, not lists or None, and ``cpu_offload=True`` accepts no ``torch.dtype`` (so
-    ``refresh_dtype`` is saved by name, ``"float32"``, and read back as the dtype; the live groups
-    keep what was given). A None whose place the layout fixes (a dim without a factor) is left
-    out; a refresh result not computed yet (Shampoo's roots before the first refresh) is written as
-    zeros of the factor's shape: a basis or an inverse root is never zero, so zeros read back as
-    None. The keys and shapes thus depend on the parameter and the options only, never on the
-    step, so a checkpoint fits the placeholders of a fresh optimizer (Note
-    [State-initialisation probe]), as DCP requires.
-
-    ``load_state_dict`` rebuilds the nested state by walking ``_state_template`` (meta tensors),
-    which checks every key and shape (a missing, extra or misshapen entry is a ValueError that
-    names it). It takes the flat form, the same nested in dicts with string keys (torch's
-    unflattening), and, as it is, the nested form of earlier versions (lists of blocks). Tensors
-    pass through unchanged, so an in-memory round trip is exact, dtypes and strides included;
-    through DCP a tensor takes the layout of the placeholder it is loaded into, which
-    ``_state_template`` makes the optimizers' own (bases column-major).
+    Note [Flat optimizer state]: ``state_dict()`` writes a parameter's state as one flat dict,
+    ``{"step": 12, "blocks.0.exp_avg": t, "blocks.0.bases.1": t, ...}``: what
+    ``torch.distributed.checkpoint.state_dict``'s flattening takes (tensors, ints, floats and
+    dicts; no lists, None or ``torch.dtype`` under ``cpu_offload``: ``refresh_dtype`` is saved by
+    name). A None the layout fixes (a dim without a factor) is left out; a result not computed yet
+    (Shampoo's roots before the first) is written as zeros, read back as None (a basis or a root
+    is never zero). So keys and shapes depend on the parameter and options only, never on the
+    step, and a checkpoint fits a fresh optimizer's placeholders (Note [State-initialisation
+    probe]). ``load_state_dict`` rebuilds the nested state by walking ``_state_template``, which
+    checks every key and shape; it takes the flat form, torch's unflattened one, and the nested
+    form of earlier versions. Tensors pass unchanged (an in-memory round trip is exact); through
+    DCP a tensor takes its placeholder's layout (``_state_template``'s: bases column-major).
     """
     flat: dict[str, Any] = {}
 
@@ -198,17 +193,13 @@ _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 def refuse_sharded_state_dict_api(opt: torch.optim.Optimizer, caller: Any) -> None:
     """Refuse torch's state-dict API for state that is per local shard.
 
-    Note [Sharded state and torch's state-dict API]: under FSDP2 / HSDP the optimizer state is
-    that of each rank's local shard, in plain tensors (Note [Local shards]), and DCP keeps one
-    rank's copy of a plain tensor saved under one key: ``get_optimizer_state_dict`` + DCP would
-    write, without a word, a checkpoint with one rank's state for all. ``state_dict()`` and
-    ``load_state_dict()`` cannot tell their callers apart by their arguments, so they read the
-    caller's module from the stack (``caller``, a frame): called from
-    ``torch.distributed.checkpoint.state_dict`` while a parameter is sharded over more than one
-    rank, they raise, pointing to ``asteria.checkpoint``, which writes each rank's state under
-    keys of its own (Note [Sharded optimizer checkpoints] in asteria/checkpoint.py) and calls
-    them as before. Parameters whole on every rank (DDP, one process) go through torch's API
-    unchanged.
+    Note [Sharded state and torch's state-dict API]: under FSDP2 / HSDP the state is each
+    rank's local shard's, in plain tensors, and DCP keeps one rank's copy of a plain tensor: DCP's
+    optimizer state-dict API would silently write one rank's state for all. ``state_dict()`` and
+    ``load_state_dict()`` read their caller's module from the stack (``caller``): called from
+    ``torch.distributed.checkpoint.state_dict`` while a parameter is sharded, they raise,
+    pointing to ``asteria.checkpoint`` (Note [Sharded optimizer checkpoints]). Whole parameters
+    (DDP, one process) go through torch's API unchanged.
     """
     if caller is None or caller.f_globals.get("__name__") != _TORCH_STATE_DICT_API:
         return
@@ -224,3 +215,21 @@ def refuse_sharded_state_dict_api(opt: torch.optim.Optimizer, caller: Any) -> No
                     "carry it. Save and load the model and optimizer with asteria.checkpoint "
                     "(docs/runtime.md, Checkpoints)"
                 )
+
+
+def state_init_probe(groups: list[dict[str, Any]], todo: list[tuple]) -> bool:
+    """Whether this first step is ``torch.distributed.checkpoint.state_dict``'s probe, which
+    makes placeholders instead of a step.
+
+    Note [State-initialisation probe]: DCP's ``get/set_optimizer_state_dict`` (torchtitan,
+    OLMo-core) make an optimizer without state create it by a ``step()`` with every gradient
+    zero and every ``lr`` 0, then load into those tensors. For SOAP and KL-Shampoo the first step
+    initialises the bases from the first gradient, so that would shift every later step. A first
+    step with all-zero gradients and every ``lr`` 0 (no real first step has both) makes
+    *placeholders* instead: the state ``_state_template`` describes, in zeros, ``"step"`` set to
+    ``PLACEHOLDER_STEP``, counted as no state (the next real step initialises the parameter,
+    ``blocks()`` and ``is_refresh_step()`` pass over it, a load replaces it).
+    """
+    if any(float(g["lr"]) != 0.0 for g in groups):
+        return False
+    return all(not bool(local_tensor(p.grad).any()) for _, _, p in todo)

@@ -3,8 +3,8 @@
 
 Owns: ``StateIO``, the part of ``KroneckerOptimizer`` (base.py) that saves, checks and loads its
 state (the flat form is state_format.py's), and what a copy or a pickle keeps.
-Must not: step, or reach into a runtime beyond its ``Refresher`` methods (``state_dict``,
-``check_state_dict``, ``load_state_dict``, ``state_replaced``).
+Must not: step, or reach into a refresher beyond its ``Refresher`` methods (``state_dict``,
+``check_state_dict``, ``load_state_dict``, ``state_replaced``, ``sync``).
 """
 
 from __future__ import annotations
@@ -23,43 +23,28 @@ from asteria.optim.tensors import _is_placeholder, _to_device, local_tensor
 
 # Note [Transactional loads]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``load_state_dict`` either loads the whole state_dict or raises a ``ValueError`` that names the
-# first entry that does not fit and what was expected, and leaves the optimizer (and a runtime
-# attached to it) exactly as it was. Everything is checked before anything changes
-# (``_loaded_state``): the dict's form; the number of groups and of parameters; every group
-# option this class keeps (a missing one means another optimizer class's state_dict, unless
-# the class added it later, ``options_added_later``: an older state_dict takes its default) and its
-# type and range (the constructor's own checks, ``_validate_group``); ``param_names``; every
-# parameter's state against its ``_state_template`` under the loaded options: each key, tensor
-# shape, floating-point dtype, an integer ``step``, and nothing more (state_format.py); with a
-# runtime attached, that the options keep every parameter's blocks (the runtime planned for
-# them) and the ``"asteria_runtime"`` part against the state about to be loaded
-# (``Runtime.check_state_dict``: blocks, steps, result shapes, and that each refresh can be
-# installed within the budget: Note [Checkpoints with work in flight] in
-# asteria/runtime/state.py). Only then are the groups and the state replaced, and the refresher
-# told (``state_replaced``): a runtime drops its refreshes in flight, which were requested from
-# the old state (a loaded ``"asteria_runtime"`` part puts its own back), and takes each block's
-# version from the loaded state, so the staleness contract holds across the load.
-# ``Runtime.load_state_dict`` is transactional the same way. tests/unit/test_transactional_loads.py
-# draws corruptions of a state_dict (another class, other shapes, missing and extra keys, wrong
-# types, ranges and dtypes, truncated tensors) with hypothesis, for every optimizer with and
-# without a runtime, and compares the whole state before and after each refused load.
+# ``load_state_dict`` loads the whole state_dict or raises a ``ValueError`` naming the first
+# entry that does not fit, and leaves the optimizer (and an attached runtime) as it was: all is
+# checked before anything changes (``_loaded_state``): the dict's form, the numbers of groups and
+# parameters, every option (missing: another class's state_dict, unless added later,
+# ``options_added_later``) by the constructor's checks, ``param_names``, every parameter's state
+# against its ``_state_template`` (keys, shapes, dtypes, an integer ``step``: state_format.py),
+# and with a runtime, that the options keep its blocks and its ``"asteria_runtime"`` part
+# (``Runtime.check_state_dict``). Only then are groups and state replaced and the refresher told
+# (``state_replaced``: a runtime drops its refreshes in flight and takes each block's version
+# from the loaded state). tests/unit/test_transactional_loads.py draws corruptions with
+# hypothesis and compares the whole state before and after each refused load.
 
 
 # Note [Runtime state in the optimizer's checkpoint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Frameworks (the HF Trainer, Lightning, torchtitan) save ``model.state_dict()`` and
-# ``optimizer.state_dict()`` and know nothing of a runtime. So, with a runtime attached and
-# refreshes in flight, ``optimizer.state_dict()`` carries the runtime's part under
-# ``"asteria_runtime"`` (``Runtime.state_dict()``: each refresh finished first, with its request
-# step and results; Note [Checkpoints with work in flight] in asteria/runtime/state.py).
-# ``load_state_dict`` hands it to the runtime attached at the time, or keeps it for the runtime
-# attached next (``attach_refresher``), which installs each refresh at the step it would have
-# been installed at: the plain torch pattern (save both, load both in a fresh process, attach a
-# runtime) resumes a ``fixed_delay`` run bit for bit (tests/unit/test_checkpoint.py). A native
-# step before any runtime attaches drops it (native mode computes its own refreshes). Nothing
-# is added when no refresh is in flight, and ``torch.distributed.checkpoint``'s state-dict API
-# keeps only ``state`` and ``param_groups`` (use asteria.checkpoint there).
+# Frameworks (HF Trainer, Lightning, torchtitan) save ``optimizer.state_dict()`` and know nothing
+# of a runtime. So with refreshes in flight it carries the runtime's part under
+# ``"asteria_runtime"`` (Note [Checkpoints with work in flight] in asteria/runtime/state.py);
+# ``load_state_dict`` hands it to the runtime attached then, or keeps it for the next one
+# (``attach_refresher``): save both, load both in a fresh process, attach, and a ``fixed_delay``
+# run resumes bit for bit (tests/unit/test_checkpoint.py). A native step before any runtime
+# attaches drops it. DCP's state-dict API keeps only ``state`` and ``param_groups``.
 
 
 #: The key of a runtime's refreshes in flight in ``KroneckerOptimizer.state_dict()``.
@@ -70,6 +55,7 @@ RUNTIME_STATE_KEY = "asteria_runtime"
 _NOT_COPIED = frozenset(
     {
         "_refresher",
+        "_native",
         "_layouts",
         "_summed_bounds",
         "_checked_options",
@@ -98,7 +84,7 @@ _ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
+def blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
     """``KroneckerOptimizer.blocks`` of ``groups`` and ``states`` (the live ones, or those a
     load is about to install): ``(key, parameter, block state, group)``; the block's step is
     its parameter state's ``"step"``."""
@@ -113,11 +99,9 @@ def _blocks_of(groups: list[dict[str, Any]], states: dict) -> Iterable[tuple]:
 
 
 def _refresher_state(refresher: Any) -> dict[str, Any] | None:
-    """The refresher's refreshes in flight, or None when it has none (or is native)."""
-    if isinstance(refresher, NativeRefresher):
-        return None
+    """The refresher's refreshes in flight, or None when it has none."""
     state = refresher.state_dict()
-    return state if state.get("pending") else None
+    return state if state and state.get("pending") else None
 
 
 class StateIO:
@@ -126,16 +110,15 @@ class StateIO:
     optimizer's own: ``_validate_group``, ``_state_template``)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        """What a copy or a pickle keeps (Note [torch.optim conventions]): the groups, the
-        state, the defaults and every other attribute (``skip_nonfinite_grads``,
-        ``nonfinite_grads``, ``param_names``, ...), after any deferred statistics update has
-        run; a runtime's refreshes in flight go along as a loaded checkpoint's would, for the
-        runtime the copy attaches. Not kept, as in torch: the hooks; not kept either: the
-        refresher (a copy steps natively) and the layouts (cached by parameter identity)."""
+        """What a copy or a pickle keeps (Note [torch.optim conventions]): the groups, state,
+        defaults and every other attribute, after deferred statistics ran, with a runtime's
+        refreshes in flight as a loaded checkpoint's; not the hooks (as torch), the refresher or the
+        layouts."""
         self._refresher.sync()
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
-        if not isinstance(self._refresher, NativeRefresher):
-            state["_resumed_refreshes"] = _refresher_state(self._refresher)
+        in_flight = _refresher_state(self._refresher)
+        if in_flight is not None:
+            state["_resumed_refreshes"] = in_flight
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -149,7 +132,8 @@ class StateIO:
         self._layouts = {}
         self._summed_bounds = {}
         self._checked_options, self._state_keys = {}, {}  # by identity: made again
-        self._refresher = NativeRefresher(self)
+        self._native = NativeRefresher(self)
+        self._refresher = self._native
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim``'s ``state_dict``, after any deferred statistics update has run, in the
@@ -192,17 +176,11 @@ class StateIO:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping every state tensor's saved dtype and layout.
 
-        Takes the flat form :meth:`state_dict` writes, the same nested in dicts (as
-        ``set_optimizer_state_dict`` unflattens it), and the nested form (lists of blocks) of
-        earlier versions (Note [Flat optimizer state] in state_format.py).
-        ``torch.optim.Optimizer.load_state_dict`` would cast floating-point state to the
-        parameter's dtype; Asteria keeps fp32 state for bf16/fp16 parameters, so the saved
-        tensors are restored as they are (copies, moved to the parameter's device). Everything
-        else is torch's (Note [torch.optim conventions]): the pre-hooks see the dict as given
-        and may return another, the groups take the saved options (and ``param_names``, kept
-        from the live groups where the saved ones have none), entries of ``state`` that are not
-        a parameter's are kept as they are, and the post-hooks run once all is restored.
-        """
+        Takes the flat form :meth:`state_dict` writes, torch's unflattened one and earlier versions'
+        nested form (Note [Flat optimizer state]). Unlike ``torch.optim`` it does not cast state to
+        the parameter's dtype (fp32 state for bf16 parameters stays); the rest is torch's (Note
+        [torch.optim conventions]): hooks, saved options, live ``param_names`` where the saved have
+        none, entries not a parameter's kept as they are."""
         if not isinstance(state_dict, dict):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict takes a dict (an optimizer's "
@@ -218,12 +196,7 @@ class StateIO:
         # Note [Transactional loads]: everything is checked before anything changes
         groups, state = self._loaded_state(state_dict)
         in_flight = state_dict.get(RUNTIME_STATE_KEY)
-        native = isinstance(self._refresher, NativeRefresher)
-        if not native:
-            self._check_layouts_kept(groups)
-            if in_flight is not None:  # checked against the state about to be loaded
-                blocks = {k: (b, state[p]["step"]) for k, p, b, _ in _blocks_of(groups, state)}
-                self._refresher.check_state_dict(in_flight, blocks)
+        self._refresher.check_state_dict(in_flight, groups, state)  # against what is loaded
         self.param_groups, self.state = groups, state
         self._layouts.clear()  # layouts under the saved options were cached on the way
         self._state_keys.clear()  # the loaded state was checked against the parameters
@@ -236,11 +209,8 @@ class StateIO:
         # what was in flight for the state just replaced no longer fits it
         self._refresher.state_replaced()
         self._resumed_refreshes = None
-        if in_flight is not None:
-            if native:
-                self._resumed_refreshes = in_flight  # for the runtime attached next
-            else:
-                self._refresher.load_state_dict(in_flight)
+        if in_flight is not None:  # native mode keeps it for the runtime attached next
+            self._refresher.load_state_dict(in_flight)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -332,7 +302,7 @@ class StateIO:
                 f"strings, one per parameter, got {names!r}"
             )
 
-    def _check_layouts_kept(self, groups: list[dict[str, Any]]) -> None:
+    def check_layouts_kept(self, groups: list[dict[str, Any]]) -> None:
         """With a runtime attached, a load must keep every parameter's blocks (the runtime's
         placement, registry and bases were made for them at attach time)."""
         for live, group in zip(self.param_groups, groups):

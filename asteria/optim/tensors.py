@@ -11,13 +11,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from asteria.optim.blocking import ParamLayout
-
-T = TypeVar("T")
 
 
 def state_dtype(param: torch.Tensor) -> torch.dtype:
@@ -32,15 +30,16 @@ def _promoted(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-#: The device types whose autocast ``no_autocast`` turns off (Note [Autocast]).
-_AUTOCAST_DEVICES = ("cuda", "cpu")
+#: The device types whose autocast ``no_autocast`` turns off (Note [Autocast]); where it is
+#: off on all of them (as usual), callers skip the context manager and its Python calls.
+AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 @contextlib.contextmanager
 def no_autocast() -> Iterator[None]:
     """Autocast off on every device type where the caller turned it on (Note [Autocast])."""
     with contextlib.ExitStack() as stack:
-        for device_type in _AUTOCAST_DEVICES:
+        for device_type in AUTOCAST_DEVICES:
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
@@ -48,33 +47,25 @@ def no_autocast() -> Iterator[None]:
 
 # Note [Autocast]
 # ~~~~~~~~~~~~~~~
-# Under ``torch.autocast`` (the usual mixed-precision training: bf16 on a GPU) matrix products
-# run and return in the lower precision. The optimizers' math is in their state dtype (fp32 at
-# least, ``state_dtype``), so it must not run under the caller's autocast: the runtime installs
-# a ready refresh from a module's forward pre-hook, inside the model's autocast region, and
-# there SOAP's rotation of ``exp_avg`` into the new basis came back in bf16 and was stored so;
-# the next step's fp32 rotation then raised "expected mat1 and mat2 to have the same dtype"
-# (seen on the H200, the first GPU run; reproduced with CPU autocast). An optimizer step called
-# inside an autocast region (after a closure that needs it, say) would have done the same to
-# every projection. So ``KroneckerOptimizer.step`` (after its closure) and the runtime's one way
-# into ``install_refresh`` (``Refreshes.install_results``, whichever entry reaches it: a module
-# signal, ``close()``, a step's boundary) run with autocast off; threads of their own (the pool,
-# the statistics lane, the device-stream executor) never inherit it, autocast being per thread.
+# Under ``torch.autocast`` products run in the lower precision, but the optimizers' math is in
+# their state dtype: an install from a forward pre-hook inside the model's autocast stored
+# SOAP's rotated ``exp_avg`` in bf16, and the next step raised a dtype mismatch (the first H200
+# run). So ``KroneckerOptimizer.step`` (after its closure) and the runtime's installs run with
+# autocast off (where it is on: ``AUTOCAST_DEVICES``); the pool, the lane and the stream never
+# inherit it (per thread).
 
 
-#: Bytes: gradient shards not aligned to this are copied before use (``_checked_grad``).
+#: Bytes: gradient shards not aligned to this are copied before use (``KroneckerOptimizer._step``).
 _ALIGNMENT = 64
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (an FSDP2 / HSDP parameter or gradient), else ``t`` itself.
 
-    Note [Local shards]: Asteria's optimizers work on local shards. Under ``no_grad`` (the step)
-    ``DTensor.to_local()`` is the shard's own storage, so in-place updates reach the parameter.
-    Blocks, factors, moments and refresh results are those of the local shard (its layout is the
-    layout of the local shape); state holds plain tensors, and a ``state_dict`` loads back on the
-    same sharding.
-    """
+    Note [Local shards]: the optimizers work on local shards (under ``no_grad`` ``to_local()`` is
+    the shard's own storage, so in-place updates reach the parameter): blocks, factors, moments and
+    results are the local shard's, state holds plain tensors, and a ``state_dict`` loads back on the
+    same sharding."""
     to_local = getattr(t, "to_local", None)
     return t if to_local is None else to_local()
 
@@ -109,16 +100,3 @@ def block_views(t: torch.Tensor, layout: ParamLayout) -> list[torch.Tensor]:
     """Views of ``t`` (viewed with the layout's shape) for every block, in layout order."""
     v = layout.view(t)
     return [v[b.index] for b in layout.blocks]
-
-
-def _halves(items: list[T], costs: list[float]) -> tuple[list[T], list[T]]:
-    """``items`` in two parts of about equal cost (largest first, each to the cheaper part so
-    far), each in its original order."""
-    side, load = [0] * len(items), [0.0, 0.0]
-    for i in sorted(range(len(items)), key=lambda i: -costs[i]):
-        side[i] = 0 if load[0] <= load[1] else 1
-        load[side[i]] += costs[i]
-    return (
-        [x for x, s in zip(items, side) if s == 0],
-        [x for x, s in zip(items, side) if s == 1],
-    )

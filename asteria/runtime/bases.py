@@ -1,41 +1,21 @@
 """How the optimizer reaches the bases in use: one strategy per runtime, chosen at attach time.
 
-Owns: where a block's bases (SOAP's and KL-Shampoo's eigenbases, Shampoo's inverse roots) live
-while the runtime is attached, how an install puts new ones there, and what the optimizer reads
-(``Refresher.bases``). ``attach.choose_bases`` picks one from the tier policy's
-``bases_access``:
+Owns: where a block's bases live while the runtime is attached, how an install puts new ones
+there, and the pieces a step's groups are read in (``Refresher.pieces``): ``DeviceBases``
+(``direct``: the blocks' own tensors; with the lane a computing install is queued there and the
+block's next read waits, ``settle``), ``MappedBases`` (unified-memory GPUs: pinned host memory
+through mapped views) or ``WindowBases`` (discrete GPUs, window_bases.py). Each hands back, at
+``close()``, the bases as native mode keeps them. Must not: decide what to install or when,
+change the optimizer's math, or place anything the tier policy did not.
 
-* ``DeviceBases`` (``direct``): in the block's own tensors, on the parameters' device, as in
-  native mode. On CPU with the statistics lane, an install that computes (SOAP's rotation of
-  ``m``) is queued on the lane, and the block's next read of its state waits for it
-  (``settle``; Note [Statistics lane] in lane.py);
-* ``MappedBases`` (``mapped``, unified-memory GPUs): in pinned host memory, read by the device
-  through mapped views (``asteria.memory.device_view``);
-* ``WindowBases`` (``window``, discrete GPUs; window_bases.py): in pinned host memory; the
-  optimizer reads device copies from a ring of buffers filled just before use, the next block's
-  copy overlapping the current block's kernels (Note [Bases window] in
-  asteria/memory/window.py).
+Note [Bases made by a step]: the host strategies move new bases to host memory at installs, and
+at a step's end those the step made (first steps); that look stops once a step end moved nothing
+and every parameter has its state, until a load (``state_replaced``).
 
-Every strategy hands back, at ``close()``, the bases as native mode keeps them (on the
-parameters' device).
-
-Note [Bases made by a step]: the host strategies move a block's bases to host memory when an
-install makes them, and at a step's end the bases the step itself made (the optimizer's first
-step of a block). Looking for those at every step end would visit every block at every step, a
-host cost that grows with the blocks (issue 37); the look stops once a step end moved nothing
-and every parameter has its state (no block can be made later), and starts again when the
-optimizer loads a state (``state_replaced``).
-
-Note [Grouped install copies]: a refresh result is host memory (the C++ pool's), pageable, and
-a blocking copy from it to a GPU synchronizes the training stream. ``install_many`` moves every
-result of a batch (a step's finished refreshes, installed at the first module signal) to the
-device at once: per device and dtype, one pinned buffer filled by one ``torch._foreach_copy_``
-and one non-blocking copy to the device, the results becoming views of it with their own
-layouts; the window then copies the new bases back to host memory in one ``to_host`` (one
-event). A step's installs thus cost a constant number of copies, not a few per block.
-
-Must not: decide what to install or when (refreshes.py, schedule.py), change the optimizer's
-math (``install_refresh`` carries state over), or place anything the tier policy did not.
+Note [Grouped install copies]: results are pageable host memory, and a blocking copy to a GPU
+syncs the training stream. ``install_many`` moves a batch's results at once: per device and
+dtype one pinned buffer (one ``_foreach_copy_``) and one non-blocking copy, the results views of
+it in their own layouts; a constant number of copies a step.
 """
 
 from __future__ import annotations
@@ -48,7 +28,9 @@ import torch
 
 from asteria.memory.host import device_view, host_copy
 from asteria.memory.window import view_like
-from asteria.optim.base import BlockKey, KroneckerOptimizer
+from asteria.optim.base import KroneckerOptimizer
+from asteria.optim.groups import BlockGroup, keys_of
+from asteria.optim.refresher import BlockKey, Piece
 from asteria.runtime.lane import StatisticsLane
 
 __all__ = ["BasesAccess", "DeviceBases", "MappedBases", "all_made", "to_device_many"]
@@ -57,46 +39,38 @@ __all__ = ["BasesAccess", "DeviceBases", "MappedBases", "all_made", "to_device_m
 class BasesAccess:
     """The interface of every strategy (see module docstring)."""
 
-    #: Whether what ``read`` returns stays valid until the step ends (``Refresher.bases_stable``).
-    stable = True
     #: Whether an install that computes runs off the training thread (it then costs the step
     #: nothing: Note [Paced installs] in schedule.py).
     installs_off_thread = False
+    #: Whether a request waits for something first (``settle``)
+    settles = False
 
     def __init__(self, optimizer: KroneckerOptimizer) -> None:
         self.optimizer = optimizer
         self.field = optimizer.bases_field
 
-    def read(self, key: BlockKey, block: dict) -> list:
-        """What the update that follows reads as ``block``'s bases (``Refresher.bases``)."""
-        return block[self.field]
+    def pieces(self, groups: list[BlockGroup], passes: int = 1) -> list[Piece]:
+        """``Refresher.pieces``: the step's groups as one piece, read from the blocks."""
+        return [Piece(groups, self._read)]
 
-    def settle(self, key: BlockKey) -> None:
-        """Wait for ``key``'s install if one runs elsewhere (before a request reads the basis)."""
+    def _read(self, piece: Piece) -> list:
+        field = self.field
+        return [[b[field] for b in g.blocks] for g in piece.groups]
 
-    #: Bytes of bases ``read_many`` can hand out at once (``Refresher.bases_room``; None: no
-    #: limit).
-    room: int | None = None
-
-    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
-        """What the update that follows reads as each block's bases, valid together until the
-        next ``read``/``read_many`` or the step's end (``Refresher.bases_many``)."""
-        return [self.read(k, b) for k, b in zip(keys, blocks)]
-
-    def install(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        """``install_refresh`` of ``results`` into ``block``, where this strategy keeps bases."""
-        self.install_many([(key, block, results)])
+    def settle(self, keys: list[BlockKey], blocks: list[dict]) -> None:
+        """Wait for the installs of ``keys`` that run elsewhere (before their requests read the
+        bases)."""
 
     def install_many(self, items: list[tuple[BlockKey, dict, list[Any]]]) -> None:
-        """``install`` of each ``(key, block, results)``, the results moved to the device in
-        grouped copies (``to_device_many``)."""
-        moved = to_device_many([r for _, _, r in items], [b for _, b, _ in items])
-        for (key, block, _), results in zip(items, moved):
-            self._install_one(key, block, results)
+        """``install_refresh`` of each ``(key, block, results)``, the results moved to the
+        device in grouped copies (``to_device_many``), the blocks installed together
+        (``install_refresh_many``: SOAP's per shape group)."""
+        blocks = [b for _, b, _ in items]
+        moved = to_device_many([r for _, _, r in items], blocks)
+        self._install([k for k, _, _ in items], blocks, moved)
 
-    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        """``install_refresh`` of ``results`` (on the block's device already)."""
-        self.optimizer.install_refresh(block, results)
+    def _install(self, keys: list[BlockKey], blocks: list[dict], results: list) -> None:
+        self.optimizer.install_refresh_many(blocks, results)
 
     def state_replaced(self) -> None:
         """The optimizer loaded a state: its blocks' bases are new (Note [Bases made by a
@@ -135,38 +109,39 @@ class DeviceBases(BasesAccess):
         install_flops: Callable[[BlockKey, dict | None], float] | None = None,
     ) -> None:
         super().__init__(optimizer)
-        # installs go to the lane for optimizers that read their bases (and the state installs
-        # rewrite) only after ``Refresher.bases``
-        self._lane = lane if optimizer.reads_bases_through_refresher else None
+        # installs that compute go to the lane: the update reads the bases (and the state an
+        # install rewrites) only through ``Refresher.pieces``, which waits for them
+        self._lane = lane
         self._flops = install_flops
-        self.installs_off_thread = self._lane is not None
+        self.installs_off_thread = self.settles = self._lane is not None
         self._queued: set[BlockKey] = set()  # blocks with an install queued on the lane
 
-    def read(self, key: BlockKey, block: dict) -> list:
-        if self._queued:
-            self.settle(key)  # the update reads the bases, then m and v
-        return block[self.field]
+    def _read(self, piece: Piece) -> list:
+        if self._queued:  # the update reads the bases, then m and v: their installs first
+            self.settle(keys_of(piece.groups), [])
+        return super()._read(piece)
 
-    def settle(self, key: BlockKey) -> None:
-        if key in self._queued:
-            self._queued.discard(key)
-            self._lane.wait(key)
-
-    def read_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
-        if self._queued:
+    def settle(self, keys: list[BlockKey], blocks: list[dict]) -> None:
+        queued = self._queued
+        if queued:
             for key in keys:
-                self.settle(key)
-        field = self.field
-        return [b[field] for b in blocks]
+                if key in queued:
+                    queued.discard(key)
+                    self._lane.wait(key)
 
-    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        if self._lane is not None and self._flops(key, block) > 0:
-            # an install that computes (SOAP's rotation of m) runs on the statistics lane; the
-            # block's next read of its state waits for it (``settle``)
-            self._lane.submit(key, _install_weakly, weakref.ref(self.optimizer), block, results)
-            self._queued.add(key)
+    def _install(self, keys: list[BlockKey], blocks: list[dict], results: list) -> None:
+        if self._lane is None:
+            self.optimizer.install_refresh_many(blocks, results)
             return
-        self.optimizer.install_refresh(block, results)
+        opt = weakref.ref(self.optimizer)
+        for key, block, result in zip(keys, blocks, results):
+            if self._flops(key, block) > 0:
+                # an install that computes (SOAP's rotation of m) runs on the statistics lane;
+                # the block's next read of its state waits for it (``settle``)
+                self._lane.submit(key, _install_weakly, opt, block, result)
+                self._queued.add(key)
+            else:
+                self.optimizer.install_refresh(block, result)
 
 
 def _install_weakly(opt: weakref.ref, block: dict, results: list[Any]) -> None:
@@ -184,9 +159,10 @@ class MappedBases(BasesAccess):
         self._mapped: set[int] = set()  # data_ptr of bases read through mapped views
         self._unmapped_may_exist = True  # Note [Bases made by a step]
 
-    def _install_one(self, key: BlockKey, block: dict, results: list[Any]) -> None:
-        super()._install_one(key, block, results)
-        self._map(block)
+    def _install(self, keys: list[BlockKey], blocks: list[dict], results: list) -> None:
+        super()._install(keys, blocks, results)
+        for block in blocks:
+            self._map(block)
 
     def step_end(self) -> None:
         if not self._unmapped_may_exist:
@@ -229,30 +205,34 @@ def all_made(optimizer: KroneckerOptimizer) -> bool:
 
 
 def to_device_many(results: list[list[Any]], blocks: list[dict]) -> list[list[Any]]:
-    """``to_device`` of each block's ``results`` (a list per block), in grouped copies: the
-    host tensors bound for one CUDA device go, per dtype, through one pinned buffer and one
-    copy (Note [Grouped install copies]); elsewhere each is moved as ``to_device`` moves it."""
-    out = [list(r) for r in results]
+    """``to_device`` of each block's ``results``: host tensors bound for a CUDA device go, per
+    dtype, through one pinned buffer and one copy (Note [Grouped install copies]); a CPU block's
+    stay as they are. No Python call per block."""
+    out = []
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[list, int, int | None]]] = {}
-    for rs, block in zip(out, blocks):
-        device = _device_of(block)
+    for rs, block in zip(results, blocks):
+        rs = list(rs)
+        out.append(rs)
+        device = None
+        for f in block["factors"]:
+            if f is not None:
+                device = f.device
+                break
+        if device is None or device.type != "cuda":
+            continue  # (the pool's results are CPU tensors)
         for i, r in enumerate(rs):
-            for j, t in _tensors_of(r):
-                if device.type == "cuda" and t.device.type == "cpu":
+            if r is None:
+                continue
+            for j, t in enumerate(r) if isinstance(r, tuple) else ((None, r),):
+                if t is None:
+                    continue
+                if t.device.type == "cpu":
                     groups.setdefault((device, t.dtype), []).append((rs, i, j))
                 else:
                     _put(rs, i, j, t.to(device))
     for (device, dtype), where in groups.items():
         _grouped_to(device, dtype, where)
     return out
-
-
-def _tensors_of(result: Any) -> list[tuple[int | None, torch.Tensor]]:
-    if result is None:
-        return []
-    if isinstance(result, tuple):
-        return [(j, t) for j, t in enumerate(result) if t is not None]
-    return [(None, result)]
 
 
 def _get(rs: list, i: int, j: int | None) -> torch.Tensor:
@@ -267,10 +247,9 @@ def _put(rs: list, i: int, j: int | None, t: torch.Tensor) -> None:
 
 
 def _grouped_to(device: torch.device, dtype: torch.dtype, where: list) -> None:
-    """Note [Grouped install copies]: the host tensors ``where`` points at (all ``dtype``)
-    packed into one pinned buffer (one ``_foreach_copy_``), copied to ``device`` in one
-    non-blocking copy, and replaced by views of it with their own layouts (the same
-    arithmetic). torch's pinned-memory cache keeps the buffer until the copy has run."""
+    """Note [Grouped install copies]: the host tensors ``where`` points at packed into one pinned
+    buffer, copied to ``device`` in one non-blocking copy, and replaced by views of it in their own
+    layouts (torch's pinned cache keeps the buffer until the copy ran)."""
     srcs = [_get(rs, i, j) for rs, i, j in where]
     total = sum(t.numel() for t in srcs)
     flat = torch.empty(total, dtype=dtype, pin_memory=True)
@@ -284,7 +263,3 @@ def _grouped_to(device: torch.device, dtype: torch.dtype, where: list) -> None:
     for (rs, i, j), t in zip(where, srcs):
         _put(rs, i, j, view_like(dev[offset : offset + t.numel()], t))
         offset += t.numel()
-
-
-def _device_of(block: dict) -> torch.device:
-    return next(t for t in block["factors"] if t is not None).device

@@ -1,7 +1,7 @@
 """``RuntimeConfig``: every knob of Asteria's runtime, validated once.
 
 Owns: the defaults and the allowed ranges (a ``ValueError`` names the argument and the range).
-Must not: create threads, pools or streams (``attach.build`` does, from a validated config).
+Must not: create threads, pools or streams (``parts.build`` does, from a validated config).
 """
 
 from __future__ import annotations
@@ -34,88 +34,42 @@ def _int(name: str, value: object, low: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """How Asteria orchestrates an optimizer's refreshes.
+    """How Asteria orchestrates an optimizer's refreshes (docs/runtime.md, "RuntimeConfig", has
+    every field's default and effect).
 
     Attributes:
-        staleness: the budget ``S``: a refresh requested at step ``t`` is installed by step
-            ``t + S`` at the latest, the step waiting for it if needed (Note [Staleness bound]
-            in registry.py). ``0`` reproduces native mode.
-        workers: CPU worker threads of the refresh pool (default: cores - 1, at least 1).
-        lapack_threads: LAPACK/BLAS threads per worker (1: one core per worker).
-        affinity: CPU ids the workers are pinned to, round-robin (``None``: no pinning).
-        worker_nice: added to the pool's worker threads' nice value (Linux, 0..19), so that
-            the training thread and the statistics lane win a core they share with a worker
-            (Note [Worker priority] in csrc/core/worker_pool.cpp). ``None`` (default): 10 when
-            torch's intra-op threads leave a core free (the workers then share it with the
-            lane only), 0 when they take every core (lowered workers would then miss their
-            deadlines and make the steps wait). ``0``: the training's priority.
-        fixed_delay: ``None`` (install as soon as ready, within the budget) or ``d <= S``: install
-            every refresh exactly ``d`` steps after it was requested, for reproducible runs.
-        pace_installs: spread the installs of refreshes that finished early over the steps
-            left before their deadlines, so that no one step pays for all of them (Note [Paced
-            installs] in schedule.py). It matters where an install computes on the training
-            thread: SOAP's rotation of its first moment, without the statistics lane (which
-            takes such installs off the training thread). It trades the spike for staleness.
-            ``False`` (default): install each refresh as soon as it is ready.
-        split_updates: with the statistics lane, the lane runs about half of the blocks of
-            each step's update (SOAP, KL-Shampoo), beside the training thread (Note [Split
-            updates] in lane.py); bitwise the same parameters. No effect without the lane.
-        refresh_lead: with a budget (``staleness``, or ``fixed_delay``) of at least 1, an
-            optimizer whose update uses the refresh of its own step (Shampoo) requests it one
-            step ahead, so that it can arrive in time for that step (Note [Refresh lead] in
-            schedule.py). ``False``: at the step itself, the result used from a later step.
-        wait_first_refresh: such an optimizer's first refresh of a block (Shampoo's first
-            roots) is computed from the statistics of the step that first uses it, and that
-            step waits for it, as natively (Note [First roots] in schedule.py): once per block,
-            where native mode waits at every refresh. ``False``: requested like every later one
-            (with the lead, from the step before), the steps before it arrives taking the
-            grafting direction. The same holds for every refresh of a block whose factors may
-            still be rank-deficient (``refresh_urgent``: Shampoo's 1-D blocks and merged small
-            dims for as many steps as their dim; Note [Rank-deficient factors] in
-            schedule.py) or young (the last interval brought a quarter of the factor or more:
-            Shampoo's refreshes of steps ``2f`` to ``4f`` at ``betas[1] = 1``; Note [Young
-            factors]), counted in ``stats()["jobs"]["urgent_waits"]``. ``None`` (default):
-            on, except under ``fixed_delay`` (whose every refresh keeps the fixed delay unless
-            this is ``True``). No effect at a budget of 0.
-        barrier_timeout_s: how long a step waits at the barrier before failing with an error
-            that names the block.
-        max_consecutive_failures: a block whose refresh fails this many times in a row raises;
-            fewer failures keep the previous version and are counted.
-        hooks: register module hooks as scheduling signals (flush finished refreshes before a
-            module runs); the runtime is correct without them.
-        device_budget_bytes: the most optimizer state the device may hold (``None``: no limit);
-            smaller than what must stay there (factors, moments) is a ``ValueError``.
-        device_bases_fraction: under ``placement="auto"`` on a discrete GPU, the bases stay
-            on the device when the device's optimizer state with them fits this fraction of
-            the device memory free at attach (and ``device_budget_bytes``); else they go to
-            host memory behind the device window (Note [Bases by budget] in
-            asteria/memory/tiers.py). ``0``: always the window. Between 0 and 1.
-        host_budget_bytes: the most state Asteria keeps in host memory (``None``: no limit);
-            when it binds, the refresh results used last in a step go to ``nvme_path``.
-        nvme_path: an existing writable directory (a local NVMe drive) for the spill file.
-        placement: ``"auto"`` (docs/memory.md, "Placement") or a dict state kind -> tier, e.g.
-            ``{"bases": "device"}`` or ``{"results": "nvme"}`` (asteria.memory.tiers.PLACEABLE).
-        refresh: ``"staggered"`` (default): a block's refresh is requested every
-            ``precondition_frequency`` steps, each block at its own slot of the interval, so
-            that the pool gets a share of the round at every step instead of all of it at once
-            (Note [Staggered refresh] in schedule.py). ``"interval"``: every block at the
-            optimizer's own refresh steps, as natively. ``"continuous"``:
-            ``precondition_frequency`` is the longest interval allowed, and a block is
-            requested again as soon as its previous refresh is installed and an executor has
-            room for it, oldest blocks first (Note [Continuous refresh] in schedule.py). No
-            effect at a budget of 0 (native mode).
-        device_refresh: refreshes may run on a least-priority device stream when the CPU pool
-            cannot finish them before their deadline (Note [Refresh placement] in
-            placement.py). ``None`` (default): where the parameters are on a CUDA device,
-            unless ``fixed_delay`` is set (the executor is chosen by measured times and the
-            device's results are not the pool's bit for bit: a fixed-delay run stays on the pool,
-            reproducible); ``True``: there too, a ``ValueError`` without one; ``False``: the pool
-            only.
-        statistics_lane: run the factor statistics of CPU-resident parameters on a background
-            thread (Note [Statistics lane] in lane.py). ``None`` (default): on when every
-            parameter is a plain CPU tensor and torch's intra-op threads leave a core free
-            (those of every process on the machine, under torchrun's ``LOCAL_WORLD_SIZE``);
-            ``True``: on for CPU parameters; ``False``: in the training thread.
+        staleness: the budget ``S``: a refresh requested at step ``t`` is installed by ``t + S``,
+            waited for if need be (Note [Staleness bound] in registry.py); ``0``: native mode.
+        workers, lapack_threads, affinity: the pool's threads (default: cores - 1), LAPACK
+            threads per worker, and the CPU ids they are pinned to.
+        worker_nice: added to the workers' nice value (Linux, 0..19; Note [Worker priority] in
+            csrc/core/worker_pool.cpp); ``None``: 10 where the training leaves a core free.
+        fixed_delay: ``None``, or ``d <= S``: every refresh installed exactly ``d`` steps after
+            its request (reproducible runs).
+        pace_installs: spread early installs over the steps to their deadlines (Note [Paced
+            installs] in schedule.py): a computing install's spike for staleness.
+        split_updates: with the lane, half of each update runs there (Note [Split updates]).
+        refresh_lead: with a budget, an optimizer that uses its own step's refresh (Shampoo)
+            requests it a step ahead (Note [Refresh lead] in schedule.py).
+        wait_first_refresh: its first and urgent refreshes computed from their own step and
+            waited for, as natively (Notes [First roots], [Rank-deficient factors], [Young
+            factors]); ``None``: on, except under ``fixed_delay``.
+        barrier_timeout_s: how long a step waits at the barrier before an error naming the block.
+        max_consecutive_failures: a block failing this often in a row raises.
+        hooks: module hooks as scheduling signals (installs before a module runs).
+        device_budget_bytes, host_budget_bytes: the most optimizer state on the device, in host
+            memory (``None``: no limit); the host budget spills results to ``nvme_path``.
+        device_bases_fraction: under ``placement="auto"`` on a discrete GPU, the bases stay on
+            the device where its state with them fits this fraction of its free memory (Note
+            [Bases by budget] in asteria/memory/tiers.py).
+        placement: ``"auto"`` (docs/memory.md, "Placement") or a dict state kind -> tier.
+        refresh: ``"staggered"``, ``"interval"`` or ``"continuous"`` (Notes [Staggered
+            refresh], [Continuous refresh] in schedule.py).
+        device_refresh: refreshes may run on a device stream when the pool would miss their
+            deadline (Note [Refresh placement]); ``None``: with CUDA parameters, unless
+            ``fixed_delay``.
+        statistics_lane: CPU parameters' statistics on a thread of their own (Note [Statistics
+            lane] in lane.py); ``None``: where the training leaves a core free.
     """
 
     staleness: int = 5

@@ -1,50 +1,24 @@
 """Distributed coherence: topology, block ownership and hierarchical sync of replicated blocks.
 
-Owns: what the runtime needs under ``torch.distributed`` (DDP, FSDP2 ``fully_shard``, HSDP):
+Owns: what the runtime needs under ``torch.distributed`` (DDP, FSDP2, HSDP): the attach-time
+checks, made collectively so that a bad setting is an error on every rank, never a hang (node
+size, the same settings and hyperparameters everywhere, one device a rank); the
+:class:`Topology` (nodes of ``ranks_per_node`` consecutive ranks, from ``LOCAL_WORLD_SIZE`` or
+given, with the node and cross-node groups made once, in one order); one owner per replicated
+block, balancing refresh cost (``sum d^3``) across nodes, then ranks; and the sync of a block's
+refresh from its owner to its replica group (``Coherence.exchange``: owner -> its node ->
+representatives -> their nodes, the bytes sent counted against a flat exchange's).
 
-* the attach-time checks, made collectively so that a bad setting on one rank is an error on
-  every rank, never a hang: the node size must divide the world size, every rank must run the
-  same runtime settings and optimizer hyperparameters (an ``all_gather`` of their description),
-  and a rank's parameters must sit on one device;
-* the :class:`Topology`: ranks grouped into nodes of ``ranks_per_node`` consecutive ranks
-  (torchrun's numbering; from ``LOCAL_WORLD_SIZE`` or an explicit setting, which is how tests
-  model two nodes on one machine), with the node-local and cross-node process groups created
-  once, on every rank, in the same order;
-* ownership: every replicated block has one owner in its replica group, chosen greedily to
-  balance refresh cost (``sum d^3`` over its factored dims) across nodes, then ranks;
-* the sync of one block's refresh from its owner to its replica group (``Coherence.exchange``;
-  ``Refreshes.sync_replicated`` waits on the owner and installs on every rank): the
-  owner waits for its job and sends its outcome (``OK`` with the results, ``FAILED`` for a
-  refresh that failed in float32 and float64, ``CRASHED`` for any other error in a worker), and
-  every rank acts on the same outcome at the same step; hierarchical for the world group
-  (owner -> its node, node representative -> the other representatives, each representative ->
-  its node), with the bytes each rank sends counted intra- and inter-node (and, for comparison,
-  what a flat all-gather of every refreshed result would send).
+Note [Distributed coherence]: a *replica group* is the ranks holding the same block (every rank
+for DDP, the ``Replicate`` mesh dim for HSDP, none for an FSDP2 shard: local blocks). Its owner
+alone computes the refresh requested at ``t``; every rank installs it at ``t + D`` exactly
+(``D``: ``fixed_delay`` else ``S``) from the owner's outcome (``OK`` with the results,
+``FAILED``, ``CRASHED``), in the optimizer's block order, on process groups of its own: the
+replicas stay bit-identical without a per-step agreement. A round that fails or outlasts
+``barrier_timeout_s`` raises :class:`CoherenceTimeoutError` naming the block, owner and step.
 
-Note [Distributed coherence]: a block's *replica group* is the set of ranks holding the same
-block: every rank for a plain (DDP-replicated) parameter, the ranks along the ``Replicate`` mesh
-dim for an HSDP DTensor, none for a plain FSDP2 shard (its blocks are local: the runtime treats
-them as in one process). For a replicated block the owner alone computes the refresh requested at
-step ``t``, on its own pool; every rank of the group installs it at the block boundary of step
-``t + D`` exactly, where ``D`` is ``fixed_delay`` when set, else the staleness budget ``S``: the
-deadline. Only blocks at their deadline take part in a sync (a block superseded before its
-deadline never moves). The sync runs on the training thread, inside ``optimizer.step()``, in the
-optimizer's block order, which is the same on every rank; it uses process groups of its own, so it
-cannot interleave with the training's collectives (DDP's and FSDP2's are complete before
-``step()``). Installing at a rank-independent step keeps the replicas bit-identical without a
-per-step agreement; the cost is that a replicated block never installs before its deadline. The
-bounded barrier: the owner waits for its job (``barrier_timeout_s``), the others wait in the
-collective, whose groups have ``barrier_timeout_s`` as their timeout; a round that fails or times
-out raises :class:`CoherenceTimeoutError` naming the block, its owner rank and the step.
-
-Bytes: a rank counts the payload it sends times the number of receivers of that hop (the logical
-volume of a tree broadcast), as ``intra_node_bytes`` or ``inter_node_bytes``; ``flat_*_bytes``
-count, at the owner, what sending the same result to every other rank of the group directly
-would cost. With ``N`` nodes of ``G`` ranks the world hierarchy sends ``N - 1`` copies across
-nodes where the flat exchange sends ``N*G - G``: a ratio of ``1/G``.
-
-Must not: decide when a block refreshes (schedule.py) or how a result is installed
-(refreshes.py and the optimizer do); issue collectives outside ``Runtime``'s calls.
+Must not: decide when a block refreshes or how a result is installed; issue collectives outside
+``Runtime``'s calls.
 """
 
 from __future__ import annotations
@@ -58,7 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asteria.optim.base import BlockKey, KroneckerOptimizer, local_tensor
+from asteria.optim.base import KroneckerOptimizer
+from asteria.optim.refresher import BlockKey
+from asteria.optim.tensors import local_tensor
 from asteria.runtime.registry import StalenessTimeoutError
 
 __all__ = [
@@ -96,24 +72,14 @@ _FAULT_KEY = "asteria/fault/"
 
 # Note [A fault on one rank]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A replicated block is installed on every rank at the same step, each from its own sync, in
-# the same order (Note [Distributed coherence]). A step that stops before its end on one rank (a
-# KeyboardInterrupt, Ctrl-C on that rank only, or any error inside ``step()``) leaves that rank's
-# parameters partly updated and its syncs out of step with the other ranks'. The one-process
-# repair (Note [Interrupted steps] in boundary.py: the skipped boundaries finished at the next
-# step or forward) would run those syncs while the other ranks run later ones: with two ranks it
-# paired a repair with the next step's sync and the replicas parted silently (the other rank
-# trained on, no error, other parameters), and a ``close()`` after it waited in collectives
-# nobody else joined. So in a distributed run the runtime does not repair a step: the rank whose
-# step stopped, and any rank whose sync failed or timed out (``CoherenceTimeoutError``), marks
-# its coherence broken (``Coherence.fail``) and reports why in the default process group's store
-# under ``asteria/fault/<rank>``; from then on every step, every forward signal and every sync on
-# it raises ``CoherenceBrokenError`` at once, and ``close()`` runs no collective. A rank waiting
-# for it in a sync times out after ``barrier_timeout_s`` (its process groups' timeout) and its
-# ``CoherenceTimeoutError`` names the rank that reported a fault and why (from the store), else
-# the replica group's other ranks. Every rank so ends within the collective timeout, with an
-# error that names the rank: tests/distributed, ``interrupt`` on 2 and 4 ranks (interrupted and
-# left, or interrupted and training on). Resuming means restarting from a checkpoint.
+# A step that stops before its end on one rank leaves its syncs out of step with the others', so
+# the one-process repair (Note [Interrupted steps] in plan.py) would part the replicas silently.
+# In a distributed run the runtime does not repair: the rank whose step stopped, or whose sync
+# failed or timed out, marks its coherence broken (``Coherence.fail``) and reports why in the
+# default group's store (``asteria/fault/<rank>``); from then on it raises
+# ``CoherenceBrokenError`` at every step, signal and sync, and ``close()`` runs no collective. A
+# rank waiting for it times out naming it and its reason: every rank ends within the timeout
+# (tests/distributed, ``interrupt``). Resuming means restarting from a checkpoint.
 
 
 class Topology:

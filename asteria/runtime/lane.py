@@ -1,74 +1,31 @@
 """The statistics lane: factor statistics of CPU-resident parameters, off the training thread.
 
-Owns: one background thread that runs, in submission order, the per-step statistics updates an
-optimizer hands to its refresher (``Refresher.accumulate``: SOAP's and Shampoo's factor EMAs,
-KL-Shampoo's factor and eigenvalue EMAs), the runtime's work that must follow them (refresh
-submissions, SOAP's installs), and the per-block waits that keep them coherent.
+Owns: one background thread that runs, in submission order, the statistics an optimizer hands
+its refresher (``Refresher.accumulate``), the runtime's work that must follow them (refresh
+submissions, SOAP's installs, half of a split update), and the per-block waits.
 
-Note [Statistics lane]: on a GPU the factor statistics are cheap device kernels that overlap the
-host anyway; on a CPU-only run they are a third of SOAP's step and most of KL-Shampoo's, paid on
-the one core that trains. Nothing in the step after them reads their result until the block's
-next refresh (SOAP, Shampoo) or its next update (KL-Shampoo's eigenvalue estimates), so the runtime
-runs them on this lane, on the core the refresh pool shares, while the training thread goes on.
-Coherence, per block:
-  * an update reads what the block's previous statistics wrote only after ``wait(key)``
-    (``Refresher.block_begin``), and a refresh snapshots the factors only after it too;
-  * the lane reads the step's gradient in place (no copy, hence bit-for-bit the native
-    arithmetic): the gradient is only ever written again by a backward that accumulates into
-    it (guarded by a gradient hook; after ``zero_grad()`` the backward writes new tensors and
-    runs beside the lane: Note [Gradient guards] in hooks.py) or by
-    ``zero_grad(set_to_none=False)`` (which syncs first);
-  * ``state_dict``, ``load_state_dict`` and ``close()`` wait for everything (``wait_all``);
-  * a refresh's snapshot of the factors is queued on the lane too (``call``): behind the
-    statistics it must see, the lane submits the job to the pool, which copies the factors
-    there and then; so the training thread never waits for the lane at a refresh step
-    (before, it waited there for the whole step's statistics: 80 ms of SOAP's and 250 ms of
-    KL-Shampoo's refresh step on bench/step_time.py);
-  * part of the step's update itself can run here too (Note [Split updates]);
-  * an install that computes (SOAP rotates ``m`` into the new basis and permutes ``v``: about
-    140 ms of the step after each refresh there, nearly a whole SOAP step) is queued on the lane
-    as well, and the block's next update waits for it where it first reads the block's bases
-    (``Refresher.bases``, before ``m`` and ``v``), as does a new request for the block (its
-    job's input basis must be the installed one). The update comes a whole forward and
-    backward later, so it normally finds the install done.
-The work is the optimizer's own Python function on the same tensors with the same thread count,
-so native and orchestrated runs stay bitwise equal (tests/unit/test_runtime.py).
+Note [Statistics lane]: on a CPU-only run the statistics are a third of SOAP's step and most of
+KL-Shampoo's, and nothing in the step reads them before the block's next refresh or update. So
+they run here, on the core the pool shares. Per block: an update that reads them waits first
+(``Runtime.pieces``: ``wait_many``); a refresh's submission is queued behind them (``call``), so
+a refresh step never waits; the gradient is read in place (only an accumulating backward, Note
+[Gradient guards] in hooks.py, or ``zero_grad(set_to_none=False)``, which syncs, writes it
+again); a computing install is queued here and the block's next read waits for it;
+``state_dict``, ``load_state_dict`` and ``close()`` wait for all (``wait_all``). The same
+functions on the same tensors and threads: bitwise native (tests/unit/test_runtime.py).
 
-Note [Split updates]: with a statistics lane, training takes one core and the lane and the
-refresh pool share the other; the lane's statistics and the pool's refreshes run while the
-training thread does the forward and backward, and the second core idles while the training
-thread does the optimizer's update. So an optimizer that updates a group's blocks together
-(SOAP's 2-D blocks, one C++ call per chunk; KL-Shampoo's blocks, once the training thread has
-waited for their statistics and bases) splits them in two halves of about equal flops and hands
-one to the lane (``Refresher.beside``), which runs it while the training thread does the other;
-the step goes on once both are done. Each block's update is the same ops on the same tensors
-with the same thread count, whichever thread runs it, so the parameters stay bitwise those of
-native mode. The lane's half runs after everything queued on the lane before it (installs
-included), so it reads a block's installed bases just as the training thread's half does after
-``bases``. On bench/step_time.py's tiny LM (one training thread, 2 cores) SOAP's step went from
-141 ms to 73 ms, and the forward and backward beside it did not slow down (1108 -> 1084 ms);
-KL-Shampoo's went from 137 to 73-86 ms. Shampoo still updates parameter by parameter.
+Note [Split updates]: the lane's core idles while the training thread updates, so ``Runtime.run``
+splits a piece's update into two halves of about equal flops (a parameter's blocks together,
+``halves``), the lane running one (``beside``) after what is queued before it: bitwise native
+(tiny LM: SOAP 141 -> 73 ms).
 
 Note [State between steps]: with the lane, ``step()`` returns while the lane may still write
-that step's statistics (and a queued install, or the lane's half of a split update) into the
-tensors of ``optimizer.state``: two deep copies of ``opt.state`` taken after ``step()`` with no
-call between them can differ (issue 40: 6 of 20 KL-Shampoo and 8 of 20 Shampoo runs on a
-Linear 8x4). Nothing of Asteria's own reads them early (the waits above), and ``state_dict()``,
-``load_state_dict()`` and ``close()`` wait for the lane; code that reads ``opt.state`` directly
-(logging a factor's norm, custom checkpoints, model averaging) calls ``runtime.sync()`` first:
-once it returns, ``opt.state`` holds still until the next ``step()`` or the next forward (whose
-module hooks may install a finished refresh). Finishing the lane's work inside every ``step()``
-instead would give back the overlap the lane exists for: the statistics would run on the
-training thread's time again. That is what a ``sync()`` after every step costs: on
-bench/state_sync.py's tiny LM (one training thread, 2 cores shared with other jobs, so the
-figures are rough: bench/results/state_sync_cpu_tiny.json) the sync waited a median 378 ms of
-SOAP's step and 758 ms of KL-Shampoo's, and their median steps took 1.21x and 1.48x as long;
-Shampoo's step left almost nothing on the lane to wait for (0.2 ms). Property:
-tests/unit/test_state_between_steps.py (reads at arbitrary moments after ``sync()`` see one
-state; without it the same reads see the state move).
+``optimizer.state``. Asteria's reads wait, as do ``state_dict()``, ``load_state_dict()`` and
+``close()``; code reading ``opt.state`` directly calls ``runtime.sync()`` first (waiting inside
+every step would give back the overlap: bench/state_sync.py).
+tests/unit/test_state_between_steps.py checks it.
 
-Must not: decide what the statistics are (the optimizer's function does), or be used for
-parameters on a GPU (the runtime does not create it there).
+Must not: decide what the statistics are, or be used for parameters on a GPU.
 """
 
 from __future__ import annotations
@@ -76,18 +33,51 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-__all__ = ["LaneWork", "StatisticsLane", "StatisticsLaneError"]
+__all__ = ["LaneWork", "StatisticsLane", "StatisticsLaneError", "halves", "run_statistics"]
 
 
 def _no_grad_call(fn: Callable[..., None], args: tuple) -> None:
     with torch.no_grad():  # grad mode is per thread
         fn(*args)
+
+
+def _nothing() -> None:
+    """The statistics of a block whose group's first block updated them all."""
+
+
+def run_statistics(keys: Sequence[Hashable], fn: Callable, args: tuple, wrap: Any) -> None:
+    """``fn(*args)``, the statistics of blocks ``keys``; under a test's wrapper ``wrap(keys[0], fn,
+    *args)``, then ``wrap(key, _nothing)`` for the others. An error carries ``failed_keys``: the
+    keys left undone."""
+    at = 0
+    try:
+        if wrap is None:
+            fn(*args)
+            return
+        for at, key in enumerate(keys):
+            if at == 0:
+                wrap(key, fn, *args)
+            else:
+                wrap(key, _nothing)
+    except Exception as err:
+        err.failed_keys = list(keys) if wrap is None or at == 0 else [keys[at]]
+        raise
+
+
+def halves(items: list, costs: list[float]) -> tuple[list[int], list[int]]:
+    """The indices of ``items`` in two parts of about equal cost (largest first, each to the
+    cheaper part so far), each in its original order."""
+    side, load = [0] * len(items), [0.0, 0.0]
+    for i in sorted(range(len(items)), key=costs.__getitem__, reverse=True):
+        side[i] = 0 if load[0] <= load[1] else 1
+        load[side[i]] += costs[i]
+    return [i for i, s in enumerate(side) if s == 0], [i for i, s in enumerate(side) if s == 1]
 
 
 class StatisticsLaneError(RuntimeError):
@@ -139,15 +129,25 @@ class StatisticsLane:
         self._reported: set[Hashable] = set()  # blocks whose error a wait has raised
         self._name_of = name_of
         self._lock = threading.Lock()
+        self._count = 0  # submissions so far (a future's ``seq``: the lane runs in its order)
         self.submitted = 0
         self.wait_s = 0.0
 
     def submit(self, key: Hashable, fn: Callable[..., None], *args: Any) -> Future:
         """Queue ``fn(*args)`` after everything submitted before it."""
-        future = self._executor.submit(self._run, key, fn, args)
+        return self.submit_many((key,), fn, args, None)
+
+    def submit_many(
+        self, keys: Sequence[Hashable], fn: Callable[..., None], args: tuple, wrap: Any
+    ) -> Future:
+        """Queue ``run_statistics(keys, fn, args, wrap)`` after everything submitted before it;
+        ``wait(key)`` of any of ``keys`` waits for it."""
+        future = self._executor.submit(self._run, keys, fn, args, wrap)
+        self._count += 1
+        future.seq = self._count
         with self._lock:
-            self._last[key] = future
-        self.submitted += 1
+            self._last.update(dict.fromkeys(keys, future))
+        self.submitted += len(keys)  # (block updates)
         return future
 
     def call(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> LaneWork:
@@ -176,17 +176,22 @@ class StatisticsLane:
         finally:
             self.wait_s += time.perf_counter() - t0
 
-    def _run(self, key: Hashable, fn: Callable[..., None], args: tuple) -> None:
-        """On the lane: ``fn(*args)``, unless an earlier update of ``key`` failed (then nothing
-        of ``key`` runs any more, and every wait for it raises that first error)."""
-        if key in self._errors:
-            raise self._errors[key]
+    def _run(self, keys: Sequence[Hashable], fn: Callable, args: tuple, wrap: Any) -> None:
+        """On the lane: ``run_statistics(keys, fn, args, wrap)``, unless an earlier update of
+        one of ``keys`` failed (then nothing of it runs any more, and every wait for it raises
+        that first error)."""
+        errors = self._errors
+        if errors:
+            for key in keys:
+                if key in errors:
+                    raise errors[key]
         try:
             with torch.no_grad():  # grad mode is per thread; the step's no_grad stays there
-                fn(*args)
+                run_statistics(keys, fn, args, wrap)
         except Exception as err:
             with self._lock:
-                self._errors.setdefault(key, err)
+                for key in err.failed_keys:
+                    errors.setdefault(key, err)
             raise
 
     def pending(self) -> bool:
@@ -207,6 +212,24 @@ class StatisticsLane:
             raise
         self._forget(key, future)
 
+    def wait_many(self, keys: Sequence[Hashable]) -> None:
+        """``wait(key)`` of every key of ``keys``: the lane runs in submission order, so one
+        wait for the last of their work, then each failed key's error."""
+        last = self._last
+        with self._lock:
+            found = [(key, last[key]) for key in keys if key in last]
+        if not found:
+            return
+        newest = max(found, key=_seq)
+        self.wait(newest[0])
+        for key, future in found:
+            if key in self._errors:
+                self.wait(key)
+            if last.get(key) is future:
+                with self._lock:
+                    if last.get(key) is future:
+                        del last[key]
+
     def _forget(self, key: Hashable, future: Future) -> None:
         with self._lock:
             if self._last.get(key) is future:
@@ -214,8 +237,7 @@ class StatisticsLane:
 
     def check(self) -> None:
         """Raise the first error of a failed block (``StatisticsLaneError``) without waiting:
-        a step calls it before it changes anything (Note [All-or-nothing steps] in
-        boundary.py)."""
+        a step calls it before it changes anything (Note [All-or-nothing steps] in plan.py)."""
         with self._lock:
             failed = next(iter(self._errors.items()), None)
             if failed is not None:
@@ -275,6 +297,10 @@ class StatisticsLane:
             ) from err
         finally:
             self.wait_s += time.perf_counter() - t0
+
+
+def _seq(item: tuple) -> int:
+    return item[1].seq
 
 
 # Note [Lane deadlines]

@@ -1,70 +1,74 @@
 """Where a refresh runs: the executors, and the rule that places each job on one of them.
 
-Owns: ``Executors``, what the runtime's refreshes and snapshots submit to (it has the C++ pool's
-``submit_qr_refresh`` / ``submit_inverse_root``, so a ``RefreshJob`` submits to it as to the
-pool), which places each job on the C++ CPU pool or on a ``StreamExecutor`` (Note [Refresh
-placement]); the moving averages of the jobs' measured durations per executor, kind and size
-(``Durations``); each executor's backlog; the room the executors have for more work (what
-continuous refresh asks, Note [Continuous refresh] in schedule.py); and ``StreamExecutor``: one
-thread running jobs with torch, in deadline order, on its own least-priority CUDA stream, or on
-the CPU (the stand-in that tests use, ``asteria.runtime.testing.device_stream_stand_in``).
+Owns: ``Submission`` (a job with its name, version, deadline and inputs), ``Executors`` (the C++
+pool and a ``StreamExecutor`` where one exists, each job placed by Note [Refresh placement]),
+the moving averages of measured durations (``Durations``), the backlogs, the room for more work
+(Note [Continuous refresh] in schedule.py), and ``StreamExecutor``: one thread running jobs with
+torch in deadline order on a least-priority CUDA stream, or on the CPU (the tests' stand-in).
 
-Must not: decide when a refresh is requested or installed (schedule.py), install, or change what
-a job computes (the optimizer's ``RefreshJob`` does; both executors run the same functions: the
-C++ twins on the pool, asteria.optim.matrix_functions on the stream).
+Must not: decide when a refresh is requested or installed, install, or change what a job
+computes (the optimizer's ``RefreshJob`` does on either executor).
 
-Note [One submission path]: a refresh's job reaches the executors once, as the optimizer made
-it: ``snapshots.pool_submit`` hands it to ``Executors.submit_job`` with its inputs (or their
-snapshots), which places it and submits it to the pool (``job.submit``: the C++ call) or the
-stream. Before, the job submitted itself to the executors as to a pool
-(``submit_qr_refresh``), which built the same job again from the arguments and submitted that:
-two more calls and a validation of the inputs per job. ``submit_qr_refresh`` and
-``submit_inverse_root`` stay for callers that hold a pool's interface only.
+Note [One submission path]: a job is made once (``refresh_jobs``) and reaches an executor once:
+the plan's requests wrap it in a ``Submission``, the snapshot strategy puts in its copied inputs,
+and ``Executors.submit_many`` checks, places and submits it (``job.submit``: the C++ call that
+copies the inputs; or the stream, which copies them and runs ``job.compute``).
 
 Note [Refresh placement]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-A job requested at step ``t`` must be installed by ``t + B``: about ``B`` step times from now.
-Each finished job's duration (``finished_at - started_at``) updates a moving average per
-executor, kind and factor size; a size not seen yet is predicted from the nearest one seen, as
-``d^3``. At submission a job goes to the pool unless a device stream exists, the step time and
-the pool's duration for the job are known, and the pool would finish it later than its
-deadline: ``(backlog + duration) / workers > B * step_time``, where the backlog is the predicted
-seconds of the jobs the pool has not finished. Then it goes to the stream if the stream would
-finish it sooner (its own backlog plus its duration there; unknown: tried, and so measured).
-With a fast pool nothing moves: the stream exists but stays idle. Decisions are per job (a
-block's two factors may run on different executors); ``stats()["placement"]`` counts them per
-executor and names where each block's last job ran.
-
-What a device refresh costs the training: the job's inputs are copied to the device at
-submission (the factor and basis, ``d^2`` values each, on a least-priority stream of their own,
-which the submitting thread waits for, so that the staging slot or the lane's snapshot may be
-reused at once; a device input is copied after the training stream's writes to it, and the
-wait then includes them), and
-its eigh or QR then runs on a stream of the least priority (0, which the default stream has
-too: the training's kernels are scheduled first only where it runs on a higher-priority stream,
-``asteria.runtime.training_stream``, Note [Stream priorities] in streams.py), the refresh still
-takes SMs and memory bandwidth while it runs, and
-torch's ``eigh`` on CUDA synchronizes its own stream with the host (a cusolver info check), which
-is why it runs on a thread of its own. Its results stay on the device (no copy back), and the
-install reads them after the thread has seen the stream finish.
+A job goes to the pool unless a device stream exists, the step time and the pool's duration for
+it are known (moving averages per executor, kind and size; an unseen size scaled as ``d^3``) and
+the pool would miss its deadline (``(backlog + duration) / workers > B * step_time``); then to
+the stream if that finishes sooner. Decisions are per job (``stats()["placement"]``). A device
+refresh copies its inputs on a stream of its own at submission, runs at the least priority
+(Note [Stream priorities] in streams.py) on its own thread (CUDA ``eigh`` syncs with the host),
+and its results stay on the device. docs/runtime.md, "Refresh placement", has the measurements.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
+import operator
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from asteria.optim.refresher import QRRefresh, RefreshJob, RootRefresh
+from asteria.optim.matrix_functions import check_matrix
+from asteria.optim.refresher import RefreshJob
+from asteria.runtime.registry import Resolved
 
-__all__ = ["Durations", "Executors", "StreamExecutor"]
+__all__ = ["Durations", "Executors", "StreamExecutor", "Submission"]
+
+
+class Submission(tuple):
+    """A refresh's job on its way to an executor, a value: ``name`` (block and dim), ``version``
+    (the request step), ``deadline``, and the inputs, ``factor`` and ``basis`` (the job's own, or a
+    snapshot: ``with_inputs``). The runtime makes one with ``tuple.__new__``: no Python call."""
+
+    __slots__ = ()
+
+    def __new__(
+        cls, job: RefreshJob, name: str, version: int, deadline: int, inputs: Any = None
+    ) -> Submission:
+        factor, basis = (job.factor, job.basis) if inputs is None else inputs
+        return tuple.__new__(cls, (job, name, version, deadline, factor, basis))
+
+    job = property(operator.itemgetter(0))
+    name = property(operator.itemgetter(1))
+    version = property(operator.itemgetter(2))
+    deadline = property(operator.itemgetter(3))
+    factor = property(operator.itemgetter(4))
+    basis = property(operator.itemgetter(5))
+
+    def with_inputs(self, factor: Any, basis: Any, version: int | None = None) -> Submission:
+        """The same job with other inputs (a copy of them), at ``version`` where given."""
+        version = self[2] if version is None else version
+        return tuple.__new__(Submission, (*self[:2], version, self[3], factor, basis))
+
 
 #: Weight of the newest measurement in the moving averages.
 EMA = 0.3
@@ -76,10 +80,13 @@ class Durations:
     def __init__(self) -> None:
         self._mean: dict[tuple[str, str, int], float] = {}
 
-    def observe(self, executor: str, kind: str, size: int, seconds: float) -> None:
-        key = (executor, kind, size)
-        old = self._mean.get(key)
-        self._mean[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+    def observe(self, measured: list[tuple[str, str, int, float]]) -> None:
+        """Each ``(executor, kind, size, seconds)`` of ``measured``, in order."""
+        mean = self._mean
+        for executor, kind, size, seconds in measured:
+            key = (executor, kind, size)
+            old = mean.get(key)
+            mean[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def predict(self, executor: str, kind: str, size: int) -> float | None:
         """The average for this size, else the nearest size seen scaled as ``d^3``, else None."""
@@ -165,7 +172,7 @@ class StreamExecutor:
             # the inputs' copies: a stream of their own, so that a submission never waits
             # behind a refresh running on the first one
             self._copies = torch.cuda.Stream(device=device, priority=low)
-        self._queue: list[tuple[int, int, RefreshJob, _StreamFuture]] = []
+        self._queue: list[tuple[int, int, Submission, _StreamFuture]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -173,13 +180,15 @@ class StreamExecutor:
         self._thread = threading.Thread(target=self._run, name="asteria-device-stream", daemon=True)
         self._thread.start()
 
-    def submit(self, job: RefreshJob, deadline: int) -> _StreamFuture:
-        job = _copied(job, self.device, self._copies, self._stream)
+    def submit(self, sub: Submission) -> _StreamFuture:
+        """``sub``'s job on copies of its inputs (made now: a slot or snapshot may be reused
+        once this returns)."""
+        sub = sub.with_inputs(self._copy(sub.factor), self._copy(sub.basis))
         future = _StreamFuture(self._timeout_error)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the device stream executor is shut down")
-            heapq.heappush(self._queue, (deadline, next(self._seq), job, future))
+            heapq.heappush(self._queue, (sub.deadline, next(self._seq), sub, future))
             self.counts["submitted"] += 1
             self._cv.notify()
         return future
@@ -191,17 +200,17 @@ class StreamExecutor:
                     self._cv.wait()
                 if self._closed:
                     return
-                _, _, job, future = heapq.heappop(self._queue)
+                _, _, sub, future = heapq.heappop(self._queue)
             future.started_at = time.monotonic()
             try:
                 if self._stream is None:
-                    future._value = job.run()
+                    future._value = sub.job.compute(sub.factor, sub.basis)
                 else:
                     # the job's inputs were copied on the copies stream, not waited for at
-                    # submission (_copied): the refresh stream waits for them on the device
+                    # submission (``_copy``): the refresh stream waits for them on the device
                     self._stream.wait_stream(self._copies)
                     with torch.cuda.stream(self._stream):
-                        future._value = job.run()
+                        future._value = sub.job.compute(sub.factor, sub.basis)
                     self._stream.synchronize()
                 self.counts["completed"] += 1
             except BaseException as err:  # the caller's result() raises it
@@ -209,6 +218,30 @@ class StreamExecutor:
                 self.counts["failed"] += 1
             future.finished_at = time.monotonic()
             future._event.set()
+
+    def _copy(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A copy of ``t``: on the CPU, or on the device through the copies stream (after the
+        caller's stream's writes to it; the refresh stream waits for it); only a host input is
+        waited for here."""
+        if t is None:
+            return None
+        if self.device is None:
+            return t.detach().clone()
+        copies = self._copies
+        current = torch.cuda.current_stream(t.device) if t.is_cuda else None
+        if current is not None:
+            copies.wait_stream(current)  # after the training stream's writes to it
+        with torch.cuda.stream(copies):
+            out = t.to(self.device, copy=True, non_blocking=True)
+        if current is not None:
+            # the training stream rewrites the factor in place from the next step on: its later
+            # work waits for the copy on the device, and the host goes on (a host wait here
+            # would drain the training stream at every device-placed submission)
+            current.wait_stream(copies)
+        else:
+            copies.synchronize()  # a host source may be rewritten once submit returns
+        out.record_stream(self._stream)
+        return out
 
     def backlog(self) -> int:
         with self._cv:
@@ -229,41 +262,6 @@ class StreamExecutor:
             self._thread.join()
 
 
-def _copied(
-    job: RefreshJob, device: torch.device | None, copies: Any = None, stream: Any = None
-) -> RefreshJob:
-    """``job`` on copies of its inputs: on the CPU, or on ``device`` through the ``copies``
-    stream (a device input after the caller's stream's writes to it, and before its later ones;
-    the refresh's ``stream`` waits for the copies before the job runs, and the copies are
-    marked as used by it). Only a host input is waited for here, by the host."""
-
-    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if device is None:
-            return t.detach().clone()
-        current = torch.cuda.current_stream(t.device) if t.is_cuda else None
-        if current is not None:
-            copies.wait_stream(current)  # after the training stream's writes to it
-        with torch.cuda.stream(copies):
-            out = t.to(device, copy=True, non_blocking=True)
-        if current is not None:
-            # the training stream rewrites the factor in place from the next step on: its later
-            # work waits for the copy on the device, and the host goes on (a host wait here
-            # would drain the training stream at every device-placed submission)
-            current.wait_stream(copies)
-        else:
-            copies.synchronize()  # a host source may be rewritten once submit returns
-        out.record_stream(stream)
-        return out
-
-    if isinstance(job, QRRefresh):
-        return QRRefresh(copy(job.factor), copy(job.basis), sort=job.sort, dtype=job.dtype)
-    if isinstance(job, RootRefresh):
-        return RootRefresh(copy(job.factor), root=job.root, epsilon=job.epsilon, dtype=job.dtype)
-    raise TypeError(f"no device-stream form of {type(job).__name__}")
-
-
 class Executors:
     """What the refreshes and snapshots submit to (see module docstring): the C++ ``pool``
     (``workers`` threads), and ``stream`` (a ``StreamExecutor``) or None; ``budget`` is ``B``."""
@@ -275,12 +273,14 @@ class Executors:
         workers: int,
         budget: int,
         timeout_error: type,
-        delayed: Callable[[Any, type], Any] | None = None,
+        testing: Any = None,
     ) -> None:
         self.pool = pool
-        #: ``testing.delayed`` where a test or benchmark imported the test hooks (Note [Test
-        #: overrides at build] in attach.py), else None
-        self._delayed = delayed
+        #: ``asteria.runtime.testing`` where a test or benchmark imported the test hooks (Note
+        #: [Test overrides at build] in attach.py): its ``delayed`` slows the futures while its
+        #: settings ask for it
+        self._delayed = None if testing is None else testing.delayed
+        self._slow = None if testing is None else testing.settings()
         self.stream = stream
         self.workers = workers
         self.budget = budget
@@ -298,58 +298,61 @@ class Executors:
         self._last_step: float | None = None
         self._reserved_s = 0.0
 
-    # -- the pool's interface (RefreshJob.submit) ----------------------------------------------
-
-    def submit_qr_refresh(
-        self, name, version, deadline, factor, basis, sort=True, dtype=torch.float32
-    ):
-        job = QRRefresh(factor, basis, sort=sort, dtype=dtype)
-        return self.submit_job(job, name, version, deadline, factor, basis)
-
-    def submit_inverse_root(
-        self, name, version, deadline, factor, root, epsilon=1e-12, dtype=torch.float32
-    ):
-        job = RootRefresh(factor, root=root, epsilon=epsilon, dtype=dtype)
-        return self.submit_job(job, name, version, deadline, factor, None)
-
-    def submit_job(
-        self,
-        job: RefreshJob,
-        name: str,
-        version: int,
-        deadline: int,
-        factor: torch.Tensor,
-        basis: torch.Tensor | None,
-    ) -> Any:
-        """The one submission path (``snapshots.pool_submit``): ``job`` on ``factor`` and
-        ``basis`` (its inputs, or their snapshots), placed and submitted as handed, not rebuilt
-        (Note [One submission path])."""
-        self._harvest()
-        kind, size = job.kind, int(factor.shape[0])
-        where = self._place(kind, size, deadline - version)
-        if where == "pool":
-            # Note [Versions after a load]: the C++ pool refuses a version older than the one
-            # it holds queued for the block (a caller's mistake, in general). A load into a live
-            # runtime drops the refreshes in flight and requests again from the checkpoint's
-            # earlier steps while a dropped job may still be queued: such a submission goes in
-            # at the queued version, so it supersedes (cancels) the dropped job instead of being
-            # refused. The deadline, which orders the queue, stays the request's.
-            version = self._versions[name] = max(version, self._versions.get(name, version))
-            future = job.submit(self.pool, name, version, deadline, factor, basis)
-            if self._delayed is not None:
-                future = self._delayed(future, self._timeout_error)
-        else:
-            if job.factor is not factor or job.basis is not basis:  # the stream runs the job
-                job = dataclasses.replace(job, factor=factor, basis=basis)  # on the snapshots
-            future = self.stream.submit(job, deadline)
-        predicted = self.durations.predict(where, kind, size)
-        self._outstanding[where].append((future, kind, size, predicted))
-        self.jobs[where] += 1
-        block, _, dim = name.rpartition(".dim")
-        self.ran_on[block] = where
-        if dim.isdigit():
-            self.block_jobs.setdefault(block, {})[int(dim)] = (kind, size)
-        return future
+    def submit_many(self, subs: list[Submission]) -> list[Any]:
+        """The one submission path: each of ``subs`` checked, placed and submitted (Note [One
+        submission path]); a future each. A complex or non-square input is refused (the pool would
+        drop an imaginary part): its future raises the ``ValueError``, a crashed refresh of its
+        block."""
+        if self.stream is not None:
+            self._harvest()  # (the placement reads the backlogs; ``step_begin`` harvests too)
+        means, slow, outstanding = self.durations._mean, self._slow, self._outstanding
+        strided = torch.strided
+        futures = []
+        for sub in subs:
+            job, factor, basis = sub.job, sub.factor, sub.basis
+            ok = True  # a real, dense, square matrix each (``check_matrix``), inline
+            for t in (factor,) if basis is None else (factor, basis):
+                ok = ok and t.is_floating_point() and t.layout == strided and t.dim() == 2
+                ok = ok and t.shape[0] == t.shape[1]
+            if not ok:
+                futures.append(_refused(sub))
+                continue
+            kind, size = job.kind, factor.shape[0]
+            where = "pool"
+            if self.stream is not None:
+                where = self._place(kind, size, sub.deadline - sub.version)
+            if where == "pool":
+                # Note [Versions after a load]: the C++ pool refuses a version older than the
+                # one it holds queued for the block (a caller's mistake, in general). A load
+                # into a live runtime drops the refreshes in flight and requests again from the
+                # checkpoint's earlier steps while a dropped job may still be queued: such a
+                # submission goes in at the queued version, so it supersedes (cancels) the
+                # dropped job instead of being refused. The deadline, which orders the queue,
+                # stays the request's.
+                name, versions = sub.name, self._versions
+                kept = versions.get(name, 0)
+                if kept > sub.version:
+                    sub = sub.with_inputs(factor, basis, kept)
+                versions[name] = sub.version
+                future = job.submit(self.pool, sub)
+                if slow is not None and slow["seconds"] > 0.0:
+                    future = self._delayed(future, self._timeout_error)
+            else:
+                future = self.stream.submit(sub)
+            predicted = means.get((where, kind, size))
+            if predicted is None and means:
+                predicted = self.durations.predict(where, kind, size)
+            outstanding[where].append((future, kind, size, predicted))
+            self.jobs[where] += 1
+            futures.append(future)
+            block, _, dim = sub.name.rpartition(".dim")
+            self.ran_on[block] = where
+            if dim.isdigit():
+                jobs = self.block_jobs.get(block)
+                if jobs is None:
+                    jobs = self.block_jobs[block] = {}
+                jobs[int(dim)] = (kind, size)
+        return futures
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (``WorkerPool.stats()``), the stream's jobs added."""
@@ -365,6 +368,7 @@ class Executors:
 
     def _harvest(self) -> None:
         """Measure the jobs that finished since last looked, and forget them."""
+        measured = []
         for where, jobs in self._outstanding.items():
             left = []
             for future, kind, size, predicted in jobs:
@@ -373,8 +377,10 @@ class Executors:
                     continue
                 start, end = future.started_at, future.finished_at
                 if start is not None and end is not None and not future.cancelled():
-                    self.durations.observe(where, kind, size, max(end - start, 0.0))
+                    measured.append((where, kind, size, max(end - start, 0.0)))
             jobs[:] = left
+        if measured:
+            self.durations.observe(measured)
 
     def backlog_s(self, where: str) -> float:
         """Predicted seconds of the jobs ``where`` has not finished (unknown ones: a step)."""
@@ -397,23 +403,21 @@ class Executors:
     # -- room for more work (Note [Continuous refresh] in schedule.py) ------------------------
 
     def step_begin(self, waited_s: float = 0.0) -> None:
-        """A step begins: the moving average of the step time (less ``waited_s``, what the
-        last step waited at the barrier: the time a step takes when refreshes are on time),
-        finished jobs measured, the room reserved for this step's continuous requests
-        released."""
+        """A step begins: the step time's moving average (less ``waited_s``, the last barrier wait),
+        finished jobs measured, the room reserved for continuous requests released."""
         now = time.monotonic()
         if self._last_step is not None:
             dt = max(now - self._last_step - waited_s, 0.0)
             self.step_s = dt if self.step_s is None else (1 - EMA) * self.step_s + EMA * dt
         self._last_step = now
-        self._harvest()
+        if self._outstanding["pool"] or len(self._outstanding) > 1:
+            self._harvest()
         self._reserved_s = 0.0
 
     def has_room(self, block: str) -> bool:
-        """Whether the executors can take ``block``'s refresh now and keep at most
-        ``min(2, B)`` steps of work queued (each pool worker and the stream); with nothing
-        queued anywhere, always (an executor never idles while a block could refresh). Room
-        granted is reserved until the next ``step_begin``."""
+        """Whether the executors can take ``block``'s refresh and keep at most ``min(2, B)`` steps
+        of work queued per worker and stream (with nothing queued, always); room granted is reserved
+        until the next ``step_begin``."""
         outstanding = sum(len(v) for v in self._outstanding.values())
         step_s = self.step_s
         jobs = self.block_jobs.get(block, {}).values()
@@ -448,3 +452,14 @@ class Executors:
     def shutdown(self) -> None:
         if self.stream is not None:
             self.stream.shutdown()
+
+
+def _refused(sub: Submission) -> Resolved:
+    """The future of a submission whose input ``check_matrix`` refuses: its error."""
+    try:
+        check_matrix(f"{sub.name}: factor", sub.factor)
+        if sub.basis is not None:
+            check_matrix(f"{sub.name}: basis", sub.basis)
+    except ValueError as err:
+        return Resolved(error=err)
+    raise AssertionError(f"{sub.name}: refused, but check_matrix takes it")

@@ -23,41 +23,28 @@ from typing import Any
 
 import torch
 
-from asteria.optim.base import BlockKey, KroneckerOptimizer, RefreshJob
+from asteria.optim.base import KroneckerOptimizer
 from asteria.optim.matrix_functions import MatrixFunctionError
-from asteria.optim.tensors import no_autocast
+from asteria.optim.refresher import BlockKey, RefreshFailedError
+from asteria.optim.tensors import AUTOCAST_DEVICES, no_autocast
 from asteria.runtime.bases import BasesAccess
 from asteria.runtime.config import RuntimeConfig
 from asteria.runtime.distributed import CRASHED, FAILED, OK, Coherence
 from asteria.runtime.lane import StatisticsLaneError
-from asteria.runtime.registry import (
-    BlockEntry,
-    PendingRefresh,
-    RefreshFailedError,
-    Registry,
-    StalenessTimeoutError,
-)
+from asteria.runtime.placement import Submission
+from asteria.runtime.registry import BlockEntry, PendingRefresh, Registry, StalenessTimeoutError
 from asteria.runtime.schedule import Pacer
-from asteria.runtime.snapshots import Snapshots, pool_submit
+from asteria.runtime.snapshots import Snapshots
 from asteria.runtime.spill import SpillTier
 
-__all__ = ["Refreshes", "Restored", "block_state"]
-
-
-def block_state(optimizer: KroneckerOptimizer, key: BlockKey) -> dict:
-    """The state of ``optimizer``'s block ``key``."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return optimizer.state[params[key[0]]]["blocks"][key[1]]
+__all__ = ["Refreshes"]
 
 
 class Refreshes:
-    """The refreshes in flight of one runtime (see module docstring).
-
-    ``submitted``, ``failed``, ``cancelled``: job counters; ``wait_s``: the seconds the current
-    step waited (the barrier, a sync, a recompute), reset by ``step_begin``. ``errors``: the
-    exceptions that mean "this refresh failed in float32 and float64" (the block keeps its
-    basis), as opposed to a crash; ``timeout_error``: the pool's ``FutureTimeoutError``.
-    """
+    """The refreshes in flight of one runtime (see module docstring): ``submitted``, ``failed``,
+    ``cancelled``: job counters; ``wait_s``: what the step waited; ``errors``: the exceptions of a
+    refresh that failed in float32 and float64 (the block keeps its basis), not a crash;
+    ``timeout_error``: the pool's ``FutureTimeoutError``."""
 
     def __init__(
         self,
@@ -87,17 +74,22 @@ class Refreshes:
         self.errors = errors
         self.timeout_error = timeout_error
         self.submitted = self.failed = self.cancelled = self.helped = 0
+        #: the plans' snapshots not submitted yet (``request_many``, ``step_end``)
+        self.deferred: list[list] = []
         self.wait_s = 0.0
         #: the longest job this thread ran while helping (Note [Helping within the deadline])
         self.longest_helped_s = 0.0
-        #: where set (``Boundaries.flush``), the start of the barrier the step's deferred
+        #: where set (``Plan.install_waited``), the start of the barrier a plan's waited-for
         #: installs share: their waits together take at most ``barrier_timeout_s``
         self.barrier_since: float | None = None
         #: a barrier of this step timed out: later ones in the step do not wait (the facade
-        #: resets it at ``step_begin``; Note [All-or-nothing steps] in boundary.py)
+        #: resets it at ``begin``; Note [All-or-nothing steps] in plan.py)
         self.timed_out = False
         self._params: list[torch.Tensor] = []
         self._groups_seen = -1
+        #: steps later than its parameter's a refresh installed between steps counts as
+        #: installed at (Note [Staleness bound] in registry.py)
+        self.late = int(optimizer.refresh_precedes_update)
 
     # -- where a block is --------------------------------------------------------------------
 
@@ -112,8 +104,12 @@ class Refreshes:
     def current_step(self, key: BlockKey) -> int:
         return int(self.optimizer.state[self.params()[key[0]]]["step"])
 
-    def block_state(self, key: BlockKey) -> dict:
-        return self.optimizer.state[self.params()[key[0]]]["blocks"][key[1]]
+    def block_state(self, key: BlockKey) -> dict | None:
+        """The state of block ``key`` (None: its parameter has no such block, or no state)."""
+        params = self.params()
+        state = self.optimizer.state.get(params[key[0]]) if key[0] < len(params) else None
+        blocks = None if state is None else state.get("blocks")
+        return None if blocks is None or key[1] >= len(blocks) else blocks[key[1]]
 
     def group_of(self, key: BlockKey) -> dict:
         """The parameter group of block ``key``'s parameter."""
@@ -133,87 +129,96 @@ class Refreshes:
 
     # -- requests and submissions --------------------------------------------------------------
 
-    def request(self, key: BlockKey, e: BlockEntry, block: dict, group: dict, step: int) -> None:
-        """Request ``key``'s refresh at ``step`` (version ``step``, deadline ``step + S``)."""
-        self.bases.settle(key)  # the job's input basis is the one its result replaces
-        jobs = self.optimizer.refresh_jobs(block, group)
-        if all(job is None for job in jobs):
-            return  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
-        # Note [Interrupted steps] (boundary.py): the refresh is in flight once every job is
-        # submitted; one interrupted on the way leaves none (its submitted jobs run unread)
-        pending = PendingRefresh(
-            requested=step,
-            futures=[None] * len(jobs),
-            jobs=[None if j is None else j.without_tensors() for j in jobs],
-            group=group,
-        )
-        coherence = self.coherence
-        if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
-            pending.owner = coherence.owner(key)
-            e.pending = pending
-            return  # the owner computes it; this rank receives it at the deadline
-        if self.spill is not None:
-            pending.snapshots = self.spill.inputs_record(e.name, step, len(jobs))
-        keep = pending.snapshots is not None
-        deadline = step + self.config.staleness
-        snapshots = self.snapshots
-        for dim, job in enumerate(jobs):
-            if job is None:
-                continue
-            ticket = snapshots.take(key, dim, f"{e.name}.dim{dim}", step, deadline, job, keep)
-            if snapshots.deferred:
-                pending.copies.append((dim, job, ticket))
-            else:
-                pending.futures[dim] = self._submit_snapshot(e, pending, dim, job, ticket)
-        e.pending = pending
+    def request_many(self, requests: list[tuple]) -> None:
+        """Request a plan's refreshes (``requests``: ``(key, entry, block state, group, step,
+        ...)``, version ``step``, deadline ``step + S``): the jobs made once (Note [One submission
+        path] in placement.py), one snapshot of their inputs and one submission, now or once it has
+        landed. A refresh is in flight once its snapshot is taken (or its jobs submitted)."""
+        coherence, spill, S = self.coherence, self.spill, self.config.staleness
+        new = tuple.__new__
+        if self.bases.settles:  # the job input basis is the one its result replaces
+            keys, blocks = [], []
+            for r in requests:
+                keys.append(r[0])
+                blocks.append(r[2])
+            self.bases.settle(keys, blocks)
+        jobs_of = self.optimizer.refresh_jobs
+        batch, owners, made = [], [], []
+        for key, e, block, group, step, *_ in requests:
+            jobs = jobs_of(block, group)
+            if not any(jobs):
+                continue  # nothing to refresh (e.g. SOAP's unfactored 1-D blocks)
+            pending = PendingRefresh(
+                requested=step, futures=[None] * len(jobs), copies=[], jobs=jobs, group=group
+            )
+            if coherence is not None and coherence.replicated(key) and not coherence.is_owner(key):
+                pending.owner = coherence.owner(key)
+                e.pending = pending
+                continue  # the owner computes it; this rank receives it at the deadline
+            if spill is not None:
+                pending.inputs = spill.inputs_record(e.name, step, len(jobs))
+            name, subs = e.name, []
+            for dim, job in enumerate(jobs):  # (``Submission``s without a Python call)
+                if job is not None:
+                    sub = (job, f"{name}.dim{dim}", step, step + S, job.factor, job.basis)
+                    subs.append(new(Submission, sub))
+                    owners.append((e, pending, dim))
+            batch.append((key, subs, pending.inputs is not None))
+            made.append((e, pending))
+        if not batch:
+            return
+        ticket, now = self.snapshots.take(batch)
+        taken = [ticket, owners]  # (per submission, its owner)
+        if now:
+            self._submit(taken, fresh=True)
+        else:
+            for _, pending in made:
+                pending.copies.append(taken)
+            self.deferred.append(taken)
+        self.registry.start(made)
 
-    def _submit_snapshot(
-        self, e: BlockEntry, pending: PendingRefresh, dim: int, job: RefreshJob, ticket: Any
-    ) -> Any:
-        future, factor, basis = self.snapshots.finish(ticket)
-        return self.submit(e, dim, job, factor, basis, pending=pending, future=future)
-
-    def submit(
-        self,
-        e: BlockEntry,
-        dim: int,
-        job: RefreshJob,
-        factor: torch.Tensor | None,
-        basis: torch.Tensor | None,
-        pending: PendingRefresh | None = None,
-        future: Any = None,
-        recompute: bool = False,
-    ) -> Any:
-        """One job on the pool (it copies its inputs): version = request step, deadline t + S,
-        or the bookkeeping of one the snapshot strategy submitted (``future``). A spilled block's
-        inputs are written to the spill store too (an exact recompute), unless this job is that
-        recompute."""
-        pending = e.pending if pending is None else pending
-        if pending.snapshots is not None and not recompute:
-            self.spill.keep_inputs(pending, dim, factor, basis)
-        self.submitted += 1
-        if future is not None:
-            return future
-        version = pending.requested
-        deadline = version + self.config.staleness
-        return pool_submit(self.pool, f"{e.name}.dim{dim}", version, deadline, job, factor, basis)
+    def _submit(self, taken: list, fresh: bool = False) -> None:
+        """The submission of a finished snapshot (a spilled block's inputs kept too: an exact
+        recompute); a block dropped since its request (unless ``fresh``: not in flight yet) is
+        left out (its jobs counted as cancelled already: ``drop``)."""
+        for i, t in enumerate(self.deferred):
+            if t is taken:
+                del self.deferred[i]
+                break
+        futures, batch = self.snapshots.finish(taken[0])
+        subs, owners, live, k = [], [], [], 0
+        for _, block_subs, _ in batch:
+            for sub in block_subs:
+                owner = taken[1][k]
+                if fresh or owner[0].pending is owner[1]:  # (not dropped since)
+                    subs.append(sub)
+                    owners.append(owner)
+                    live.append(k)
+                k += 1
+        if futures is not None and len(live) < k:
+            futures = [futures[i] for i in live]
+        if futures is None:
+            futures = self.pool.submit_many(subs)
+        for (_, pending, dim), sub, future in zip(owners, subs, futures):
+            if pending.inputs is not None:
+                self.spill.keep_inputs(pending, dim, sub.factor, sub.basis)
+            pending.futures[dim] = future
+        self.submitted += len(futures)
+        for _, pending, _ in owners:
+            pending.copies.clear()  # (an interrupted submission is made again, whole)
 
     def collect(self, e: BlockEntry, wait: bool) -> None:
-        """Submit the jobs whose snapshots have landed (all of them when ``wait``)."""
-        remaining = []
-        snapshots = self.snapshots
-        for dim, job, ticket in e.pending.copies:
-            if not wait and not snapshots.ready(ticket):
-                remaining.append((dim, job, ticket))
-                continue
-            e.pending.futures[dim] = self._submit_snapshot(e, e.pending, dim, job, ticket)
-        e.pending.copies = remaining
+        """Submit the snapshot ``e``'s refresh waits for if it has landed (when ``wait``, once
+        it has): the plan's other blocks of that snapshot with it."""
+        taken = e.pending.copies[0]
+        if wait or self.snapshots.ready(taken[0]):
+            self._submit(taken)
 
     def step_end(self) -> None:
         """Submit what landed this step; spill and page in (the spill tier)."""
-        for e in self.registry.entries.values():
-            if e.pending is not None and e.pending.copies:
-                self.collect(e, wait=False)
+        for taken in list(self.deferred):
+            if self.snapshots.ready(taken[0]):
+                self._submit(taken)
         if self.spill is not None:
             entries = self.registry.entries
             self.spill.page_in(
@@ -232,11 +237,9 @@ class Refreshes:
 
     def help(self, e: BlockEntry, deadline: float) -> None:
         """Submit what of ``e``'s refresh is still a snapshot, then run the jobs queued up to its
-        last one on this thread, one at a time, until a worker starts it (Note [Helping
-        waiters] in csrc/core/worker_pool.cpp): a wait for it is then no longer, and shorter
-        where the workers have a queue. Each job only where it fits before ``deadline``
-        (``time.perf_counter``; Note [Helping within the deadline]). Not after a barrier timed
-        out this step (its later barriers do not wait)."""
+        last one on this thread (Note [Helping waiters] in csrc/core/worker_pool.cpp), each only
+        where it fits before ``deadline`` (Note [Helping within the deadline]); not after a
+        timed-out barrier."""
         pending = e.pending
         if pending is None:
             return
@@ -244,21 +247,21 @@ class Refreshes:
             self.collect(e, wait=True)
         if self.timed_out:
             return
-        last = next((f for f in reversed(pending.futures) if f is not None), None)
-        while last is not None and self._fits(deadline):
+        last = None
+        for f in pending.futures:
+            last = last if f is None else f
+        durations = getattr(self.pool, "durations", None)
+        measured = (None if durations is None else durations.longest("pool")) or 0.0
+        # each job only where one as long as the longest measured (by the placement's averages
+        # or here) ends before ``deadline``
+        while last is not None and deadline - time.perf_counter() > max(
+            self.longest_helped_s, measured
+        ):
             t0 = time.perf_counter()
             if not last.run_ahead():
                 break
             self.longest_helped_s = max(self.longest_helped_s, time.perf_counter() - t0)
             self.helped += 1
-
-    def _fits(self, deadline: float) -> bool:
-        """Whether a job of the pool, as long as the longest measured (by the placement's
-        averages or here), ends before ``deadline``."""
-        left = deadline - time.perf_counter()
-        durations = getattr(self.pool, "durations", None)
-        measured = None if durations is None else durations.longest("pool")
-        return left > max(self.longest_helped_s, measured or 0.0)
 
     def wait(self, e: BlockEntry, step: int) -> None:
         """The bounded barrier: wait (GIL released) for every future of ``e``'s refresh, at most
@@ -267,7 +270,11 @@ class Refreshes:
         t0 = time.perf_counter()
         since = t0 if self.barrier_since is None else self.barrier_since
         limit = 0.0 if self.timed_out else self.config.barrier_timeout_s
-        self.help(e, since + limit)
+        finished = not e.pending.copies
+        for f in e.pending.futures:  # (inline: a finished one costs no more call)
+            finished = finished and (f is None or f.done())
+        if not finished:
+            self.help(e, since + limit)
         timeout_error = self.timeout_error
         for f in e.pending.futures:
             if f is None or f.done():
@@ -321,12 +328,16 @@ class Refreshes:
             block = self.block_state(key) if block is None else block
             jobs = self.optimizer.refresh_jobs(block, pending.group)
             inputs = [None if j is None else (j.factor, j.basis) for j in jobs]
-        futures = [
-            None
-            if job is None or inp is None
-            else self.submit(e, dim, job, inp[0], inp[1], pending=pending, recompute=True)
-            for dim, (job, inp) in enumerate(zip(pending.jobs, inputs))
-        ]
+        version, deadline = pending.requested, pending.requested + self.config.staleness
+        subs, dims = [], []
+        for dim, (job, inp) in enumerate(zip(pending.jobs, inputs)):
+            if job is not None and inp is not None:
+                subs.append(Submission(job, f"{e.name}.dim{dim}", version, deadline, inp))
+                dims.append(dim)
+        futures: list[Any] = [None] * len(pending.jobs)
+        for dim, future in zip(dims, self.pool.submit_many(subs)):
+            futures[dim] = future
+        self.submitted += len(subs)
         t0 = time.perf_counter()
         results = [
             None if f is None else f.result(timeout_s=self.config.barrier_timeout_s)
@@ -340,69 +351,73 @@ class Refreshes:
     def install_now(
         self, key: BlockKey, e: BlockEntry, step: int, block: dict, replicated: bool
     ) -> None:
-        """Install ``e``'s refresh in flight at this boundary, waiting for it: on every rank at
-        once for a replicated block (Note [Distributed coherence] in distributed.py)."""
+        """Install ``e``'s refresh in flight at this step, waiting for it: on every rank at once
+        for a replicated block (Note [Distributed coherence] in distributed.py)."""
         if replicated:
             self.sync_replicated(key, e, step, block)
         else:
             self.wait(e, step)
-            self.install(key, e, step, block)
+            self.install_many([(key, e, step, block)])
 
-    def install(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None = None) -> None:
-        """Install ``e``'s (finished) refresh as installed at ``step``, or count its failure.
-        The refresh stays in flight until its results are installed, so that one interrupted on
-        the way is installed again (Note [Interrupted steps] in boundary.py)."""
-        pending = e.pending
-        results = self._results_or_failure(key, e, block)
-        if results is None:
-            return  # keep the previous version
-        if block is None:
-            block = self.block_state(key)
-        self.install_results(key, e, pending, block, step, results)
-        self.pacer.charge(key, block, step)
+    def install_many(self, batch: list[tuple], charge: bool = True) -> None:
+        """The one install path: the finished refreshes of ``batch`` (``(key, entry, at, block state
+        or None)``) read (a failure counted and skipped, keeping the previous version), installed in
+        one call of the bases strategy with autocast off (Note [Autocast]), recorded, and charged to
+        the pacer (``charge``). A refresh stays in flight until installed (Note [Interrupted steps]
+        in plan.py); a failure past the limit or a crash raises once the rest are installed."""
+        ready, spill, error = [], self.spill, None
+        for key, e, step, block in batch:
+            pending = e.pending
+            block = self.block_state(key) if block is None else block
+            try:
+                if spill is None:  # (``results``, inline: no call per block)
+                    results = []
+                    for f in pending.futures:
+                        results.append(None if f is None else f.result())
+                else:
+                    results = self.results(key, e, pending, block)
+            except self.errors as err:
+                e.pending = None
+                try:
+                    self.count_failure(e, "", str(err), cause=err)
+                except RefreshFailedError as failed:
+                    error = error or failed
+                continue  # keep the previous version
+            except Exception as err:
+                e.pending = None
+                self.failed += 1
+                crash = RefreshFailedError(
+                    f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) "
+                    f"failed in a worker: {err}"
+                )
+                crash.__cause__ = err
+                error = error or crash
+                continue
+            ready.append((key, e, pending, block, step, results))
+        self._installed(ready, charge)
+        if error is not None:
+            raise error
 
-    def _results_or_failure(self, key: BlockKey, e: BlockEntry, block: dict | None) -> Any:
-        """``e``'s finished refresh's results, or None for a counted failure (the refresh is
-        then no longer in flight); a crash raises ``RefreshFailedError``."""
-        pending = e.pending
-        try:
-            return self.results(key, e, pending, block)
-        except self.errors as err:
-            e.pending = None
-            self.count_failure(e, "", str(err), cause=err)
-            return None
-        except Exception as err:
-            e.pending = None
-            self.failed += 1
-            raise RefreshFailedError(
-                f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
-                f"in a worker: {err}"
-            ) from err
-
-    def install_results(
-        self,
-        key: BlockKey,
-        e: BlockEntry,
-        pending: PendingRefresh,
-        block: dict,
-        step: int,
-        results: list[Any],
-    ) -> None:
-        """Install ``results`` (of ``pending``) into ``block``, as installed at ``step``: with
-        the caller's autocast off, since a signal installs inside the model's forward (Note
-        [Autocast])."""
-        with no_autocast():
-            self.bases.install(key, block, results)
-        if e.pending is pending:
-            e.pending = None
-        self.registry.record_install(e, pending.requested, step)
+    def _installed(self, ready: list[tuple], charge: bool) -> None:
+        if not ready:
+            return
+        items = [(key, block, res) for key, _, _, block, _, res in ready]
+        for device_type in AUTOCAST_DEVICES:  # Note [Autocast]: a signal installs inside the
+            if torch.is_autocast_enabled(device_type):  # model's forward
+                with no_autocast():
+                    self.bases.install_many(items)
+                break
+        else:
+            self.bases.install_many(items)
+        self.registry.record_installs([(e, p.requested, step, p) for _, e, p, _, step, _ in ready])
+        if charge and self.pacer.enabled:
+            for key, _, _, block, step, _ in ready:
+                self.pacer.charge(key, block, step)
 
     def sync_replicated(self, key: BlockKey, e: BlockEntry, step: int, block: dict | None) -> None:
         """Install replicated block ``key``'s refresh in flight at ``step`` on every rank of its
-        replica group (Note [Distributed coherence] in distributed.py): the owner waits for it
-        (the bounded barrier on its own pool) and the coherence sends its outcome; every rank
-        installs what the owner sent, or keeps its previous version (``FAILED``), or raises
-        (``CRASHED``), alike."""
+        group (Note [Distributed coherence]): the owner waits for it and sends its outcome; every
+        rank installs it, keeps its version (``FAILED``) or raises (``CRASHED``), alike."""
         coherence = self.coherence
         pending = e.pending
         if block is None:
@@ -435,7 +450,7 @@ class Refreshes:
                 f"Asteria: the refresh of block '{e.name}' (version {pending.requested}) failed "
                 f"in a worker of its owner rank {owner}" + (f": {error}" if error else "")
             )
-        self.install_results(key, e, pending, block, step, results)
+        self._installed([(key, e, pending, block, step, results)], True)
         e.synced_step = step
 
     def count_failure(
@@ -458,8 +473,10 @@ class Refreshes:
         """Forget ``e``'s refresh in flight: its unfinished jobs count as cancelled, its spilled
         data is discarded. A job still waiting for its snapshot was never submitted: it counts
         as cancelled too."""
-        self.cancelled += sum(f is not None and not f.done() for f in e.pending.futures)
-        self.cancelled += len(e.pending.copies)
+        pending = e.pending
+        self.cancelled += sum(f is not None and not f.done() for f in pending.futures)
+        if pending.copies:  # (the snapshot's jobs were never submitted)
+            self.cancelled += len(pending.jobs) - pending.jobs.count(None)
         if self.spill is not None:
             self.spill.discard(e.pending)
         e.pending = None
@@ -487,80 +504,48 @@ class Refreshes:
             except StatisticsLaneError:  # raised by a step already (close() waited for the lane)
                 self.drop(e)
                 continue
-            self.install(key, e, self.current_step(key))
+            self.install_many([(key, e, self.current_step(key), None)])
 
     def install_ready(self, signalled: frozenset[int]) -> int:
-        """A step's module signal (Note [One install batch per step] in runtime.py): install,
-        in one batch, the finished refreshes in flight of parameters in ``signalled`` that the
-        pacing allows now; the number installed. It looks only at the refreshes in flight
-        (Note [In-flight index] in registry.py), never at every block."""
-        late = int(self.optimizer.refresh_precedes_update)
-        batch: list[tuple[BlockKey, BlockEntry, int]] = []
-        for key, e in list(self.registry.in_flight.items()):
+        """A step's first module signal (Note [One install batch per step] in runtime.py): install
+        in one batch the finished refreshes of ``signalled`` parameters the pacing allows (looking
+        at the refreshes in flight only); the number installed."""
+        late, pacer, params, state = self.late, self.pacer, self.params(), self.optimizer.state
+        batch: list[tuple] = []
+        for key, e in list(self.registry.in_flight.items()):  # (no call per block but these)
             if key[0] not in signalled:
                 continue
-            if e.pending.copies:
-                self.collect(e, wait=False)
-            if not e.pending.done():
-                continue
-            step = self.current_step(key)
-            if self.pacer.allows(key, step + 1):
-                # between steps `step` and `step + 1`; Shampoo, which refreshes before its
-                # update, would have used it in step `step` already. Charged now, so that the
-                # batch stays within the pacer's allowance.
-                self.pacer.charge(key, self.block_state(key), step + late)
-                batch.append((key, e, step + late))
-        if batch:
-            self.install_batch(batch)
-        return len(batch)
-
-    def install_batch(self, batch: list[tuple[BlockKey, BlockEntry, int]]) -> None:
-        """Install the finished refreshes of ``batch`` (``(key, entry, installed at)``, charged
-        to the pacer already) through one call of the bases strategy (its grouped copies:
-        ``BasesAccess.install_many``); a failed one is counted and skipped, as ``install``
-        does."""
-        ready = []
-        for key, e, step in batch:
             pending = e.pending
-            block = self.block_state(key)
-            results = self._results_or_failure(key, e, block)
-            if results is not None:
-                ready.append((key, e, pending, block, step, results))
-        if not ready:
-            return
-        with no_autocast():
-            self.bases.install_many([(key, block, res) for key, _, _, block, _, res in ready])
-        for _, e, pending, _, step, _ in ready:
-            if e.pending is pending:
-                e.pending = None
-            self.registry.record_install(e, pending.requested, step)
+            if pending.copies:
+                self.collect(e, wait=False)
+                if pending.copies:
+                    continue
+            finished = True
+            for f in pending.futures:
+                finished = finished and (f is None or f.done())
+            if not finished:
+                continue
+            p_state = state[params[key[0]]]
+            step = int(p_state["step"])
+            # between steps `step` and `step + 1`; Shampoo, which refreshes before its update,
+            # would have used it in step `step` already. Charged now, so that the batch stays
+            # within the pacer's allowance.
+            block = p_state["blocks"][key[1]]
+            if pacer.enabled:
+                if not pacer.allows(key, step + 1):
+                    continue
+                pacer.charge(key, block, step + late)
+            batch.append((key, e, step + late, block))
+        if batch:
+            self.install_many(batch, charge=False)
+        return len(batch)
 
     def drop_all(self) -> None:
         """Forget everything still in flight (close, after ``install_in_flight`` or without)."""
         for e in self.registry.entries.values():
             if e.pending is not None:
                 self.drop(e)
-
-
-class Restored:
-    """A refresh result restored from a checkpoint: a future that has already resolved."""
-
-    def __init__(self, value: Any = None, error: str | None = None) -> None:
-        self._value, self._error = value, error
-
-    def done(self) -> bool:
-        return True
-
-    def cancelled(self) -> bool:
-        return False
-
-    def result(self, timeout_s: float | None = None) -> Any:
-        if self._error is not None:
-            raise MatrixFunctionError(self._error)
-        return self._value
-
-    def run_ahead(self) -> bool:
-        return False  # resolved already
+        self.deferred.clear()
 
 
 def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> Any:
@@ -577,15 +562,10 @@ def interruptible_result(future: Any, timeout_s: float, timeout_error: type) -> 
 
 # Note [Helping within the deadline]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A barrier waits at most ``barrier_timeout_s`` (a step's deferred installs, Note [Deferred
-# installs] in boundary.py, share one such wait), and the error names the block, the step and
-# the knob (``StalenessTimeoutError``). The training thread helps while it waits (Note [Helping
-# waiters] in csrc/core/worker_pool.cpp): it runs the jobs queued before the one it waits for. A
-# job once started runs to its end, so helping without a limit kept a barrier behind 60 slow
-# jobs going for the whole queue (SOAP, 60 blocks of 300 x 300, timeout 0.3 s: waits of 0.7 to
-# 3.1 s, no timeout). So the helper takes a job only when one as long as the longest measured
-# (the placement's averages of the pool's jobs, any kind and size, or the longest it ran
-# itself) ends before the deadline; else it stops helping and waits out what is left, and the
-# deadline wins. Before anything was measured it takes the first job (its length then is
-# known), so a barrier can pass its deadline by at most one job, once per runtime.
-# tests/unit/test_deadlines.py checks every wait's deadline over the optimizers, helping or not.
+# A barrier waits at most ``barrier_timeout_s`` (a plan's waited-for installs share one), and
+# the error names the block, the step and the knob. The training thread helps meanwhile (Note
+# [Helping waiters] in csrc/core/worker_pool.cpp), but a started job runs to its end: helping
+# without a limit kept a barrier behind 60 slow jobs for the whole queue. So it takes a job only
+# where one as long as the longest measured (the placement's averages, or its own) ends before
+# the deadline, the first one unmeasured: a barrier passes its deadline by one job at most, once
+# per runtime. tests/unit/test_deadlines.py checks every wait's deadline.

@@ -1,32 +1,20 @@
 """The coherence registry: per block, which version is in use and how stale it may get.
 
-Owns: one ``BlockEntry`` per preconditioner block (its name, the version in use, the step its
-refresh was requested and installed, the refresh in flight, failure counts), the staleness
-histogram of every installed version, and the check of the bound.
+Owns: one ``BlockEntry`` per block (name, version in use, request and install steps, refresh in
+flight, failure counts), the staleness histogram, and the check of the bound. Must not: submit
+or wait (``refreshes.py`` does both); this module is bookkeeping.
 
-Note [Staleness bound]: a block's refresh requested at (optimizer) step ``t`` is version ``t``. It
-is installed at some step ``s`` with ``t <= s <= t + S``: at the first step boundary (or hook) at
-which it is ready, and at step ``t + S`` at the latest, where the step waits for it (the bounded
-barrier, ``Refreshes.wait`` in refreshes.py). "Installed at step ``s``" means after the update of
-step ``s``, exactly where native mode installs a refresh requested at ``s``; the version is used
-from step ``s + 1`` on. Its staleness is ``s - t``. ``S = 0`` is native mode. Shampoo computes a due
-refresh before its update (its roots of step ``t`` precondition step ``t``), so there the same
-version is used from step ``s``, and an install between steps ``s`` and ``s + 1`` (a hook) counts as
-installed at ``s + 1`` (``KroneckerOptimizer.refresh_precedes_update``). With a budget of at least
-1, Shampoo requests the refresh due at step ``t`` at step ``t - 1`` (version ``t - 1``), so that it
-can be installed in time for step ``t`` (Note [Refresh lead] in schedule.py).
+Note [Staleness bound]: a refresh requested at step ``t`` (version ``t``) is installed at ``s``
+with ``t <= s <= t + S`` (when ready, at ``t + S`` waiting for it: ``Refreshes.wait``), after
+``s``'s update, where native mode installs one requested at ``s``: staleness ``s - t``. Where the
+refresh precedes the update (Shampoo), an install between ``s`` and ``s + 1`` counts as at
+``s + 1``, and a budget moves the request ahead (Note [Refresh lead] in schedule.py).
 
-Note [In-flight index]: ``Registry.in_flight`` holds, by key, exactly the entries whose
-``pending`` is not None: ``BlockEntry.pending``'s setter keeps it on every assignment, wherever
-it happens (requests, installs, drops, failures, loads, distributed syncs). Reading ``pending``
-goes through C only (``operator.attrgetter``), and the entry's other attributes are plain: the
-boundary writes some of them for every block at every step, and a ``__setattr__`` that looked at
-every assignment cost a Python call each (issue 37). What looks
-for finished refreshes (a step's install batch, ``pending_count``) reads it, so its cost follows
-the refreshes in flight, never the number of blocks (issue 37: thousands of blocks on a large
-model, a few in flight at a time).
-
-Must not: submit work or wait (``refreshes.py`` does both); this module is bookkeeping.
+Note [In-flight index]: ``Registry.in_flight`` holds exactly the entries whose ``pending`` is
+not None, kept by ``BlockEntry.pending``'s setter and, for a plan's requests and an install batch,
+by the registry in one call (``start``, ``record_installs``). Reading ``pending`` is C only; the
+other attributes are plain. Looking for finished refreshes reads the index: its cost follows the
+refreshes in flight, not the blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +23,10 @@ import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Protocol, runtime_checkable
+
+from asteria.optim.refresher import RefreshFailedError
 
 __all__ = [
     "BlockEntry",
@@ -43,6 +34,7 @@ __all__ = [
     "BlockView",
     "PendingRefresh",
     "Registry",
+    "Resolved",
     "StalenessTimeoutError",
     "RefreshFailedError",
 ]
@@ -52,16 +44,12 @@ class StalenessTimeoutError(RuntimeError):
     """A step waited at the barrier for longer than ``barrier_timeout_s``."""
 
 
-class RefreshFailedError(RuntimeError):
-    """A block's refresh failed ``max_consecutive_failures`` times in a row, or crashed."""
-
-
 @runtime_checkable
 class RefreshFuture(Protocol):
     """Note [One future protocol]: what a refresh in flight holds per dim, whoever computes
-    it: the C++ pool's ``asteria._C.Future``, the device stream's (placement.py), a refusal at
-    submission (snapshots.py), a result restored from a checkpoint (refreshes.py), a test's
-    slowed future (testing.py). The runtime polls them only through ``PendingRefresh.done``,
+    it: the C++ pool's ``asteria._C.Future``, the device stream's (placement.py), ``Resolved``
+    (a refusal at submission, a result restored from a checkpoint), a test's slowed future
+    (testing.py). The runtime polls them only through ``PendingRefresh.done``,
     reads them only through ``PendingRefresh.results``, and waits for them only at the barrier
     (``Refreshes.wait``, in slices so that Ctrl-C is seen, after running the jobs queued up to
     them: ``run_ahead``) and in a recompute; nothing else
@@ -87,18 +75,48 @@ class RefreshFuture(Protocol):
         ...
 
 
-@dataclass
-class PendingRefresh:
-    """A refresh in flight: requested at ``requested`` (its version), one future per dim."""
+class Resolved:
+    """A future that has resolved already: its ``value``, or its ``error`` (an exception, or the
+    message of a refresh failure restored from a checkpoint) raised by ``result``."""
+
+    def __init__(self, value: Any = None, error: BaseException | str | None = None) -> None:
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        if isinstance(self._error, str):
+            from asteria.optim.matrix_functions import MatrixFunctionError
+
+            raise MatrixFunctionError(self._error)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def run_ahead(self) -> bool:
+        return False
+
+
+class PendingRefresh(SimpleNamespace):
+    """A refresh in flight, made by keyword (a constructor in C: no Python call a request):
+    ``requested`` (its version), ``futures`` (one per dim, None: a dim without a factor),
+    ``copies`` (its snapshot in flight: CUDA, lane), ``jobs`` (per dim, None: no factor); where
+    set, ``group`` (the parameter group: a recompute needs it), ``spilled`` (a
+    spill.SpilledRefresh once the results went to the spill store), ``inputs`` (one of the job
+    inputs, for an exact recompute), ``owner`` (distributed: the rank computing it)."""
 
     requested: int
-    futures: list[RefreshFuture | None]  # None: a dim without a factor
-    copies: list[Any] = field(default_factory=list)  # snapshots in flight (CUDA, lane)
-    jobs: list[Any] = field(default_factory=list)  # per dim: the job's options (no tensors)
-    group: dict | None = None  # the parameter group (a recompute needs it)
-    spilled: Any = None  # a spill.SpilledRefresh once the results went to the spill store
-    snapshots: Any = None  # a spill.Snapshots: the job inputs, for an exact recompute
-    owner: int | None = None  # distributed: the rank computing it (None: this rank)
+    futures: list[RefreshFuture | None]
+    copies: list[Any]
+    jobs: list[Any]
+    group: dict | None = None
+    spilled: Any = None
+    inputs: Any = None
+    owner: int | None = None
 
     def done(self) -> bool:
         """Whether every snapshot landed and every job finished (polls, never waits)."""
@@ -126,7 +144,7 @@ class BlockEntry:
     age: int = 0  # the age of the basis the block's last update read
     max_age: int = 0
     bound: int | None = None  # the bound on that age (None: not measured yet)
-    # the step whose boundary last ran to its end (Note [Interrupted steps] in boundary.py)
+    # the step whose decision last ran to its end (Note [Interrupted steps] in plan.py)
     boundary_step: int = -1
     key: tuple[int, int] | None = None
     # the registry's index of the entries with a refresh in flight (Note [In-flight index])
@@ -186,17 +204,33 @@ class Registry:
             self.by_param.setdefault(key[0], []).append((key, e))
         return e
 
-    def record_install(self, e: BlockEntry, requested: int, installed: int) -> None:
-        staleness = installed - requested
-        if not 0 <= staleness <= self.staleness:  # an invariant of refreshes.py, not user input
-            raise AssertionError(
-                f"block {e.name}: version {requested} installed at step {installed} breaks the "
-                f"staleness bound {self.staleness}"
-            )
-        e.version, e.requested_step, e.installed_step = requested, requested, installed
-        e.installs += 1
-        e.consecutive_failures = 0
-        self.histogram[staleness] += 1
+    def start(self, made: list[tuple[BlockEntry, PendingRefresh]]) -> None:
+        """Each ``(entry, refresh)`` of ``made`` in flight (``entry.pending = refresh``, in one
+        call: Note [In-flight index])."""
+        index = self.in_flight
+        for e, pending in made:
+            e._pending = pending
+            index[e.key] = e
+
+    def record_installs(self, installed: list[tuple[BlockEntry, int, int, Any]]) -> None:
+        """Per ``(entry, requested, at, refresh)`` of ``installed``: version ``requested``
+        installed at step ``at``; the refresh, where it is still the entry's in flight, no
+        longer is (``entry.pending = None``, here: no call per block)."""
+        index, histogram, bound = self.in_flight, self.histogram, self.staleness
+        for e, requested, at, pending in installed:
+            if e._pending is pending:
+                e._pending = None
+                index.pop(e.key, None)
+            staleness = at - requested
+            if not 0 <= staleness <= bound:  # an invariant of refreshes.py, not user input
+                raise AssertionError(
+                    f"block {e.name}: version {requested} installed at step {at} breaks the "
+                    f"staleness bound {bound}"
+                )
+            e.version, e.requested_step, e.installed_step = requested, requested, at
+            e.installs += 1
+            e.consecutive_failures = 0
+            histogram[staleness] += 1
 
     def views(self) -> dict[tuple[int, int], BlockView]:
         """Every block's ``BlockView``, by key."""

@@ -48,7 +48,7 @@ def stats(
             "failed": refreshes.failed,
             "coalesced_requests": schedule.coalesced,
             "urgent_waits": schedule.urgent_waits,
-            # jobs the training thread ran while it waited (Note [Deferred installs])
+            # jobs run while waiting: Note [Helping within the deadline] in refreshes.py
             "helped": refreshes.helped,
             "in_flight": registry.pending_count(),
         },

@@ -1,58 +1,36 @@
 """``Runtime``: takes an optimizer's refreshes off the training critical path.
 
-Owns: the facade over the runtime's parts (docs/architecture.md): it has them made when it
-attaches to a SOAP / KL-Shampoo / Shampoo optimizer as its ``Refresher`` (optim/refresher.py;
-``attach.build``), holds the lock every part runs under, routes each call of the optimizer's step
-to the part that owns it, and takes everything down again at ``close()``. Asteria mode, part by
-part (docs/architecture.md):
+Owns: the facade over the runtime's parts (docs/architecture.md draws a step and a refresh
+through them): made when it attaches to an optimizer as its ``Refresher`` (``parts.build``), it
+holds the lock every part runs under, routes each call of the step to the part that owns it
+(``plan`` to plan.py, ``pieces`` to the bases strategy, ``accumulate`` and ``run`` to the lane),
+and takes everything down at ``close()``.
 
-1. the optimizer updates a block's factors every step, as in native mode (on CPU, possibly on
-   the statistics lane: lane.py);
-2. at each block boundary (boundary.py) the schedule decides (Note [Staleness contract] in
-   schedule.py) and the refreshes act (refreshes.py): a due refresh is snapshotted
-   (snapshots.py) and submitted to the C++ pool, version ``t``, deadline ``t + S``; a finished
-   one is installed where the bases live (bases.py), at the latest at its deadline, where the
-   step waits for it;
-3. a module hook (hooks.py) installs a finished refresh early, before its module runs;
-4. under ``torch.distributed``, replicated blocks have one owner that computes their refresh,
-   and every replica installs it at its deadline (distributed.py); results that wait for a
-   ``fixed_delay`` install may go to the NVMe spill tier (spill.py).
+Note [One install batch per step]: a signal that looked for finished refreshes at every module
+cost a scan per module (11-14 ms of a 73 ms H200 step, docs/gpu.md). So the first signal after a
+step installs every finished refresh the pacing allows in one batch and disarms the hooks until
+a step ends with a refresh in flight (Note [Disarmed signals] in hooks.py). What finished before
+the model's first module is used in this step; what finishes later, the plan installs.
 
-Checkpoint state is in state.py, the reports (``stats``, ``memory_report``) in report.py, the
-attach-time choices and the making of the parts in attach.py, what a step's exceptions leave in
-boundary.py (Notes [All-or-nothing steps], [Interrupted steps]).
-
-Note [One install batch per step]: every module that owns parameters signals twice a step
-(its forward, its backward: hooks.py), so a signal that looked for finished refreshes cost the
-step a scan per module (94 on ``tiny``, each over its blocks: 11-14 ms of a 73 ms H200 step,
-docs/gpu.md). The first signal after a step begins (a flag) installs, in one batch, every
-refresh in flight that has finished and the pacing allows (``Refreshes.install_ready``: the
-in-flight index, Note [In-flight index] in registry.py; its results moved in grouped copies,
-Note [Grouped install copies] in bases.py); that signal disarms the hooks, and the step's end
-arms them again (Note [Disarmed signals] in hooks.py), so the step's later modules signal nothing.
-The first signal comes before the model's first module runs, so every refresh finished by then
-is used in this step's update, as when each module installed its own; one that finishes during
-the forward or backward, which its module's backward signal used to install before the update,
-is now installed at its block's boundary, after the update (the schedule installs a finished
-refresh there, Note [Staleness contract]): used one step later. The staleness bound does not
-change, only when, within it, such an install happens.
-
-Must not: change any algorithm's math (the optimizer's ``refresh_jobs``/``install_refresh`` are
-the only way in), register hooks itself (hooks.py does), or hold logic that a part owns.
+Must not: change any algorithm's math (``refresh_jobs``/``install_refresh_many`` are the only
+way in), register hooks itself (hooks.py does), or hold logic that a part owns.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from typing import Any
 
 import torch
 
-from asteria.optim.base import BlockKey, KroneckerOptimizer, NativeRefresher
-from asteria.runtime import attach, report, state
+from asteria.optim.base import KroneckerOptimizer
+from asteria.optim.groups import BlockGroup
+from asteria.optim.refresher import BlockKey, Piece
+from asteria.optim.state_io import blocks_of
+from asteria.runtime import parts, report, state
 from asteria.runtime.config import RuntimeConfig
+from asteria.runtime.lane import halves, run_statistics
 from asteria.runtime.registry import BlockView
 from asteria.runtime.spill import SpillTier
 
@@ -92,31 +70,31 @@ class Runtime:
         self.config = c = config if config is not None else RuntimeConfig()
         if not isinstance(c, RuntimeConfig):
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
-        if not isinstance(optimizer.refresher, NativeRefresher):  # before any thread starts
+        if optimizer.orchestrated:  # before any thread starts
             raise ValueError(
                 f"{type(optimizer).__name__} is already orchestrated by "
                 f"{optimizer.refresher!r}; close() that runtime before attaching another"
             )
         self.optimizer = optimizer
         self._closed = False
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # (before the parts: the window holds it too)
         self._step_t0 = 0.0
         self._signals_open = True  # Note [One install batch per step]
         self.per_step: dict[str, list[float]] = {"step_ms": [], "barrier_wait_ms": []}
         # every part, made once (attach.py; a refused attach leaves no thread, hook or file)
-        self._parts = p = attach.build(self, model, optimizer, c, distributed, ranks_per_node)
+        self._parts = p = parts.build(self, model, optimizer, c, distributed, ranks_per_node)
         self.block_name, self.registry, self.schedule = p.block_name, p.registry, p.schedule
-        # ``Refresher.lead``/``first_lead``, fixed at attach and read per parameter and step:
-        # attributes, not properties (Note [Boundary work per block] in boundary.py)
-        self.lead: int = p.schedule.lead  # Note [Refresh lead] in schedule.py
-        self.first_lead: int = 0 if p.schedule.wait_first else p.schedule.lead  # [First roots]
         self.arch, self.placement = p.choices.arch, p.choices.placement
         self._lane, self._bases, self._refreshes = p.lane, p.bases, p.refreshes
-        self._boundaries, self._executors = p.boundaries, p.executors
+        self._plan, self._executors = p.plan, p.executors
+        #: whether the update reads what the statistics write (KL-Shampoo's eigenvalues): its
+        #: pieces wait for the lane's statistics of their blocks first
+        self._reads_statistics = "update_statistics" in optimizer.phases
+        self._split = p.lane is not None and c.split_updates  # Note [Split updates] in lane.py
         # a test's live settings, read where a statistics update is handed in: a dict look-up,
         # no call per block (Note [Test overrides at build] in attach.py)
         self._test_settings = None if p.testing is None else p.testing.settings()
-        attach.connect(p, self, model, optimizer, c)  # the optimizer's refresher from here on
+        parts.connect(p, self, model, optimizer, c)  # the optimizer's refresher from here on
 
     # -- public read-only parts (tests and benchmarks reach the runtime through these) --------
 
@@ -163,7 +141,7 @@ class Runtime:
                 if self._lane is not None:
                     self._lane.wait_all(reported_too=False)
                 if self._repairable() and install_pending:
-                    self._boundaries.finish_interrupted()
+                    self._plan.finish_interrupted()
                     self._refreshes.timed_out = False  # close() waits as a barrier does
                     self._refreshes.install_in_flight()
             finally:
@@ -188,7 +166,7 @@ class Runtime:
         coherence = self._parts.coherence
         if coherence is None or not coherence.replicates:
             return True
-        if self._boundaries.in_step:  # its step stopped: the other ranks are told why
+        if self._plan.in_step:  # its step stopped: the other ranks are told why
             coherence.fail(
                 f"rank {coherence.rank}'s step stopped before its end and the runtime was "
                 "closed (an exception or a KeyboardInterrupt inside optimizer.step())"
@@ -197,77 +175,103 @@ class Runtime:
 
     # -- the Refresher protocol (called by the optimizer's step) ------------------------------
 
-    def step_begin(self) -> None:
+    def begin(self) -> None:
         if self._closed:  # (the optimizer detached it: only a caller holding it gets here)
             raise RuntimeError(f"{self!r} is closed")
         if self._lane is not None:
             self._lane.check()  # a failed block's error, before this step changes anything
-        interrupted = self._boundaries.in_step  # the last step raised before its end
-        with self._lock:
-            self._boundaries.finish_interrupted()  # Note [Interrupted steps] in boundary.py
-        self._boundaries.begin()
+        plan = self._plan
+        interrupted = plan.in_step  # the last step raised before its end
+        if interrupted or plan.waiting or self._parts.coherence is not None:
+            with self._lock:
+                plan.finish_interrupted()  # Note [Interrupted steps] in plan.py
+        plan.begin()
         if interrupted:  # (its end did not open the signals)
             self._open_signals()
         self._step_t0 = time.perf_counter()
         self._refreshes.wait_s = 0.0
         self._refreshes.timed_out = False
-        self._refreshes.snapshots.step_begin()
+        if self._refreshes.snapshots.issued:
+            self._refreshes.snapshots.step_begin()  # (the fences of the last step's snapshots)
         waits = self.per_step["barrier_wait_ms"]
-        self._executors.step_begin(waits[-1] / 1e3 if waits else 0.0)
+        self._executors.step_begin(waits[-1] / 1e3 if waits else 0.0)  # (step time, harvest)
         if self.schedule.continuous:  # Note [Continuous refresh] in schedule.py
             with self._lock:
-                self.schedule.pick(self._boundaries.candidates(), self._executors.has_room)
+                self.schedule.pick(self._plan.candidates(), self._executors.has_room)
 
-    def accumulate(self, key: BlockKey, fn: Any, *args: Any) -> None:
-        test = self._test_settings
-        if test is not None and test["statistics"] is not None:  # a test's wrapper
-            fn = functools.partial(test["statistics"], key, fn)
-        if self._lane is None:
+    def accumulate(self, keys: list[BlockKey], fn: Any, *args: Any) -> None:
+        """The statistics of blocks ``keys``: now, or on the statistics lane (Note [Statistics
+        lane] in lane.py)."""
+        test = self._test_settings  # a test's wrapper (Note [Test overrides at build])
+        wrap = None if test is None else test["statistics"]
+        if self._lane is not None:
+            self._lane.submit_many(keys, fn, args, wrap)
+        elif wrap is None:
             fn(*args)
         else:
-            self._lane.submit(key, fn, *args)
+            run_statistics(keys, fn, args, wrap)
 
-    def block_begin(self, key: BlockKey, block: dict) -> None:
-        if self._lane is not None:
-            self._lane.wait(key)
-
-    def bases(self, key: BlockKey, block: dict) -> list:
-        if self._boundaries.deferred:  # Note [Deferred installs] in boundary.py
-            with self._lock:
-                self._boundaries.flush()
-        if self._bases.stable:
-            return self._bases.read(key, block)
-        with self._lock:  # the window's ring is shared with installs from hooks
-            return self._bases.read(key, block)
-
-    def bases_many(self, keys: list[BlockKey], blocks: list[dict]) -> list[list]:
-        """The bases of each block of ``blocks`` (keys ``keys``), valid together until the next
-        ``bases``/``bases_many`` call or the step's end: one call of the bases strategy (the
-        window fills one slot for them all, with one copy and one event)."""
-        if self._boundaries.deferred:  # Note [Deferred installs] in boundary.py
-            with self._lock:
-                self._boundaries.flush()
-        if self._bases.stable:
-            return self._bases.read_many(keys, blocks)
+    def plan(self, groups: list[BlockGroup], hp: dict[str, Any]) -> None:
+        """Note [One plan per step] (plan.py): every refresh decision of the groups' blocks at
+        their step, carried out; the age of the basis each block's update reads."""
         with self._lock:
-            return self._bases.read_many(keys, blocks)
+            self._plan.step(groups, hp)
 
-    @property
-    def bases_room(self) -> int | None:
-        """Bytes of bases ``bases_many`` hands out at once (None: no limit)."""
-        return self._bases.room
+    def pieces(self, groups: list[BlockGroup], passes: int = 1) -> list[Piece]:
+        """The pieces the bases strategy hands out the groups' bases in (the window: Note
+        [Pieces of the window] in window_bases.py); where the update reads what the statistics
+        write, after the lane's statistics of the groups' blocks."""
+        if self._reads_statistics and self._lane is not None:
+            self._lane.wait_many([k for g in groups for k in g.keys])
+        return self._bases.pieces(groups, passes)
 
-    @property
-    def bases_stable(self) -> bool:
-        return self._bases.stable
+    def run(self, fn: Any, groups: list[BlockGroup], bases: list, *args: Any) -> None:
+        """``fn(groups, bases, *args)``; with the lane, on halves of the parameters of about
+        equal flops (a parameter's blocks on one thread: SOAP's ``normalize_grads`` divides them
+        by one norm), one on the lane (Note [Split updates] in lane.py)."""
+        if not self._split or sum([len(g.keys) for g in groups]) < 2:
+            fn(groups, bases, *args)
+            return
+        items = [(g, i) for g in groups for i in range(len(g.keys))]
+        by_param: dict[int, list[int]] = {}
+        for at, (g, i) in enumerate(items):
+            by_param.setdefault(g.keys[i][0], []).append(at)
+        params = list(by_param.values())
+        if len(params) < 2:
+            fn(groups, bases, *args)
+            return
+        costs = [
+            sum([items[at][0].numel * (10 + 4 * _dims(items[at])) for at in p]) for p in params
+        ]
+        sides = halves(params, costs)
+        mine, theirs = (sorted([at for i in side for at in params[i]]) for side in sides)
+        wait = self._lane.beside(fn, *_part(groups, bases, items, theirs), *args)
+        try:
+            fn(*_part(groups, bases, items, mine), *args)
+        finally:
+            wait()  # also when this half raised: the other half must not outlive the step
 
-    @property
-    def splits_updates(self) -> bool:
-        return self._lane is not None and self.config.split_updates
-
-    def beside(self, fn: Any, *args: Any) -> Any:
-        """Part of the step's update on the statistics lane (Note [Split updates] in lane.py)."""
-        return self._lane.beside(fn, *args)
+    def end(self) -> None:
+        refreshes, pacer = self._refreshes, self._parts.pacer
+        with self._lock:
+            if self._plan.waiting:  # (left by an interrupted plan: Note [Interrupted steps])
+                self._plan.install_waited()
+            if refreshes.deferred or refreshes.spill is not None:
+                refreshes.step_end()
+            self._bases.step_end()
+        if pacer.enabled:
+            pacer.step_end()
+        self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
+        self.per_step["barrier_wait_ms"].append(self._refreshes.wait_s * 1e3)
+        if self.registry.in_flight:  # the next step's first signal installs what is ready
+            self._signals_open = True  # (``_open_signals``, inline)
+            if self._parts.signals is not None and not self._parts.signals.armed:
+                self._parts.signals.arm()
+        elif self._signals_open:  # (opened by this step's beginning: nothing to install)
+            self._signals_open = False
+            if self._parts.signals is not None and self._parts.signals.armed:
+                self._parts.signals.disarm()
+        self._plan.end()  # Note [All-or-nothing steps] in plan.py
 
     def sync(self) -> None:
         """Wait for the statistics lane (everything queued there has run) and for the copies
@@ -276,30 +280,12 @@ class Runtime:
             self._lane.wait_all()
         self._bases.host_sync()
 
-    def block_boundary(self, key: BlockKey, block: dict, group: dict, step: int, due: bool) -> None:
-        """Note [Staleness contract] (schedule.py), carried out by boundary.py: install what is
-        due, then request or coalesce; measure the age of the basis this step's update reads."""
-        with self._lock:
-            self._boundaries.run(key, block, group, step, due)
-
-    def step_end(self) -> None:
-        with self._lock:
-            self._boundaries.flush()  # what no update read (Note [Deferred installs])
-            self._refreshes.step_end()
-            self._bases.step_end()
-        self._parts.pacer.step_end()
-        self.per_step["step_ms"].append((time.perf_counter() - self._step_t0) * 1e3)
-        self.per_step["barrier_wait_ms"].append(self._refreshes.wait_s * 1e3)
-        self._open_signals()  # the next step's first signal installs what is ready
-        self._boundaries.end()  # Note [All-or-nothing steps] in boundary.py
-
     # -- hooks: install what is ready ------------------------------------------------------------
 
     def _on_signal(self, param_ids: tuple[int, ...], event: str) -> None:
-        """Note [One install batch per step]: the first module signal after a step's end
-        installs every finished refresh the pacing allows, in one batch; every later signal of
-        the step returns at the flag. The modules hooked are only those whose blocks install on
-        signals (attach.py), so the signal's parameters need no check here."""
+        """Note [One install batch per step]: the first signal after a step's end installs the
+        step's batch; later ones return at the flag (only blocks that install on signals are
+        hooked)."""
         if not self._signals_open:
             return
         self._signals_open = False
@@ -309,7 +295,9 @@ class Runtime:
         if self._closed:
             return
         with self._lock:
-            self._boundaries.finish_interrupted()  # between steps: the last one raised
+            plan = self._plan
+            if plan.in_step or plan.waiting or self._parts.coherence is not None:
+                plan.finish_interrupted()  # between steps: the last one raised
             if self.registry.in_flight:
                 self._refreshes.install_ready(self._parts.signalled)
 
@@ -328,7 +316,7 @@ class Runtime:
         and saved with its results (Note [Checkpoints with work in flight] in state.py)."""
         self.sync()
         with self._lock:
-            self._boundaries.finish_interrupted()
+            self._plan.finish_interrupted()
             self._refreshes.timed_out = False  # the save waits as a barrier does
             return state.save(self._refreshes)
 
@@ -339,25 +327,30 @@ class Runtime:
             raise RuntimeError(f"{self!r} is closed: load into the runtime attached now")
         self.sync()
         with self._lock:
-            self._boundaries.finish_interrupted()
+            self._plan.finish_interrupted()
             state.load(self._refreshes, saved, self.schedule.budget)
+        if self.registry.in_flight:  # (the next signal installs what is ready)
+            self._open_signals()
 
-    def check_state_dict(self, saved: Any, blocks: dict[BlockKey, tuple[dict, int]]) -> None:
-        """Raise ``ValueError`` where :meth:`load_state_dict` would refuse ``saved`` for the
-        optimizer blocks ``blocks`` (key -> (block state, step)): an optimizer's load checks
-        its runtime part before it changes anything (Note [Transactional loads] in
-        asteria/optim/state_io.py)."""
+    def check_state_dict(self, saved: Any, groups: list[dict], states: dict) -> None:
+        """Raise ``ValueError`` where the optimizer's load of ``groups`` and ``states`` would
+        not keep the blocks the runtime was made for, or :meth:`load_state_dict` would refuse
+        ``saved`` after it: an optimizer's load checks them before it changes anything (Note
+        [Transactional loads] in asteria/optim/state_io.py)."""
+        self.optimizer.check_layouts_kept(groups)
+        if saved is None:
+            return
+        blocks = {k: (b, states[p]["step"]) for k, p, b, _ in blocks_of(groups, states)}
         coherence = self._parts.coherence
         state.check(saved, blocks, self.schedule.budget, coherence, self.block_name)
 
     def state_replaced(self) -> None:
-        """The optimizer loaded a state: the refreshes in flight were requested from the old
-        one and are dropped (a loaded ``"asteria_runtime"`` part puts its own back), and every
-        block's version is taken from the loaded state at its next boundary, so the staleness
-        contract holds from the load on (Note [Transactional loads])."""
+        """The optimizer loaded a state: the refreshes in flight are dropped (a loaded
+        ``"asteria_runtime"`` part puts its own back) and every version is taken from the loaded
+        state at its next decision (Note [Transactional loads])."""
         with self._lock:
             self._refreshes.drop_all()
-            self._boundaries.reset()
+            self._plan.reset()
             self._bases.state_replaced()
 
     def stats(self) -> dict[str, Any]:
@@ -383,3 +376,23 @@ class Runtime:
             f"asteria.Runtime(staleness={c.staleness}, workers={c.resolved_workers}, "
             f"fixed_delay={c.fixed_delay}, closed={self._closed})"
         )
+
+
+def _part(groups: list[BlockGroup], bases: list, items: list[tuple], picked: list[int]) -> tuple:
+    """The groups and bases of ``items[i]`` for ``i`` in ``picked`` (each group's in order)."""
+    by: dict[int, tuple[BlockGroup, list, list[int]]] = {}
+    where = {id(g): j for j, g in enumerate(groups)}
+    for i in picked:
+        g, b = items[i]
+        entry = by.get(id(g))
+        if entry is None:
+            entry = by[id(g)] = (g, bases[where[id(g)]], [])
+        entry[2].append(b)
+    parts = list(by.values())
+    return [g.take(idx) for g, _, idx in parts], [[q[i] for i in idx] for _, q, idx in parts]
+
+
+def _dims(item: tuple) -> int:
+    """The sum of a block's factored dims (a product into and out of each basis)."""
+    g, i = item
+    return sum([f.shape[0] for f in g.blocks[i]["factors"] if f is not None])

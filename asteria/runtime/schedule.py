@@ -1,219 +1,66 @@
 """The schedule: when a block's refresh is requested and installed, and the bound that keeps.
 
-Owns: the staleness contract (Note [Staleness contract]) in one place: the decision taken at
-each block boundary (install the refresh in flight, request a new one, coalesce a due request
-into the one in flight), the budget ``B`` that bounds every install, how far ahead an optimizer
-that uses its own step's refresh requests it (Note [Refresh lead]) and waits for its first one
-(Note [First roots]), the pacing of installs that finished early (Note [Paced installs]), the
-bound on the age of the basis in use, and the per-block measurement of that age.
+Owns: the staleness contract (Note [Staleness contract]) in one place: the rules of each block's
+decision at its plan (install the refresh in flight, request, coalesce a due request into the
+one in flight), the budget ``B``, the lead and first-refresh rules, the pacing of installs, and
+the measured age of the basis in use against its bound. docs/runtime.md tells each rule at
+length, with its measurements and the tests that check it.
 
 Must not: submit, wait or install (``refreshes.py`` does, on this module's decisions); know how a
 snapshot is taken or where a basis lives.
 
 Note [Staleness contract]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-Let ``f`` be a group's ``precondition_frequency`` and ``B`` the budget: ``fixed_delay`` when set,
-else ``staleness`` (``S``); under torch.distributed, replicated blocks use the same ``B``. A
-block's refresh requested at (the block's optimizer) step ``t`` is *version* ``t``: it reads the
-factors of step ``t``.
-
-1. *Installs are bounded*: version ``t`` is installed at a step ``s`` with ``t <= s <= t + B``
-   (exactly ``t + B`` under ``fixed_delay`` and for replicated blocks); at ``t + B`` the step
-   waits for it (the bounded barrier).
-2. *No request starves another*: a refresh that becomes due while one is in flight is
-   *coalesced* into it: the one in flight is installed first (at once if it is ready, else at
-   its own deadline, never later), and the due request is made at that same boundary, from the
-   factors of that step. Nothing in flight is ever cancelled by a newer request, so every block
-   installs at least once every ``max(f, B)`` steps.
-3. *The basis in use is fresh*: the *age* of a step's basis is the step minus the version it
-   reads. After a block's first basis exists (SOAP and KL-Shampoo: from its first step; Shampoo:
-   from its first roots), every step's age is at most::
-
-       bound(f, B) = max(f, B) + B
-
-   For ``B <= f`` (the usual ``f = 10``, ``S = 5``) that is ``f + B``: the native schedule's
-   ``f`` plus the budget. ``B = 0`` is native mode (``bound = f``), bit for bit. Under
-   ``fixed_delay = d > f`` refreshes run every ``d`` steps instead of every ``f``: each is
-   installed exactly ``d`` steps after its request, and the next is requested there.
-   Proof sketch: version ``t`` is installed by ``t + a`` (``a <= B``); the next request is at
-   ``t' = t + f`` when ``a <= f`` (the due step) and at ``t' = t + a`` otherwise (coalesced),
-   so ``t' - t <= max(f, B)``; ``t'`` is in use by ``t' + B``.
-
-Under continuous refresh (Note [Continuous refresh]) the same bound holds: ``f`` is then the
-longest interval between a block's requests instead of the only one, and a request in between
-only makes the next version newer (the proof above, with ``t' - t <= max(f, B)`` still).
-
-Two things take a block outside the bound, and both are visible: a refresh that fails (the
-previous basis stays in use; counted, and ``max_consecutive_failures`` in a row raise) and a
-barrier that times out (``StalenessTimeoutError``). ``Runtime.stats()["basis_age"]`` reports the
-age of every step's basis (max, histogram, per block) next to the install staleness, and whether
-every block stayed within its bound; tests/unit/test_staleness_contract.py checks the bound at
-every step over optimizer x frequency x budget x ``fixed_delay`` x pool speed x lane x hooks.
+``f``: a group's ``precondition_frequency``; ``B``: ``fixed_delay`` when set, else ``S``. A
+refresh requested at a block's step ``t`` (version ``t``) is installed in ``[t, t + B]`` (exactly
+``t + B`` under ``fixed_delay`` and for replicated blocks), the step ``t + B`` waiting for it; a
+refresh due while one is in flight is coalesced (that one installed first, the request made
+then), so every step reads a basis at most ``bound(f, B) = max(f, B) + B`` steps old (``f`` at
+``B = 0``: native mode, bit for bit). docs/runtime.md, "The staleness contract", has the proof;
+tests/unit/test_staleness_contract.py checks it at every step.
 
 Note [Staggered refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-The default (``RuntimeConfig(refresh="staggered")``). Natively every block of a group refreshes
-at the same step, every ``f``: a pool that has a few blocks' work per step then gets the whole
-round at once and finishes it several steps later, so the last blocks of the round install
-late (tiny Shampoo on this 2-core machine, one worker sharing its core with the statistics
-lane: a round is ~1.25 s of roots against a 0.5 s step, and 60% of the installs came a step
-after the refresh lead's target). Staggered refresh keeps each block's interval, ``f``, and
-gives every block its own *slot* of the interval (``step % f``): a block is requested when its
-last request is ``f`` steps old, as under interval refresh, or earlier, once, at its slot, so
-that the pool gets about ``1/f`` of the round at every step. Slots are given at a block's first
-boundary with a basis, greedily: the least loaded slot by refresh cost (``d^3`` per ``d x d``
-factor, boundary.py's ``_refresh_cost``), ties to the one that keeps the longest first interval.
-The early request is made only where nothing of the block is in flight or it is ready to
-install (it never waits nor coalesces), so a block whose slot is fewer steps after its last
-request than its refresh takes stays where it was: correct, less balanced. The bound of Note
-[Staleness contract] holds: every interval between requests is at most ``f``. Where installs
-happen at fixed steps (``fixed_delay``, replicated blocks under torch.distributed) the
-optimizer's schedule stays, and ``B = 0`` is native mode, bit for bit. Measured on tiny Shampoo
-(bench/time_to_target.py's runtime, seeds 1 and 2): installs on time (staleness 1 with the lead)
-went from 40% to 95%, the largest 2 steps; nano SOAP: the largest install staleness 5 -> 2 and
-no barrier wait (489 ms before, over 200 steps). On bench/time_to_target.py (seeds 1-3, against
-native, paired) Shampoo's gap went from +1.9% to +0.8% on nano and from +1.6% to +1.0% on tiny,
-its time to AdamW's loss on tiny from 0.88x to 0.84x of AdamW's; over 8 nano seeds +1.0% ->
-+0.4%, and on bench/shampoo_gap.py (8 seeds) +0.5% -> +0.1%, below always-one-step-late's
-+0.3%. SOAP and KL-Shampoo on tiny end 2.7-3.6% below native, most likely from a block's one
-early request, which lands in the first interval, where the bases move most (continuous
-refresh, which refreshes more often still, is 12% below; not isolated by a run of its own).
-``refresh="interval"`` keeps the native phase.
+The default: each block keeps its interval ``f`` and its own slot of it (``step % f``, the least
+loaded by cost ``d^3`` at its first decision with a basis), requested there once early, then
+every ``f`` steps: the pool gets about ``1/f`` of a round each step (docs/runtime.md).
 
 Note [Continuous refresh]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``RuntimeConfig(refresh="continuous")`` spends idle executor time on freshness. A block is
-requested again as soon as its previous refresh is installed and the executors have room
-(``placement.Executors.has_room``: at most ``min(2, B)`` steps of predicted work queued per pool
-worker and device stream, or nothing queued at all, so an executor never idles while a block
-could refresh). At each step's beginning the blocks without a refresh in flight (or with a
-finished one, installed at their boundary) are taken oldest version first, and each is granted
-room in that order until the room runs out (``pick``); a younger block never takes the room of
-an older one. ``f`` stays the longest interval allowed: a block whose last request is ``f`` steps
-old (``f - 1`` with the refresh lead) is due whatever the room, and coalesced as in Note
-[Staleness contract] if its refresh is still in flight; the optimizer's own due steps (every
-multiple of ``f``) count only before a block's first basis (Shampoo's first roots, at its start
-step). Where installs happen at fixed steps (``fixed_delay``, replicated blocks under
-torch.distributed, whose every rank must take the same decisions) there is no room to measure:
-a block is requested again at each install, every ``B`` steps, the same on every rank and at any
-pool speed (each owner computes its own blocks, so ownership spreads the rounds across ranks).
-``B = 0`` is native mode: the option changes nothing there, bit for bit.
+``refresh="continuous"``: a block is requested again once installed where the executors have
+room (``pick``, ``placement.Executors.has_room``), oldest first; ``f`` stays the longest interval.
+Where installs are fixed, at each install (docs/runtime.md).
 
 Note [Refresh lead]
 ~~~~~~~~~~~~~~~~~~~
-Native Shampoo computes a due root inside the step that first uses it: at a refresh step t it
-preconditions with the roots of L_t. A runtime cannot hand back a result in the step that
-requests it (unless B = 0), so a request at step t left step t on the roots of the previous
-refresh, L_{t-f}, f steps old, and every later step of the interval on those of L_t, as native.
-With a budget of at least one step, such optimizers (``refresh_precedes_update``) request the
-refresh one step ahead instead, at the boundary of step t-1, with the factors of L_{t-1}: the
-job runs during step t's forward and backward, and step t's boundary installs it when it is
-ready (at the latest at t-1+B, as any request). Every step of the interval then uses roots one
-gradient older than native's (one term of a sum over t steps for Shampoo's default betas[1] =
-1), none f steps older. The registry counts the same staleness, 1, for both. A block's first
-roots are the exception: they come without the lead, at age 0 (Note [First roots]). B = 0 keeps
-the native schedule, bit for bit; SOAP and KL-Shampoo update with the bases of the previous
-refresh natively, and keep their schedule.
+With a budget, an optimizer whose roots of step ``t`` precondition step ``t``
+(``refresh_precedes_update``: Shampoo) requests a due refresh at ``t - 1``, so that it can arrive
+for ``t``. The plan (plan.py) decides the lead, nowhere else.
 
 Note [First roots]
 ~~~~~~~~~~~~~~~~~~
-With the lead, a block's first roots would be requested at the step before the start, from its
-factors then, and Shampoo's first preconditioned step would run on roots one gradient short, as
-would every step until the block's next refresh: at the start a sum factor holds the fewest
-gradients, so one more moves the roots most. That first round was most of Asteria Shampoo's gap
-to native (``tiny``, lr 1.5e-3, seeds 1-3, native Shampoo with roots from ``L_{t-1}`` at chosen
-refreshes: at the first round only +1.0%, at every later one only +0.4%, at all +1.6%; one step
-of the grafting direction at the start, then native, +1.1%: the first preconditioned steps weigh
-most). So, where the budget is at least one step (``RuntimeConfig.wait_first_refresh``, on by
-default except under ``fixed_delay``; ``Schedule.wait_first``), a block's first refresh comes
-without the lead: the optimizer asks for it at its own step (``Refresher.first_lead`` is 0 while
-the block has no roots), and the boundary requests it from that step's factors and installs it
-at once, waiting for the result (``Schedule.waits_for``): the first round is native's, bit for
-bit, at age 0, and every later refresh keeps the lead. The wait is the one of native's refresh
-steps, once per block (every block at the start step where they share it). Measured at the
-runtime's defaults on ``tiny`` (the same seeds): the gap +1.3% -> +0.2% (per seed +1.1%, -0.1%,
--0.3%; over seeds 1-8 +0.21 +- 0.23%, bench/results/shampoo_gap_cpu_tiny*.json), and no install
-later than its step left. Under ``fixed_delay`` the first roots keep the fixed delay by default
-(the experiment's knob; ``True`` waits there too: bench/shampoo_gap.py's ``fd1_first``). SOAP
-and KL-Shampoo, whose update reads the bases of an earlier refresh natively, are not concerned.
+A block's first refresh (``wait_first_refresh``: on with a budget, unless ``fixed_delay``;
+``Schedule.wait_first``) is requested at its own step, without the lead, and waited for
+(``Plan.decide``), as natively, once per block.
 
 Note [Rank-deficient factors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A Shampoo factor of a block of ``n`` elements gains at most ``n / d`` dims of rank a step, so it
-is rank-deficient for the first ``d^2 / n`` steps (a 1-D block's: ``d`` steps; merged small dims
-make 1-D blocks of up to ``max_preconditioner_dim``). The root of ``L_s`` scales the directions
-outside its range by ``floor^{-1/2k}`` (Note [Round-off floor] in
-asteria/optim/matrix_functions.py), far above those inside it, so applied to a first moment
-that holds a newer gradient it returns almost only that gradient's part outside ``range(L_s)``,
-which the grafting then gives the block's whole step. Measured on an MLP 32-64-64-16 regressing
-``tanh(x W)`` (batch 64, lr 1e-3, frequency 5, Meta's other defaults, 60 steps; native
-Shampoo whose roots at chosen blocks come from ``L_{t-1}``, as a runtime's with the lead): at
-every due step the direction of the output layer (16 x 64, merged to a 1-D block of 1,024,
-rank 59 at step 60) and of the biases lies wholly outside the range (share of its squared
-norm: 1.000), that of the full-rank blocks wholly inside (0.000); roots one gradient short cost
-+4.4% to +4.7% of evaluation loss over five seeds, +3.7% to +4.2% of it from the output layer
-alone, +0.3% to +0.9% from the biases, +0.1% to +0.2% from each full-rank weight. Native
-Shampoo meets the same between its refreshes; its due steps are the ones on which the
-direction is Shampoo's, and those are what a late root takes away.
-
-So a block that the optimizer calls urgent (``refresh_urgent``: Shampoo's bound
-``step * n / d < d`` on some factor, from its shape and step alone, the same on every rank) is
-refreshed as natively wherever first roots are waited for (``Schedule.wait_first``): the
-optimizer asks at the step itself (``Refresher.first_lead``), the boundary keeps the optimizer's
-schedule (not the staggered slot or continuous room), installs what may still be in flight, then
-requests from this step's factors and installs at once, waiting (``Schedule.waits_for``);
-``urgent_waits`` in ``stats()`` counts these installs (beyond the first roots), and their time is
-in ``barrier_wait_ms``. The budget only tightens (age 0); ``B = 0`` is untouched; ``fixed_delay``
-keeps its fixed delays unless ``wait_first_refresh=True``, and either way runs are reproducible
-(the bound is a function of shape and step). On the MLP, against native, five seeds: ``S = 1``
-+3.5% to +4.1% -> +0.00% to +0.05%, ``S = 5`` +2.4% to +3.5% -> +0.02% to +0.06%
-(docs/fidelity.md, "Shampoo under staleness"). Once every factor may be full rank the block
-takes the budget like any other. SOAP and KL-Shampoo, whose bases of an earlier refresh are
-native, are never urgent.
+A block the optimizer calls urgent (``refresh_urgent``: from its shapes and step, the same on
+every rank and for a whole shape group; Shampoo's factors that may be rank-deficient, whose late
+roots cost several percent of loss: docs/benchmarks.md) is refreshed as natively wherever first
+roots are waited for: at its step, waited for (``urgent_waits``).
 
 Note [Young factors]
 ~~~~~~~~~~~~~~~~~~~~
-A full-rank factor is still young while the last refresh interval brought a large share of its
-statistics: at Meta's ``betas[1] = 1`` (the sum) the refresh of step ``t`` adds ``f / t`` of
-``L_t``, so a root one interval old misses half of the factor at ``2f`` and a third at ``3f``
-(``Shampoo.new_mass_share``: ``1 - b2^f m(t - f) / m(t)`` with ``m(t) = sum_{i<t} b2^i``,
-gradients of equal size assumed; at ``b2 < 1`` it falls to ``1 - b2^f``). Measured on ``nano``
-(bench/shampoo_gap.py's cosine protocol, 200 steps, frequency 10, 64 validation batches), seed
-5, against native: ``S = 1`` +1.43%, where its full-rank blocks were never urgent; with the
-refresh of step 20 waited for as natively +0.80%, with those of 20 and 30 +0.12% (seed 1:
--0.98%, +0.13%, +0.02%); ``S = 5`` with those of 20 and 30: +0.31% (seed 1: +0.09%). Native
-itself with its learning rate moved by 1e-6 differs by 0.005%: the gap is the staleness, not
-the measure's noise.
-
-So ``Shampoo.refresh_urgent`` also holds while ``new_mass_share >= YOUNG_SHARE`` (1/4): the
-refreshes of ``2f``, ``3f`` and ``4f`` at ``b2 = 1``, at any frequency, and a few more at
-``b2 < 1`` until the share settles; the runtime waits for them as for rank-deficient factors
-(above), and counts them in ``urgent_waits``. A group whose share never falls below 1/4
-(``1 - b2^f >= 1/4``: ``b2 = 0.95`` at frequency 10 renews 40% of the factor an interval) is
-refreshed natively throughout. The share is predicted from the group's ``betas`` and frequency,
-not read from the factor: a read would be a device sync per block at a due step, and the
-prediction errs towards waiting when gradients shrink, as they do early in training. Both rules
-are judged at the due step at or after the step asked about, so their answer is the same over
-an interval and a request made ahead (the lead) and one made at its step never both pass a due
-step by.
+``refresh_urgent`` also holds while the last interval brought at least ``YOUNG_SHARE`` of a
+factor's statistics (``Shampoo.new_mass_share``, predicted, not read). Judged at the due step at
+or after the step asked: constant over an interval, and once false, false.
 
 Note [Paced installs]
 ~~~~~~~~~~~~~~~~~~~~~
-Refreshes requested at the same step (SOAP's blocks all share the precondition frequency) tend
-to finish together, a step or two later, and an install that computes (SOAP rotates its first
-moment into the new basis, about a third of its step's work) would then put all of them on one
-step: the step after every refresh was the largest of bench/step_time.py. The budget allows
-installing any of them at any step up to the deadline, so the schedule spreads them: each step
-gets an allowance, the sum over the finished refreshes of install cost / steps left before its
-deadline (counted at the step's first decision), and a finished refresh is installed while the
-step has spent less (at least one per step, so none waits behind a large one). The deadline
-still forces an install, whatever the allowance (and is charged to it). Costs are the
-optimizer's ``install_cost`` (flops); a free install (KL-Shampoo, Shampoo: a pointer swap) is
-never held back, and neither is one the statistics lane runs (it costs the training thread
-nothing). ``fixed_delay``, ``staleness=0`` and replicated blocks under torch.distributed install
-at fixed steps and do not pace. Opt-in (``pace_installs``): the spread costs staleness (on
-bench/step_time.py, without the lane's installs, SOAP's final loss went from 2.244 to 2.28 with
-the largest step 1.35 -> 1.29 times the median).
+With ``pace_installs``, each step's allowance is the sum over the finished refreshes of install
+cost / steps left to its deadline, and a finished one is installed while the step has spent less
+(at least one a step; the deadline forces it). Free installs, or the lane's, are never held.
 """
 
 from __future__ import annotations
@@ -232,12 +79,9 @@ def basis_age_bound(frequency: int, budget: int) -> int:
 
 class Schedule:
     """The decisions of Note [Staleness contract] and the measured ages of the bases in use.
-
-    ``budget`` is ``B``; ``fixed`` says installs happen exactly at ``t + B`` (``fixed_delay``);
-    ``precedes_update`` is the optimizer's ``refresh_precedes_update`` (Shampoo: a boundary's
-    install is read by the same step's update, so its age is taken after the install);
-    ``refresh_lead`` allows such an optimizer to request one step ahead (Note [Refresh lead]).
-    """
+    ``budget`` is ``B``; ``fixed``: installs exactly at ``t + B``; ``precedes_update``: the
+    optimizer's ``refresh_precedes_update``; ``refresh_lead``: such an optimizer may request a step
+    ahead (Note [Refresh lead])."""
 
     def __init__(
         self,
@@ -260,16 +104,15 @@ class Schedule:
         self.continuous = continuous and budget >= 1
         #: Note [Staggered refresh] (never at B = 0, nor where installs are at fixed steps)
         self.staggered = staggered and budget >= 1 and not fixed and not self.continuous
-        self._phases: dict[str, int] = {}  # block -> its slot, (step + lead) % frequency
+        self.phases: dict[str, int] = {}  # block -> its slot, (step + lead) % frequency
         self._slot_load: dict[int, list[float]] = {}  # frequency -> refresh cost per slot
         self.coalesced = 0  # due requests folded into the refresh in flight
-        self.urgent_waits = 0  # installs waited for at their request (Note [Rank-deficient...])
-        # (a defaultdict: a new age costs no Python call, Counter's __missing__ did: Note
-        # [Quiet boundaries] in boundary.py)
+        self.urgent_waits = 0  # waited-for installs (Note [Rank-deficient factors])
+        # (a defaultdict: a new age costs no Python call, Counter's __missing__ did)
         self.age_histogram: defaultdict[int, int] = defaultdict(int)
         self._picked: set[Any] = set()  # blocks granted room this step (continuous)
         # per block: the last install step seen, and the intervals between installs
-        self._installs: dict[str, tuple[int, int]] = {}  # name -> (installs seen, step)
+        self.installs_seen: dict[str, tuple[int, int]] = {}  # name -> (installs, step)
         self.intervals: dict[str, list[int]] = {}  # name -> [count, sum, max]
 
     def bound(self, frequency: int) -> int:
@@ -284,10 +127,9 @@ class Schedule:
         pacer: Pacer,
         key: Any,
     ) -> bool:
-        """Whether the refresh in flight ``pending`` of block ``key`` is installed at this
-        boundary (waiting for it if it is not ready): at its deadline always; before it (never
-        where installs are ``exact``: ``fixed_delay``, replicated blocks) when it is ready and
-        either a newer request waits for it (``due``: coalesced) or ``pacer`` allows it."""
+        """Whether ``pending`` of block ``key`` is installed now (waiting if need be): at its
+        deadline always; before it (never where installs are ``exact``) when ready and a due request
+        waits for it or ``pacer`` allows it."""
         age = step - pending.requested
         if exact:
             return age >= self.budget
@@ -304,11 +146,10 @@ class Schedule:
         exact: bool = False,
         cost: Callable[[], float] = lambda: 0.0,
     ) -> bool:
-        """Whether ``e``'s block is due at ``step``: the optimizer's ``due`` under interval
-        refresh; under continuous refresh, once its last request is ``frequency`` steps old
-        (Note [Continuous refresh]); under staggered refresh, at its own slot of the interval
-        (Note [Staggered refresh]; ``cost()``: its refresh's, asked once, where the block gets
-        its slot; ``exact``: installs at fixed steps, which keep the optimizer's schedule)."""
+        """Whether ``e``'s block is due at ``step``: the optimizer's ``due`` under interval refresh,
+        once ``frequency`` steps old under continuous refresh, at its own slot under staggered
+        refresh (``cost()``: its refresh's, asked once; ``exact``: fixed installs keep the
+        optimizer's schedule)."""
         if e.version is None or not (self.continuous or (self.staggered and not exact)):
             return due
         last = e.pending.requested if e.pending is not None else e.version
@@ -317,21 +158,14 @@ class Schedule:
         gap = step - last  # requests every ``frequency`` steps, each block at its own slot
         if frequency <= 1:
             return gap >= frequency
-        slot = self._phases.get(e.name)
+        slot = self.phases.get(e.name)
         if slot is None:
-            slot = self._phases[e.name] = self._assign(frequency, cost(), last)
+            slot = self.phases[e.name] = self._assign(frequency, cost(), last)
         if gap >= frequency:
             return True  # due, as under interval refresh (coalesced if still in flight)
         # early, onto its slot: only where nothing is in flight or it is ready to install
         idle = e.pending is None or (e.pending.owner is None and e.pending.done())
         return idle and gap >= 1 and step % frequency == slot
-
-    def waits_for(self, e: Any, due: bool, has_bases: bool, urgent: bool = False) -> bool:
-        """Notes [First roots], [Rank-deficient factors]: whether the request of ``e``'s block
-        at this boundary (``due``) is its first refresh, or an ``urgent`` one, which the step
-        waits for and installs at once."""
-        first = e.version is None and not has_bases
-        return self.wait_first and due and e.pending is None and (first or urgent)
 
     def _assign(self, frequency: int, cost: float, anchor: int) -> int:
         """The slot (``step % frequency``) of a block of refresh cost ``cost``: the least
@@ -370,25 +204,28 @@ class Schedule:
         ``step``: the native schedule's last refresh (the first step's, 0, at the latest)."""
         return max(0, frequency * ((step - 1) // frequency))
 
-    def record_age(self, entry: Any, step: int, frequency: int) -> None:
-        """Measure the age of the basis ``entry``'s block reads in ``step``."""
-        if entry.version is None:
-            return  # no basis yet (Shampoo before its first roots)
-        seen = self._installs.get(entry.name)
-        if seen is None or seen[0] != entry.installs:
-            if seen is not None and seen[0] > 0:  # steps since the block's previous install
-                gap = entry.installed_step - seen[1]
-                c = self.intervals.setdefault(entry.name, [0, 0, 0])
-                c[0], c[1], c[2] = c[0] + 1, c[1] + gap, max(c[2], gap)
-            self._installs[entry.name] = (entry.installs, entry.installed_step)
-        age = step - entry.version
-        entry.age = age
-        if age > entry.max_age:  # (per block and step: only what changed is written)
-            entry.max_age = age
-        bound = max(frequency, self.budget) + self.budget  # basis_age_bound, inline
-        if entry.bound != bound:
-            entry.bound = bound
-        self.age_histogram[age] += 1
+    def record_ages(self, measured: list[tuple[Any, int, int]]) -> None:
+        """Per ``(entry, step, frequency)`` of ``measured``: the age of the basis the entry's
+        block reads in ``step`` (no call per block)."""
+        seen_of, budget, hist = self.installs_seen, self.budget, self.age_histogram
+        for entry, step, frequency in measured:
+            if entry.version is None:
+                continue  # no basis yet (Shampoo before its first roots)
+            seen = seen_of.get(entry.name)
+            if seen is None or seen[0] != entry.installs:
+                if seen is not None and seen[0] > 0:  # steps since the block's previous install
+                    gap = entry.installed_step - seen[1]
+                    c = self.intervals.setdefault(entry.name, [0, 0, 0])
+                    c[0], c[1], c[2] = c[0] + 1, c[1] + gap, max(c[2], gap)
+                seen_of[entry.name] = (entry.installs, entry.installed_step)
+            age = step - entry.version
+            entry.age = age
+            if age > entry.max_age:  # (per block and step: only what changed is written)
+                entry.max_age = age
+            bound = max(frequency, budget) + budget  # basis_age_bound, inline
+            if entry.bound != bound:
+                entry.bound = bound
+            hist[age] += 1
 
     def report(self, entries: list[Any]) -> dict[str, Any]:
         """``Runtime.stats()["basis_age"]``: the ages measured so far."""

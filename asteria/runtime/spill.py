@@ -1,19 +1,12 @@
 """Refresh results (and their inputs) in the NVMe spill store, for the runtime.
 
-Owns: the spill tier of the runtime, for the blocks the tier policy spills (``SpillTier``): a
-finished refresh that waits for its install step (``fixed_delay`` of 2 or more) has its results
-written under ``{block}/v{version}/r{dim}.{j}`` and its inputs (the factor and basis snapshots
-taken at the request) under ``.../s{dim}.{j}``; host copies are dropped only once their write
-succeeded; spilled results are paged back ahead of use (``page_in``, in access order, at the
-step before their install) and read back, checksum-verified, at install (``results``); a slot
-that does not read back is recomputed on the pool (``SpillTier.results``). ``Spiller`` is the
-protocol with ``asteria.memory.SpillStore`` underneath.
-
-Failures: a write that fails (ENOSPC, EIO, a full store) keeps that refresh in host memory and
-warns once per runtime; nothing is lost. A read that fails or does not match its checksum raises
-``SpillLost``; the refresh is then recomputed from its snapshot (the same inputs, so the same
-result, installed at the same step) or, if the snapshot is lost too, from the block's current
-factors (a fresher refresh than the lost one).
+Owns: ``SpillTier``: a finished refresh waiting for its install step (``fixed_delay`` >= 2) of a
+block the tier policy spills has its results written under ``{block}/v{version}/r{dim}.{j}`` and
+its inputs under ``.../s{dim}.{j}`` (host copies dropped once written), is paged back ahead of
+use (``page_in``) and read back, checksum-verified, at install (``results``). A failed write
+keeps the refresh in host memory (one warning); a failed read (``SpillLost``) recomputes it from
+its inputs (the same result, at the same step) or, lost too, from the block's current factors.
+``Spiller`` is the protocol with ``asteria.memory.SpillStore`` underneath.
 
 Must not: decide what to spill (``asteria.memory.tiers``) or install anything (``refreshes.py``).
 """
@@ -39,11 +32,9 @@ class SpillLost(RuntimeError):
 
 
 class SpilledRefresh:
-    """Per dim: ``None``, a tensor or a tuple of tensors/None, kept in the spill store.
-
-    ``host`` holds the values while their writes are in flight, and for good when a write
-    failed (``failed``); ``paged`` says the reads were started ahead of use.
-    """
+    """Per dim: ``None``, a tensor or a tuple of tensors/None, kept in the spill store; ``host``
+    holds the values while their writes are in flight (for good where one failed: ``failed``);
+    ``paged``: the reads were started ahead of use."""
 
     def __init__(self, prefix: str, dims: int) -> None:
         self.prefix = prefix
@@ -284,12 +275,8 @@ def open_spill(
 
 
 class SpillTier:
-    """The runtime's side of the spill store: what a pending refresh of a spilled block keeps
-    there, and how its results come back (see module docstring).
-
-    The refreshes in flight are the registry's ``PendingRefresh`` objects; their ``spilled``
-    and ``snapshots`` fields hold this tier's records.
-    """
+    """The runtime's side of the spill store: what a pending refresh of a spilled block keeps there
+    (its ``spilled`` and ``inputs`` fields), and how its results come back."""
 
     def __init__(self, spiller: Spiller, spilled: Iterable[str], fixed_delay: int) -> None:
         self.spiller = spiller
@@ -320,7 +307,7 @@ class SpillTier:
 
     def keep_inputs(self, pending: Any, dim: int, factor: Any, basis: Any) -> None:
         """Write dim ``dim``'s inputs of ``pending`` (copies of live state) to the store."""
-        self.spiller.add(pending.snapshots, dim, (factor, basis), clone=True)
+        self.spiller.add(pending.inputs, dim, (factor, basis), clone=True)
         self.spiller.counts["snapshots"] += 1
 
     # -- results waiting for their install --------------------------------------------------
@@ -349,8 +336,8 @@ class SpillTier:
         current step of its block."""
         due = []
         for p, step in pending:
-            if p.snapshots is not None:
-                self.spiller.poll(p.snapshots)
+            if p.inputs is not None:
+                self.spiller.poll(p.inputs)
             if p.spilled is None:
                 continue
             self.spiller.poll(p.spilled)
@@ -360,14 +347,14 @@ class SpillTier:
 
     def settle(self, pending: Any) -> None:
         """Wait until every write of ``pending``'s records is settled (tests, benchmarks)."""
-        for rec in (pending.spilled, pending.snapshots):
+        for rec in (pending.spilled, pending.inputs):
             if rec is not None:
                 self.spiller.poll(rec, wait=True)
 
     def discard(self, pending: Any) -> None:
         """Forget what ``pending`` keeps in the store."""
         self.spiller.discard(pending.spilled)
-        self.spiller.discard(pending.snapshots)
+        self.spiller.discard(pending.inputs)
 
     # -- reading back ------------------------------------------------------------------------
 
@@ -378,23 +365,22 @@ class SpillTier:
         recompute: Callable[[Any, list[Any] | None], list[Any]],
         consume: bool = True,
     ) -> list[Any]:
-        """``pending``'s results: from its futures, or read back from the store; a lost slot
-        is recomputed (``recompute(pending, inputs)``: its inputs when they read back intact,
-        else None, for the block's current ones). ``consume`` (an install) discards what the
-        store keeps of it afterwards; a checkpoint reads without consuming."""
+        """``pending``'s results: from its futures, or read back from the store; a lost slot is
+        recomputed (``recompute(pending, inputs)``: its inputs where intact, else None). ``consume``
+        (an install) discards what the store keeps of it; a checkpoint reads without consuming."""
         if pending.spilled is None:
             results = pending.results()
             if consume:
-                self.spiller.discard(pending.snapshots)
+                self.spiller.discard(pending.inputs)
             return results
         try:
             return self.spiller.load(pending.spilled)
         except SpillLost as err:
             inputs = None
             source = "the current factors (its inputs were lost too)"
-            if pending.snapshots is not None:
+            if pending.inputs is not None:
                 try:
-                    inputs = self.spiller.load(pending.snapshots)
+                    inputs = self.spiller.load(pending.inputs)
                     source = "its spilled inputs (same result)"
                 except SpillLost:
                     inputs = None
@@ -417,12 +403,12 @@ class SpillTier:
         """By kind (``results``, ``snapshots``): what ``pending``'s records hold in host memory."""
         return {
             kind: [] if rec is None else rec.host_tensors()
-            for kind, rec in (("results", pending.spilled), ("snapshots", pending.snapshots))
+            for kind, rec in (("results", pending.spilled), ("snapshots", pending.inputs))
         }
 
     def stored_bytes(self, pending: Any) -> dict[str, tuple[int, int]]:
         """By kind: (bytes in the store, bytes paged back into host memory ahead of use)."""
         return {
             kind: (self.spiller.nvme_bytes(rec), self.spiller.paged_bytes(rec))
-            for kind, rec in (("results", pending.spilled), ("snapshots", pending.snapshots))
+            for kind, rec in (("results", pending.spilled), ("snapshots", pending.inputs))
         }

@@ -1,29 +1,23 @@
 """The runtime's part of a checkpoint: its refreshes in flight, finished and saved with results.
 
-Owns: ``save`` and ``load`` (``Runtime.state_dict`` / ``load_state_dict``) and the format of
-what they write (``format`` 1: a list of refreshes in flight, each with its block, request step,
-results or error, job options and, under torch.distributed, the rank expected to send it).
+Owns: ``save`` and ``load`` (``Runtime.state_dict`` / ``load_state_dict``) and their format
+(``format`` 1: the refreshes in flight, each with its block, request step, results or error, job
+options and, under torch.distributed, the rank expected to send it).
 
 Note [Checkpoints with work in flight]: a refresh requested at step ``t`` and not yet installed
-is waited for (the barrier, bounded by ``barrier_timeout_s``) and saved with its request step
-and results, not re-submitted on load: its inputs were the factors of step ``t``, which the
-checkpoint no longer holds. After ``load`` it is installed at the step it would have been
-(``t + fixed_delay``, or as soon as possible within the budget), so a ``fixed_delay`` run
-resumed from a checkpoint follows the uninterrupted run bit for bit
-(tests/unit/test_checkpoint.py). Saved next to ``optimizer.state_dict()`` (taken at the same
-step boundary), and loaded after it; ``optimizer.state_dict()`` also carries it (Note [Runtime
-state in the optimizer's checkpoint] in asteria/optim/base.py). Under torch.distributed the
-state is this rank's and involves no collective: a replicated block's refresh in flight is
-saved with its results by its owner, and as "expected from rank ``r``" by the other replicas,
-with the job options the sync needs; after loading on the same ranks, the sync at its deadline
-proceeds as it would have (tests/distributed). ``load`` checks every refresh first (``check``:
-its block, a request step the budget can still install, its job options, results of the
-block's shapes) and changes nothing when one does not fit; an optimizer's ``load_state_dict``
-runs the same check on its ``"asteria_runtime"`` part against the state it is about to load
-(Note [Transactional loads] in asteria/optim/state_io.py; tests/unit/test_transactional_loads.py).
+is waited for (the bounded barrier) and saved with its request step and results, not submitted
+again on load (its inputs, step ``t``'s factors, are not in the checkpoint). After ``load`` it is
+installed at the step it would have been, so a ``fixed_delay`` run resumed from a checkpoint
+follows the uninterrupted run bit for bit (tests/unit/test_checkpoint.py). Saved next to (and in)
+``optimizer.state_dict()``, loaded after it. Under torch.distributed the state is the rank's, no
+collective: the owner saves a replicated block's results, the others "expected from rank
+``r``", and the sync at the deadline proceeds after a load on the same ranks. ``load`` checks
+every refresh first (``check``) and changes nothing where one does not fit; an optimizer's
+``load_state_dict`` runs the same check before it changes anything (Note [Transactional loads]
+in asteria/optim/state_io.py).
 
-Must not: install, submit or decide anything (the schedule and the refreshes take the restored
-refreshes from there as from any others).
+Must not: install, submit or decide anything (the plan takes the restored refreshes from there
+as any others).
 """
 
 from __future__ import annotations
@@ -32,9 +26,9 @@ from typing import Any
 
 import torch
 
-from asteria.optim.base import RefreshJob
-from asteria.runtime.refreshes import Refreshes, Restored
-from asteria.runtime.registry import PendingRefresh
+from asteria.optim.refresher import RefreshJob
+from asteria.runtime.refreshes import Refreshes
+from asteria.runtime.registry import PendingRefresh, Resolved
 
 __all__ = ["FORMAT", "load", "save"]
 
@@ -87,12 +81,10 @@ def check(
     coherence: Any,
     name_of: Any,
 ) -> list[tuple[tuple[int, int], PendingRefresh]]:
-    """The refreshes in flight of ``state`` (a ``save``), each checked against ``blocks`` (key
-    -> (block state, its step): the optimizer's, or those a load is about to install): a
-    ``ValueError`` names the first entry that does not fit, and nothing changes (Note
-    [Transactional loads] in asteria/optim/state_io.py). A refresh must be installable within the
-    budget ``B`` from its block's step ``s`` (``0 <= s - requested < B``: the next boundary,
-    ``s + 1``, is at most its deadline), so that the staleness contract holds from the load on."""
+    """The refreshes in flight of ``state`` (a ``save``) checked against ``blocks`` (key -> (block
+    state, its step)): a ``ValueError`` names the first that does not fit, and nothing changes. A
+    refresh must be installable within ``B`` of its block's step (``0 <= s - requested < B``), so
+    that the staleness contract holds from the load on."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"not a Runtime.state_dict() of this version (format {FORMAT})")
     items = state.get("pending")
@@ -149,12 +141,12 @@ def check(
         if owner is not None:
             futures: list[Any] = [None] * len(jobs)
         elif error is not None:
-            futures = [Restored(error=error)]
+            futures = [Resolved(error=error)]
         else:
             futures = _checked_results(item.get("results"), jobs, factors, where)
-        out.append(
-            (key, PendingRefresh(requested=requested, futures=futures, jobs=jobs, owner=owner))
-        )
+        made = PendingRefresh(requested=requested, futures=futures, copies=[], jobs=jobs)
+        made.owner = owner
+        out.append((key, made))
     return out
 
 
@@ -180,7 +172,7 @@ def _checked_jobs(item: dict, dims: int, where: str) -> list[Any]:
 
 
 def _checked_results(results: Any, jobs: list[Any], factors: list[Any], where: str) -> list[Any]:
-    """Restored futures of the saved results: one per dim, each a ``d x d`` floating-point
+    """Resolved futures of the saved results: one per dim, each a ``d x d`` floating-point
     matrix (and a permutation of ``d`` where the job sorts) for a factor of dim ``d``."""
     if not isinstance(results, (list, tuple)) or len(results) != len(factors):
         got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
@@ -216,5 +208,5 @@ def _checked_results(results: Any, jobs: list[Any], factors: list[Any], where: s
             or tuple(perm.shape) != (d,)
         ):
             raise ValueError(f"{where}: results[{dim}] needs a permutation of {d} (int64)")
-        futures.append(Restored(r))
+        futures.append(Resolved(r))
     return futures

@@ -1,31 +1,16 @@
 """Stream priorities on CUDA: training on a stream that the runtime's own streams yield to.
 
-Owns: ``training_stream``, a context manager that runs the code inside it (the training loop) on a
-CUDA stream of the greatest priority the device offers, and ``stream_priorities``, what the
-runtime's streams and the current one have.
+Owns: ``training_stream``, a context manager that runs the code inside it (the training loop) on
+a CUDA stream of the greatest priority the device offers, and ``stream_priorities``.
 
-Note [Stream priorities]: CUDA schedules the blocks of kernels on streams of a higher priority
-(a lower number: ``torch.cuda.Stream.priority_range()`` is ``(least, greatest)``, ``(0, -5)`` on
-an H100/H200) first, as SMs free up; it does not preempt running blocks. The runtime's copy
-stream (``asteria.memory.copies.CudaCopies``) and its device-refresh streams
-(``placement.StreamExecutor``) are made at the least priority, 0. So is every stream torch
-makes by default, the default stream included, where training runs unless told otherwise: a
-device refresh or a window fill then competes with the training's kernels as an equal, and
-nothing yields (issue 50). Giving the runtime's streams a priority below 0 is not possible (0 is
-the least). What is: train on a stream of a greater priority. ``training_stream`` does that for
-the code inside it, on the thread that enters it: it makes (once per device) a stream of the
-greatest priority, makes it wait for the work already queued on the current stream, makes it
-current, and on the way out makes the previous stream wait for it and current again.
-
-What it costs: nothing per step (a stream switch is host-side bookkeeping). Kernels on the two
-streams do not order each other: a tensor written on the previous stream before entering is
-ordered by the entry's wait, and one written inside and read after leaving by the exit's wait;
-a tensor allocated on one stream and freed while the other still uses it needs
-``Tensor.record_stream`` (torch's caching allocator reuses memory in its allocation stream's
-order). Tensors made inside (activations, gradients, the optimizer's state made at its first
-step, the runtime's installs) are made on the training stream and need nothing. Other threads
-keep their own current stream. A device refresh still takes SMs and memory bandwidth while its
-blocks run; the priority decides only whose blocks are scheduled next.
+Note [Stream priorities]: CUDA schedules the blocks of kernels on higher-priority streams first
+as SMs free up (no preemption). The runtime's copy stream and device-refresh streams are at the
+least priority, 0, as is every stream torch makes by default, training included: so nothing
+yields (issue 50), and 0 is the least there is. ``training_stream`` makes (once per device) a
+stream of the greatest priority, makes it wait for the current one's queued work, makes it
+current, and on the way out makes the previous one wait for it and current again: free per step.
+Tensors made inside are the training stream's; one freed while the other stream uses it needs
+``record_stream``. docs/gpu.md, "Stream priorities", has the details and measurements.
 
 Must not: change the priority of streams it did not make, or switch streams on another thread.
 """

@@ -1,26 +1,14 @@
 """Test hooks of the runtime: public injection points for tests of its guarantees.
 
 Owns: context managers that change what a runtime sees or how fast its pool is, never what it
-computes:
-
-* ``slow_pool``: every refresh job submitted to the CPU pool while it is active takes at least
-  a given wall time (its future reports not done and its result blocks until then, and its
-  ``finished_at`` is the slowed one), as a pool that is slower than the training would. The
-  job's result is the pool's. A device stream's jobs are not slowed.
-* ``pretend_arch``: runtimes attached while it is active see the given architecture (e.g. a
-  discrete GPU on a CPU-only machine: the bases go to host memory behind a device window, run
-  on its CPU stand-in), and optionally a window of another number of slots and the device
-  memory free at attach (the bases budget's base: Note [Bases by budget] in
-  asteria/memory/tiers.py).
-* ``staged_snapshots``: runtimes attached while it is active take their snapshots through the
-  staging ring of the device path (on CPU, with the stand-ins of the copy stream and of the
-  ring's fences) instead of the CPU paths.
-* ``wrapped_statistics``: every block's statistics update that a runtime runs (on its
-  statistics lane or in the step) goes through a given wrapper, which may delay, hold or fail
-  it: the faults and races of the lane are tested through it.
-* ``device_stream_stand_in``: runtimes attached while it is active have a device-stream
-  executor that runs on the CPU, which refresh placement may move jobs to (Note [Refresh
-  placement] in placement.py).
+computes: ``slow_pool`` (every CPU pool job takes at least a given wall time: its future not
+done and its ``finished_at`` slowed until then; the result is the pool's), ``pretend_arch``
+(runtimes attached meanwhile see the given architecture, e.g. a discrete GPU on a CPU machine,
+run on the stand-ins, and optionally another window size and free device memory: Note [Bases
+by budget] in asteria/memory/tiers.py), ``staged_snapshots`` (the device path's staged
+snapshots on the CPU stand-ins), ``wrapped_statistics`` (every statistics update through a
+wrapper that may delay, hold or fail it: the lane's faults and races) and
+``device_stream_stand_in`` (a device-stream executor on the CPU for refresh placement).
 
 Must not: be used outside tests and benchmarks of the runtime, or be imported by the runtime's
 own modules: a runtime consults it at attach, and only where it was imported (Note [Test

@@ -1,13 +1,9 @@
 """asteria.train: the main job. Train a small OLMo-2-style LM and compare optimizers.
 
 ``python -m asteria.train`` (or ``asteria-train``) runs it; ``--help`` lists the options. It needs
-the ``train`` extra (``pip install 'asteria[train]'``; Note [The train extra] in extra.py): the
-names below are imported on first use, after a check that names any missing package.
-Modules: data (byte-level corpus, token files and batches), corpus (the embedded default corpus
-and its checksum; standard library only), models (presets), optimizers (name -> constructor,
-default learning rates and schedule, run specs like ``soap:asteria``), loop (the training loop),
-checkpoint (save and resume), distributed (FSDP2/HSDP under torchrun), energy (NVML and RAPL),
-report (output files and plots), env (machine facts), cli (arguments), extra (its packages).
+the ``train`` extra (Note [The train extra] in extra.py): the names below are imported on first
+use, after a check naming any missing package. Modules: data, corpus, models, optimizers, loop,
+checkpoint, distributed, energy, report, env, cli, extra (each says what it owns).
 """
 
 from __future__ import annotations

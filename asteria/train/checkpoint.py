@@ -1,20 +1,16 @@
 """Checkpoints of `asteria.train`: one file per run of a comparison, written atomically.
 
-Owns: what a checkpoint holds and how it is written and read. A checkpoint is everything needed
-to continue a run exactly where it stopped: model and optimizer ``state_dict``, the LR schedule,
-the data position (batches drawn and the generator state), the RNG states, the metrics records
-so far, the wall-clock and energy so far, and the run's status (``"running"`` when it stopped
-early, ``"finished"`` or ``"diverged"``). Must not: decide when to save (loop.py does).
+Owns: what a checkpoint holds (model and optimizer ``state_dict``, the LR schedule, the data
+position, the RNG states, the records, wall clock and energy so far, and the status:
+``"running"``, ``"finished"`` or ``"diverged"``) and how it is written and read. Must not: decide
+when to save (loop.py does).
 
-Under FSDP/HSDP, AdamW's model and optimizer states are gathered into full (unsharded) state
-dicts on rank 0 (``torch.distributed.checkpoint.state_dict``), so its checkpoint does not depend
-on the number of processes that wrote it. Asteria's optimizers keep state per local shard, which
-cannot be gathered into a full state (Note [Sharded optimizer checkpoints] in
-asteria/checkpoint.py): their model and optimizer go through :mod:`asteria.checkpoint` into a
-directory next to the run's file, named by step (``<label>.step<N>.dcp``); the file names the
-directory, and the older ones are deleted once the file is written, so a crash at any point
-leaves a file that names a complete directory. Such a run resumes on the same number of
-processes; on another, loading fails with a message that says so.
+Under FSDP/HSDP AdamW's states are gathered into full state dicts on rank 0, independent of the
+number of processes. Asteria's state is per local shard (Note [Sharded optimizer checkpoints] in
+asteria/checkpoint.py): its model and optimizer go through :mod:`asteria.checkpoint` into a
+directory per step next to the file (``<label>.step<N>.dcp``), which names it; older ones are
+deleted once the file is written, so a crash leaves a file naming a complete directory. Such a
+run resumes on the same number of processes only (else a message says so).
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Command line of `asteria.train` (``python -m asteria.train`` / ``asteria-train``).
 
-Owns: argument parsing, turning bad inputs into clear usage errors (exit 2, nothing written),
-the run folder (refused when it exists without ``--resume``; ``run.json`` keeps the settings a
-resume must match), running one optimizer or a comparison with identical model init and data
-order, repeating the runs over seeds (``--seeds``), Ctrl-C (stop after the step in progress,
-checkpoint, exit 130), and printing the results, each run's time to the target loss among them
-(the first run's final validation loss, or ``--target-loss``). Must not: contain training math
-(loop.py), the time-to-target figures (targets.py) or output formats (report.py, plots.py).
-
-With no arguments it compares AdamW, native SOAP and Asteria-orchestrated SOAP on the ``tiny``
-model for 200 steps on the CPU and writes ``runs/tiny-adamw-soap_native-soap_asteria/``.
+Owns: argument parsing (bad inputs: a usage error, exit 2, nothing written), the run folder
+(refused when it exists without ``--resume``; ``run.json`` keeps what a resume must match), one
+optimizer or a comparison on identical init and data, repeats over ``--seeds``, Ctrl-C (stop
+after the step, checkpoint, exit 130), and the printed results, each run's time to the target
+loss among them. Must not: contain training math (loop.py), the time-to-target figures
+(targets.py) or output formats (report.py, plots.py). With no arguments it compares AdamW,
+native SOAP and Asteria SOAP on ``tiny`` for 200 CPU steps into
+``runs/tiny-adamw-soap_native-soap_asteria/``.
 """
 
 from __future__ import annotations
@@ -346,13 +344,10 @@ def _device(text: str) -> torch.device:
 def training_threads(
     requested: int | None, device: torch.device, distributed: bool
 ) -> tuple[int | None, str | None]:
-    """The intra-op threads every run of this invocation trains with, and the report's note.
-
-    On a CPU-only machine the training stands for the GPU and the remaining cores for its
-    host, where Asteria's refresh workers and statistics lane run: by default the training
-    leaves them one core (issue 24: with every core training, the workers had none and the
-    refreshes showed up as spikes again). ``--threads`` overrides it; under torchrun and on
-    CUDA torch's default stays."""
+    """The intra-op threads every run of this invocation trains with, and the report's note: on a
+    CPU-only machine the training leaves one core for Asteria's workers and lane (issue 24: with
+    every core training, refreshes were spikes again); ``--threads`` overrides; under torchrun and
+    on CUDA torch's default stays."""
     cores = os.cpu_count() or 1
     if requested is None and device.type == "cpu" and not distributed and cores > 1:
         requested = cores - 1

@@ -1,34 +1,23 @@
 """The embedded default corpus of `asteria.train`: fixed bytes on every Python and platform.
 
 Owns: the snapshot of text that ``--data stdlib`` (the default) trains on, reading it, checking
-it, the corpus checksum, and rebuilding the snapshot. Imports nothing but the standard library
-(not torch, not the rest of ``asteria``), so that any Python can check the bytes:
-``python asteria/train/corpus.py`` prints the checksum (Note [Embedded corpus]).
+it, the corpus checksum, and rebuilding the snapshot. Imports nothing but the standard library,
+so that any Python can check the bytes: ``python asteria/train/corpus.py`` prints the checksum.
 
 Note [Embedded corpus]
 ~~~~~~~~~~~~~~~~~~~~~~
-The default corpus used to be the running interpreter's own standard library (its ``.py``
-sources in sorted order, the first 4 MB), which differs from one Python version to the next:
-the same benchmark ended AdamW at 1.915 under Python 3.11 and 2.757 under 3.12 (issue 49). It is
-now a snapshot of exactly those bytes as CPython 3.11.7 ships them: the first 4,000,000 bytes of
-its ``Lib/**/*.py`` (``site-packages``, ``dist-packages`` and ``__pycache__`` left out) in
-sorted order of the relative path, 314 files, the last one cut at the byte limit. Under Python
-3.11.7 that is the former default to the byte, so every figure and test margin measured on it
-holds.
-
-* Source and license: CPython 3.11.7's standard library, (c) the Python Software Foundation,
-  under the PSF License Agreement version 2 (``embedded/LICENSE-PSF.txt``, the text CPython
-  ships as ``LICENSE.txt``), which allows redistribution with that notice.
-* Storage: ``embedded/cpython-3.11.7-stdlib.tar.xz`` (696 KB; a ustar archive with every
-  mode, owner and time zeroed, compressed with xz preset 9e), checked against ``ARCHIVE_SHA256``
-  before it is read. ``python asteria/train/corpus.py --build`` rebuilds it from a CPython
-  3.11.7's ``Lib`` and refuses to write one whose content checksum is not ``CORPUS_SHA256``.
-* Checksum: the SHA-256 of the token stream, each token a little-endian uint32 (bytes 0-255,
-  then ``EOD`` = 256 after each document), before the train/validation split. ``asteria-train``
-  reports it for every corpus (``data.Corpus.sha256``), a user's own data included, so two runs
-  on the same data can be told apart from two runs on different data. ``CORPUS_SHA256`` is the
-  default corpus's at the default 4,000,000 bytes; a smaller ``--data-bytes`` reads a prefix
-  (another checksum), a larger one reads the whole snapshot.
+The default corpus was the running interpreter's own standard library, which differs between
+Python versions (AdamW ended at 1.915 under 3.11 and 2.757 under 3.12: issue 49). It is now a
+snapshot of those bytes as CPython 3.11.7 ships them: the first 4,000,000 bytes of its
+``Lib/**/*.py`` (no ``site-packages``, ``dist-packages``, ``__pycache__``) in sorted order of
+the relative path, 314 files, the last cut at the limit: the former default to the byte under
+3.11.7. License: CPython's, the PSF License Agreement version 2 (``embedded/LICENSE-PSF.txt``),
+which allows redistribution with that notice. Stored as
+``embedded/cpython-3.11.7-stdlib.tar.xz`` (a ustar archive, modes, owners and times zeroed, xz
+9e), checked against ``ARCHIVE_SHA256`` before it is read; ``--build`` rebuilds it from a CPython
+3.11.7 ``Lib`` and refuses a content checksum other than ``CORPUS_SHA256``: the SHA-256 of the
+token stream (little-endian uint32 tokens, ``EOD`` = 256 after each document) before the split,
+which ``asteria-train`` reports for every corpus (``data.Corpus.sha256``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """Training data for `asteria.train`: a byte-level corpus that works offline everywhere.
 
-Owns: reading the corpus (by default the embedded snapshot of CPython 3.11.7's standard library
-``.py`` sources, the same bytes on every Python and platform: corpus.py, Note [Embedded corpus]),
+Owns: reading the corpus (by default the embedded snapshot: corpus.py, Note [Embedded corpus]),
 byte-level tokenization, the corpus checksum, the fixed train/validation split, and
 deterministic batches. Must not: download anything, depend on the model or the optimizer, or hold
 global random state (every batch stream has its own seeded ``torch.Generator``).
 
-Tokenization: token ids 0-255 are the bytes themselves and id 256 (``EOD``) separates documents
-(files), so ``VOCAB_SIZE == 257``. There is no BOS and no padding token: every window is full.
-
-Sources (``--data``): ``"stdlib"`` (the embedded snapshot); a text file or a directory of text
-files (byte-level, as above; a file with NUL bytes is not text and is refused, naming the file);
-or a pre-tokenized token file in OLMo's numpy layout: a flat array of ``uint16`` or ``uint32``
-token ids with no header (``np.memmap``), read when ``token_dtype`` is given, or a ``.npy`` file
-with a header holding a 1-D ``uint16``/``uint32`` array. A token file's vocabulary is
-``vocab_size`` when given, else its largest id + 1; it already holds its own document
-separators.
-
-Split: the corpus is one token stream cut into ``SLICES`` (100) equal slices; every
-``VAL_EVERY``-th slice (the 20th, 40th, ..., 100th: 5 % of the tokens, spread over the whole corpus
-so that validation looks like training) is validation, the rest is training, each concatenated in
-order. Training windows are drawn only from the training part and validation windows only from
-the validation part, so they never share a token. (A single 5 % tail would be one region of the
-corpus; for the first 4 MB of the standard library that region is the codec tables of
-``encodings/``, which look nothing like the rest.)
-
-Checksum (``Corpus.sha256``): the SHA-256 of the whole token stream before the split, each token
-a little-endian uint32, for every kind of source (corpus.py, Note [Embedded corpus]).
+Tokens: ids 0-255 are the bytes, 256 (``EOD``) separates documents (files): ``VOCAB_SIZE ==
+257``, no BOS, no padding. Sources (``--data``): ``"stdlib"``; a text file or a directory of
+them (a file with NUL bytes is refused, named); or a pre-tokenized file in OLMo's numpy layout
+(a headerless ``uint16``/``uint32`` array read with ``token_dtype``, or a 1-D ``.npy``), whose
+vocabulary is ``vocab_size`` or its largest id + 1. Split: the stream is cut into ``SLICES``
+(100) slices, every ``VAL_EVERY``-th (5 %, spread over the corpus so that validation looks like
+training: a 5 % tail of the standard library would be ``encodings/``' codec tables) is
+validation, the rest training, and windows never cross the two. Checksum: ``Corpus.sha256``.
 """
 
 from __future__ import annotations
@@ -56,12 +42,9 @@ _BINARY_PROBE = 65536  # bytes of each text file checked for NUL bytes
 
 @dataclass(frozen=True)
 class Corpus:
-    """A tokenized corpus split into a training and a validation token stream.
-
-    Byte-level corpora hold int16 tensors, token files int32; ``vocab_size`` is the model's
-    vocabulary (257 for bytes). ``kind`` is ``"bytes"`` or ``"tokens"``. ``sha256``: the token
-    stream's checksum (the module doc).
-    """
+    """A tokenized corpus split into a training and a validation token stream (int16 for bytes,
+    int32 for token files; ``vocab_size`` the model's, ``kind`` ``"bytes"`` or ``"tokens"``,
+    ``sha256`` the stream's checksum)."""
 
     name: str
     num_documents: int
@@ -105,11 +88,8 @@ def _source_files(source: str) -> tuple[str, list[Path]]:
 def _tokenize(
     files: Iterable[Path | bytes], max_bytes: int, check_text: bool = True
 ) -> tuple[torch.Tensor, int]:
-    """Concatenate the files' bytes (a path, or a document's bytes), each followed by EOD,
-    stopping after ``max_bytes`` bytes.
-
-    ``check_text`` refuses a file with a NUL byte in its first 64 KiB (binary, not text).
-    """
+    """Concatenate the files' bytes (a path, or a document's bytes), each followed by EOD, up to
+    ``max_bytes``; ``check_text`` refuses a file with a NUL byte in its first 64 KiB."""
     chunks: list[torch.Tensor] = []
     used = 0
     documents = 0
@@ -153,11 +133,8 @@ def split(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _read_token_file(
     path: Path, token_dtype: str | None, max_bytes: int
 ) -> tuple[np.ndarray, str] | None:
-    """The token ids of ``path`` when it is a token file, else None (a text file).
-
-    A token file is a ``.npy`` with a header, or any file when ``token_dtype`` names the raw
-    layout. At most ``max_bytes`` bytes of ids are read.
-    """
+    """The token ids of ``path`` where it is a token file (a ``.npy``, or any file with
+    ``token_dtype``), at most ``max_bytes`` of them, else None (a text file)."""
     with path.open("rb") as f:
         head = f.read(len(_NPY_MAGIC))
     if head == _NPY_MAGIC:
@@ -217,13 +194,9 @@ def load_corpus(
     token_dtype: str | None = None,
     vocab_size: int | None = None,
 ) -> Corpus:
-    """Read, tokenize and split ``source``: "stdlib", a text file, a directory of text files, or
-    a token file (OLMo's numpy layout with ``token_dtype``, or a ``.npy``; see the module doc).
-
-    ``min_tokens`` is the shortest training and validation stream the caller can use (for example
-    one window of ``seq_len`` tokens); a smaller corpus raises ``ValueError`` saying how much
-    data is needed. ``max_bytes`` caps the bytes read (text bytes or token-id bytes).
-    """
+    """Read, tokenize and split ``source`` ("stdlib", a text file, a directory of them, or a token
+    file: the module doc). A corpus shorter than ``min_tokens`` in either stream raises
+    ``ValueError`` saying how much is needed; ``max_bytes`` caps the bytes read."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
     if token_dtype is not None and token_dtype not in TOKEN_DTYPES:
@@ -278,12 +251,9 @@ def _windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.
 
 
 class TrainBatches(Iterator[torch.Tensor]):
-    """An endless stream of ``[batch_size, seq_len]`` windows at seeded random training offsets.
-
-    The same ``seed`` gives the same sequence of batches in every run, whatever else the process
-    does with random numbers, so every optimizer sees identical data in identical order.
-    ``state_dict()`` is the data position (batches drawn and the generator state) a checkpoint
-    keeps; ``load_state_dict`` continues the stream exactly there.
+    """An endless stream of ``[batch_size, seq_len]`` windows at seeded random training offsets: the
+    same ``seed``, the same batches in every run, whatever else uses random numbers.
+    ``state_dict()`` is the data position a checkpoint keeps; ``load_state_dict`` continues there.
     """
 
     def __init__(self, corpus: Corpus, *, batch_size: int, seq_len: int, seed: int) -> None:

@@ -1,16 +1,11 @@
 """FSDP2 / HSDP for `asteria.train` under ``torchrun``.
 
-Owns: the process group and device mesh, sharding the model with ``fully_shard`` (each decoder
-layer, then the root), and the few collectives the loop needs (a mean over ranks). Must not:
-know about optimizers or outputs: rank 0 writes everything, the loop asks ``is_main``.
-
-``--fsdp``: one mesh dimension over every process (parameters, gradients and optimizer state
-sharded). ``--hsdp``: a 2-D mesh (replicate, shard): ``--hsdp-shards`` processes per shard group
-(default: the processes of one node, ``LOCAL_WORLD_SIZE``), replicated across the groups.
-Backend: NCCL with one GPU per process when CUDA is available, else gloo on the CPU.
-
-Every rank draws the same global batch from the seeded stream and takes its own rows, so a run
-sees the same data in the same order whatever the number of processes.
+Owns: the process group and device mesh (``--fsdp``: one dim over every process; ``--hsdp``:
+(replicate, shard), ``--hsdp-shards`` processes per shard group, default a node), sharding the
+model with ``fully_shard`` (each decoder layer, then the root), and a mean over ranks. NCCL with
+a GPU per process where CUDA is available, else gloo. Every rank draws the same global batch and
+takes its rows: the same data in the same order whatever the number of processes. Must not: know
+about optimizers or outputs (rank 0 writes everything: ``is_main``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Energy counters for `asteria.train`: NVML on NVIDIA GPUs, RAPL where the host exposes it.
 
 Owns: finding the counters this machine exposes and reading them as joules since ``start()``.
-Must not: estimate anything. A source that is missing, unreadable (RAPL's ``energy_uj`` is often
-root-only) or unsupported is reported with the reason, and the run's report then says "not
-measured on this machine"; no number is ever made up.
-
-* NVML (``nvidia-ml-py``, imported as ``pynvml``): ``nvmlDeviceGetTotalEnergyConsumption`` per
-  visible GPU, in millijoules since the driver loaded (Volta and newer).
-* RAPL (Linux powercap): every top-level ``/sys/class/powercap/intel-rapl:N/energy_uj`` (one per
-  CPU package; AMD exposes the same interface), in microjoules. The counter wraps at
-  ``max_energy_range_uj``; each read adds the forward difference modulo that range, so reads
-  must come more often than one wrap (minutes at full power): the training loop reads every step.
-
-RAPL covers the whole CPU package (other processes included), NVML the whole GPU.
+Must not: estimate anything: a missing, unreadable (RAPL is often root-only) or unsupported
+source is reported with the reason, and the report says "not measured on this machine".
+NVML: ``nvmlDeviceGetTotalEnergyConsumption`` per visible GPU (mJ since the driver loaded). RAPL:
+every top-level ``/sys/class/powercap/intel-rapl:N/energy_uj`` (one per package, AMD too), in uJ,
+wrapping at ``max_energy_range_uj`` (each read adds the forward difference modulo the range: the
+loop reads every step). RAPL covers the whole package, NVML the whole GPU.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """The training job's own packages: the ``asteria[train]`` extra.
 
-Owns: which modules the main job needs beyond torch (``EXTRA_MODULES``: the packages of the
-``train`` extra in pyproject.toml, by the module each is imported as), the check that names the
-missing ones and the command that installs them (``require``), and the console entry point
-``asteria-train`` / ``python -m asteria.train`` (``main``), which checks before it imports the job.
+Owns: which modules the main job needs beyond torch (``EXTRA_MODULES``, by import name), the
+check naming the missing ones and the command that installs them (``require``), and the console
+entry point ``asteria-train`` / ``python -m asteria.train`` (``main``), which checks first.
 
 Must not: import any of those packages (it runs where they are missing) or anything of the job.
 
-Note [The train extra]: the optimizers and the runtime need torch alone, so ``pip install asteria``
-installs nothing else; the main job (``asteria.train``: an OLMo-2 model from ``transformers``,
-byte corpora in numpy arrays, plots in matplotlib, a tqdm progress bar, NVML energy figures) takes
-its packages from ``pip install 'asteria[train]'``. ``nvidia-ml-py`` is part of the extra but not
-required: without it the report says energy was not measured by NVML. ``make demo`` and
-``make test`` install requirements-test.txt, which holds the extra's packages too
-(tests/unit/test_dependencies.py checks that it does).
+Note [The train extra]: the optimizers and the runtime need torch alone; the main job (an OLMo-2
+model from ``transformers``, numpy corpora, matplotlib plots, tqdm, NVML energy) takes its
+packages from ``pip install 'asteria[train]'`` (``nvidia-ml-py`` optional: without it energy is
+reported as not measured). requirements-test.txt holds them too
+(tests/unit/test_dependencies.py).
 """
 
 from __future__ import annotations

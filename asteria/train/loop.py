@@ -6,16 +6,12 @@ second-order optimizer in ``asteria`` mode, stopping cleanly between two steps (
 a number of steps) with a checkpoint, and resuming from one. Must not: write anything but its
 checkpoint, parse arguments, or pick hyperparameters (the optimizer table does).
 
-Per-step record (one JSON line of ``metrics.jsonl``): ``optimizer`` (the run's label), ``seed``,
-``step``, ``loss``, ``lr``, ``step_ms`` (forward + backward + optimizer; their sum is the
-training time of targets.py), ``opt_ms`` (the optimizer step), ``barrier_wait_ms`` (time the
-step waited for a refresh at the staleness barrier; ``null`` without the runtime),
-``tokens_per_s``, ``elapsed_s`` (wall clock since the run started, validation included),
-``memory`` (optimizer-state bytes by tier), ``refresh`` (second-order: whether a refresh was
-due), ``installs`` and ``staleness`` (asteria mode: refreshes installed at this step and the
-largest staleness among them, in steps; ``basis_age``: the age of the oldest basis this step's
-updates read, bounded by Note [Staleness contract]), ``energy_j`` (cumulative, per source, where
-measured), ``val_loss`` at validation steps.
+Per-step record (a line of ``metrics.jsonl``): ``optimizer``, ``seed``, ``step``, ``loss``,
+``lr``, ``step_ms`` (forward, backward and optimizer: targets.py's training time), ``opt_ms``,
+``barrier_wait_ms`` (``null`` without the runtime), ``tokens_per_s``, ``elapsed_s``, ``memory``
+(optimizer state by tier), ``refresh`` (a refresh was due), ``installs`` and ``staleness``
+(asteria mode), ``basis_age`` (the oldest basis the step read: Note [Staleness contract]),
+``energy_j`` (cumulative, per source), ``val_loss`` at validation steps.
 """
 
 from __future__ import annotations
@@ -100,12 +96,9 @@ class TrainConfig:
 
 @dataclass
 class RunResult:
-    """What one run produced: per-step records and the summary figures.
-
-    ``status``: ``"finished"``; ``"stopped"`` (Ctrl-C or ``stop_after``: a checkpoint holds the
-    state, ``--resume`` continues); ``"diverged"`` (the loss stopped being finite: the run ends
-    at that step, the others go on).
-    """
+    """What one run produced: per-step records and the summary figures. ``status``: ``"finished"``,
+    ``"stopped"`` (Ctrl-C or ``stop_after``: a checkpoint holds the state) or ``"diverged"`` (the
+    loss stopped being finite: the run ends there, the others go on)."""
 
     config: TrainConfig
     num_params: int
@@ -352,15 +345,11 @@ def train(
     device: torch.device | str = "cpu",
     ctx: DistContext | None = None,
 ) -> RunResult:
-    """Train ``cfg.model`` with ``cfg.optimizer`` in ``cfg.mode`` on ``corpus``.
-
-    ``on_record`` sees every step's record. ``checkpoint``: where this run's checkpoint goes
-    (written at the end, every ``checkpoint_every`` steps, and when the run stops early);
-    ``resume``: a loaded checkpoint to continue from. The run stops early, between two steps,
-    when ``stop`` is requested (Ctrl-C) or after ``stop_after`` steps of this call. ``ctx``: the
-    FSDP/HSDP context (rank 0 alone measures energy, shows progress and writes the checkpoint).
-    The progress bar shows only on a terminal (``progress=False`` turns it off there too).
-    """
+    """Train ``cfg.model`` with ``cfg.optimizer`` in ``cfg.mode`` on ``corpus``. ``on_record`` sees
+    every record; ``checkpoint``: where this run's goes (at the end, every ``checkpoint_every``
+    steps, at an early stop); ``resume``: a loaded one to continue; the run stops between two steps
+    on ``stop`` (Ctrl-C) or after ``stop_after`` steps; ``ctx``: the FSDP/HSDP context (rank 0 alone
+    measures energy, shows progress, writes); ``progress``: the bar, on a terminal only."""
     device = torch.device(ctx.device if ctx is not None else device)
     is_main = ctx is None or ctx.is_main
     vocab = corpus.vocab_size if vocab_size is None else vocab_size

@@ -4,46 +4,14 @@ Owns: the names the CLI accepts, each optimizer's hyperparameters for the demo, 
 schedule, and the documented default learning rates. Must not: implement optimizer math (that
 lives in `asteria.optim` and `torch.optim`). Every parameter goes to one group, and the
 second-order optimizers handle 1-D parameters (norm weights) with their Adam path and
-precondition the vocab x d embedding and head matrices like any other matrix; the one exception
-is ``muon`` (Note [Muon as people use it]), which splits the model's hidden matrices from the
-rest.
+precondition the embedding and head matrices like any other; the one exception is ``muon``
+(Note [Muon as people use it]), which splits the model's hidden matrices from the rest.
 
-Learning rates: bench/time_to_target.py's tuning (issue 24, bench/results/time_to_target_cpu.json,
-2026-12-03 at f69699c, a 2-vCPU AMD EPYC): every optimizer at the four rates of its grid (the
-earlier demo rates x 1/2, 1, 2, 4), seed 0, the lowest final validation loss chosen; ``nano``
-200 steps of 8 x 64 bytes, ``tiny`` 120 steps of 8 x 128, 10 % warmup + cosine (the Asteria
-modes take their native mode's rate). The benchmark then evaluates the rates on seeds 1-3
-(docs/benchmarks.md). Other presets use the ``tiny`` values, untuned; pass ``--lr`` there. Final
-validation loss per rate, seed 0:
-
-    tiny   adamw      5e-4: 2.143  1e-3: 2.099  2e-3: 2.151  4e-3: 2.212
-           soap       1.5e-3: 2.415  3e-3: 2.205  6e-3: 2.190  1.2e-2: 2.221
-           kl-shampoo 2.5e-3: 2.145  5e-3: 2.024  1e-2: 2.043  2e-2: 2.190
-           shampoo    7.5e-4: 1.969  1.5e-3: 1.893  3e-3: 1.952  6e-3: 2.027
-    nano   adamw      1.5e-3: 2.200  3e-3: 2.197  6e-3: 2.313  1.2e-2: 2.258
-           soap       5e-3: 2.129  1e-2: 2.078  2e-2: 2.074  4e-2: 2.128
-           kl-shampoo 5e-3: 2.133  1e-2: 2.103  2e-2: 2.200  4e-2: 2.213
-           shampoo    7.5e-4: 2.145  1.5e-3: 2.050  3e-3: 2.036  6e-3: 2.062
-
-Muon and SOAP at frequency 1 (issue 49, the same protocol on the embedded corpus, which under
-Python 3.11.7 is the corpus above to the byte; 2026-12-07: nano in the committed run at b6572a5,
-tiny in a ``--tune-only`` pre-run on ef69517's optimizers (with this issue's files), before
-762a317 and 4648b91 changed SOAP's batched install and QR refresh and with them SOAP f=1's nano
-losses by 1-2 %, which moved its choice from 1e-2 to 2e-2):
-
-    tiny   muon       1e-3: 1.920  2e-3: 1.812  4e-3: 1.757  8e-3: 1.848
-           soap-f1    3e-3: 2.126  6e-3: 1.891  1.2e-2: 1.858  2.4e-2: 1.935  (1.5e-3: 2.545)
-    nano   muon       2.5e-3: 1.916  5e-3: 1.901  1e-2: 1.921  2e-2: 1.964
-           soap-f1    2.5e-3: 2.527  5e-3: 2.103  1e-2: 1.957  2e-2: 1.915  (edge of the grid;
-                      in the pre-run 1e-2: 1.942, 2e-2: 1.959)
-
-Every chosen rate is inside its grid but SOAP f=1's on nano, at its top. Close rates trade places
-with the machine: on an Intel Xeon at 6c79fde SOAP's ``tiny`` pair was 3e-3: 2.196, 6e-3: 2.201
-(round-off, see Note [Paired seeds] in bench/time_to_target.py). ``tiny`` was tuned at 120 steps
-(the demo runs 200, where the rates before this tuning were 1e-3, 3e-3, 1e-2, 3e-3). The best rate
-drops as the width doubles (nano d=128 -> tiny d=256), so one rate for both would handicap one
-optimizer on one model. KL-Shampoo uses shampoo_beta 0.9, not the authors' 0.98 (see
-``_kl_shampoo``): at 0.98 it stayed behind AdamW in 200 steps at every rate tried.
+Learning rates: bench/time_to_target.py's tuning (issue 24; issue 49 for ``muon`` and SOAP at
+frequency 1), every optimizer at the four rates of its grid, seed 0, the lowest final validation
+loss chosen per preset (``nano``, ``tiny``; other presets take ``tiny``'s, untuned: pass
+``--lr``). The grids, losses and caveats: docs/benchmarks.md, "The demo's learning rates".
+KL-Shampoo uses shampoo_beta 0.9, not the authors' 0.98 (``_kl_shampoo``).
 """
 
 from __future__ import annotations
@@ -98,35 +66,17 @@ def _shampoo(params: Params, lr: float) -> Optimizer:
 
 # Note [Muon as people use it]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``muon`` is torch.optim.Muon (torch >= 2.9) as its documentation and the published trainings
-# use it, not a variant of our own:
-#
-# * Muon on the hidden 2-D matrices only (attention and MLP projections); AdamW (the ``adamw``
-#   entry's betas (0.9, 0.95), eps 1e-8, weight decay 0.01) on the embeddings, the norms, any
-#   biases and the output layer. torch's docstring: "Muon is an optimizer for 2D parameters of
-#   neural network hidden layers. Other parameters, such as bias, and embedding, should be
-#   optimized by a standard method such as AdamW." A model passes its hidden matrices
-#   (``hidden_matrices``); a bare list of parameters falls back to the docstring's example rule
-#   (every 2-D parameter to Muon).
-# * Muon's own settings are torch's defaults (momentum 0.95, Nesterov, 5 Newton-Schulz steps,
-#   weight decay 0.1) with ``adjust_lr_fn="match_rms_adamw"``: Moonshot's scaling (Muon is
-#   Scalable for LLM Training, arXiv 2502.16982; Kimi K2, Megatron), with which, the docstring
-#   says, Muon "can directly reuse the learning rate and weight decay tuned for AdamW". So one
-#   rate, the one the benchmark tunes, drives both parts, as in Moonshot's trainings.
-# * Its schedule is the one of Keller Jordan's Muon trainings (modded-nanogpt): no warmup, the
-#   peak rate for the first 60 % of the steps, then a linear cooldown to 10 % of it
-#   (``lr_factor``'s ``"stable-cooldown"``); every other optimizer here warms up over 10 % and
-#   decays along a cosine.
-# * Under FSDP/HSDP each rank holds a shard of every matrix, and Newton-Schulz on a shard is not
-#   Muon: ``asteria-train`` refuses ``muon`` there.
-# * One deviation, on a CPU only: torch runs the Newton-Schulz iteration in bfloat16, the fast
-#   path of a GPU's tensor cores. A CPU without bfloat16 matrix units (this project's AVX2 EPYC)
-#   multiplies bfloat16 15 to 40 times slower than float32 (measured on a 256 x 768 matrix, one
-#   thread: X X^T 17 ms against 1.7, the addmm of G X 81 ms against 2.1): torch's Muon took
-#   11-20 s a step on ``tiny`` there, against 0.3 s for AdamW's whole step. So on a CPU the
-#   iteration runs in float32 (``CPUMuon``: torch's update, line for line, with torch's
-#   coefficients and steps; bfloat16 on a GPU, where it calls torch's own iteration).
-#   tests/unit/test_train.py checks that with bfloat16 it is torch.optim.Muon bit for bit.
+# ``muon`` is torch.optim.Muon (torch >= 2.9) as its documentation and published trainings use
+# it: Muon on the hidden 2-D matrices only (``hidden_matrices``; a bare list of parameters: every
+# 2-D one), AdamW (the ``adamw`` entry's settings) on embeddings, norms, biases and the output
+# layer; torch's defaults (momentum 0.95, Nesterov, 5 Newton-Schulz steps, weight decay 0.1)
+# with ``adjust_lr_fn="match_rms_adamw"`` (Moonshot, arXiv 2502.16982), so one tuned rate drives
+# both parts; Keller Jordan's schedule (no warmup, the peak for 60 % of the steps, then a linear
+# cooldown to 10 %: ``"stable-cooldown"``). Refused under FSDP/HSDP (Newton-Schulz on a shard is
+# not Muon). One deviation, on a CPU only: a CPU without bfloat16 matrix units multiplies it 15
+# to 40 times slower than float32 (torch's Muon: 11-20 s a step on ``tiny``), so the iteration
+# runs in float32 there (``CPUMuon``: torch's update line for line; tests/unit/test_train.py
+# checks it is torch.optim.Muon bit for bit in bfloat16).
 
 MUON_MOMENTUM = 0.95
 MUON_WEIGHT_DECAY = 0.1  # torch.optim.Muon's default (Moonshot's value)
@@ -192,14 +142,10 @@ def _newton_schulz(
 
 
 class MuonWithAdamW(Optimizer):
-    """``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest, stepped
-    together as one ``torch.optim.Optimizer`` (so that one LR scheduler, one ``zero_grad`` and one
-    ``state_dict`` cover both; Note [Muon as people use it]).
-
-    The two torch optimizers do all the math; this class only shares their param groups (each
-    marked ``"muon": True/False``) and their state with itself. ``muon`` and ``adamw`` are the
-    two optimizers (``adamw`` is None where every parameter is a hidden matrix).
-    """
+    """``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest, stepped as
+    one ``Optimizer`` (one scheduler, ``zero_grad`` and ``state_dict``: Note [Muon as people use
+    it]). The two do all the math; this class shares their param groups (``"muon": True/False``) and
+    state. ``adamw`` is None where every parameter is a hidden matrix."""
 
     def __init__(self, hidden: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], lr: float):
         if not hidden:

@@ -1,17 +1,11 @@
 """The PNG plots of `asteria.train` and bench/time_to_target.py.
 
-Owns: drawing. Must not: train, compute figures (targets.py), or write anything but the PNGs.
-Runs come as ``label -> seed -> records``; a label with several seeds is drawn as the mean (or,
-``center="median"``, the median) over its seeds at each validation step with a band from the
-lowest to the highest seed (against wall-clock: at the seeds' mean or median training time of
-that step). Where a target loss is given it is a
-dotted line, and a star marks where each seed of each run first reaches it (Note [Time to
-target] in targets.py).
-
-* ``loss.png``: training loss (EMA 0.9) and validation loss per step, one colour per run.
-* ``loss_time.png``: the same against training seconds (validation excluded), with the target.
-* ``step_time.png``: every step's time (refresh steps marked): spikes vs. flat.
-* ``memory.png``: peak optimizer-state memory per run, stacked by tier.
+Owns: drawing (``loss.png``: training loss, EMA 0.9, and validation loss per step;
+``loss_time.png``: the same against training seconds; ``step_time.png``: every step's time,
+refresh steps marked; ``memory.png``: peak optimizer state per run by tier). A label with several
+seeds is drawn as their mean (or median) with a band from the lowest to the highest; a target
+loss is a dotted line and a star marks each seed's first crossing (Note [Time to target] in
+targets.py). Must not: train, compute figures, or write anything but the PNGs.
 """
 
 from __future__ import annotations

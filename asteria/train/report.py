@@ -1,17 +1,10 @@
 """Run outputs of `asteria.train`: metrics.jsonl, summary.json and report.md (plots: plots.py).
 
-Owns: the output folder's layout and formats. Must not: train, compute the figures it writes
-(targets.py does the time to target), or read anything but the records and summaries it is
-given. Non-finite numbers (a diverged run) are written as JSON ``null``.
-
-* ``metrics.jsonl``: one JSON object per optimizer step (fields: loop.py's module doc).
-* ``summary.json``: {"env": ..., "energy": ..., "runs": {run: summary}, "time_to_target":
-  targets.time_to_target(...)}; a run is its label (``soap:asteria``), or ``label@seedN`` where
-  ``--seeds`` repeats the runs.
-* ``report.md``: the setup, a table of final losses, times, memory and energy, the time to the
-  target loss (per run over its seeds), the efficiency figure where energy was measured, the
-  runtime's staleness, and the plots.
-* the PNG plots: plots.py's module doc.
+Owns: the output folder's layout and formats (``metrics.jsonl``: a record a step, loop.py's
+fields; ``summary.json``: env, energy, runs by label, ``label@seedN`` over ``--seeds``, and the
+time to target; ``report.md``: setup, final losses, times, memory, energy, time to target,
+efficiency, staleness and the plots). Non-finite numbers (a diverged run) are JSON ``null``.
+Must not: train, compute the figures it writes (targets.py), or read anything but its inputs.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Time to a target loss: where each run first reaches it, and the figures over seeds.
 
 Owns: the crossing of a run's validation curve with a target loss (steps and training seconds),
-the reference a comparison measures against, and the per-run aggregates over seeds (final
-validation loss, steps and seconds to the target, the ratio to the reference's time, step time).
-Used by asteria-train's report and by bench/time_to_target.py. Must not: train, read files, or
-draw (plots.py).
+the reference a comparison measures against, and the per-run aggregates over seeds. Used by
+asteria-train's report and bench/time_to_target.py. Must not: train, read files, or draw.
 
 Note [Time to target]
 ~~~~~~~~~~~~~~~~~~~~~
-* Time is *training* time: the sum of the steps' ``step_ms`` (forward, backward, clipping, the
-  optimizer step) up to the crossing. Validation, checkpoints and the per-step bookkeeping are
-  left out, so how often a run validates does not change its time. (Asteria's workers keep
-  running while the training validates; at the default interval that is a few percent of a run.)
-* The crossing is interpolated linearly between the last validation above the target and the
-  first at or below it, in steps and in training seconds; a run that never reaches the target
-  has ``None``. The first validation at or below the target counts (not the last crossing).
-* The reference (asteria-train: the first run; the benchmark: AdamW) has, on each seed, the
-  time to the target where it reaches it, else its whole training time. The default target is
-  the reference's mean final validation loss over the seeds, which some seeds end above: there
-  it would need longer still, so its whole time is the smaller, conservative figure. The ratio
-  of a run is its time to the target over the reference's on the same seed (< 1: faster).
+Time is *training* time: the sum of ``step_ms`` up to the crossing (validation, checkpoints and
+bookkeeping left out). The crossing is interpolated linearly between the last validation above
+the target and the first at or below it (never reached: ``None``). The reference (asteria-train:
+the first run; the benchmark: AdamW) has, per seed, its time to the target, else its whole
+training time (the conservative figure where the default target, its mean final validation loss,
+is above a seed's end). A run's ratio is its time over the reference's on the same seed.
 """
 
 from __future__ import annotations
@@ -114,13 +106,10 @@ def time_to_target(
     target: float | None = None,
     extra: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The time-to-target figures of ``runs`` (label -> seed -> records) against ``reference``.
-
-    ``target``: the loss to reach; None takes the reference's mean final validation loss over
-    its seeds. ``extra``: per-label fields to copy into the result (say, the learning rate).
-    JSON-ready (seeds as string keys). Where no target can be set (the reference has no final
-    validation loss), ``target`` is None and the runs carry their final losses only.
-    """
+    """The time-to-target figures of ``runs`` (label -> seed -> records) against ``reference``:
+    ``target`` (None: the reference's mean final validation loss), ``extra`` (per-label fields to
+    copy). JSON-ready; without a settable target, ``target`` is None and the runs carry their final
+    losses only."""
     ref_runs = runs[reference]
     ref_finals = [v for r in ref_runs.values() if (v := final_val_loss(r)) is not None]
     source = "given" if target is not None else "reference"

@@ -1,5 +1,5 @@
 """Steps are all or nothing (issue 22, item 2; Notes [All-or-nothing steps] and [Interrupted
-steps] in asteria/runtime/boundary.py). A refresh failure past ``max_consecutive_failures`` and a
+steps] in asteria/runtime/plan.py). A refresh failure past ``max_consecutive_failures`` and a
 barrier timeout raise after the whole step was applied; a failed statistics lane raises at the
 next step's start, before it changes anything; a KeyboardInterrupt anywhere in ``step()`` leaves a
 state from which the next steps are complete and keep the staleness contract. No fault reaches
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asteria.runtime.refreshes as refreshes_module
-from asteria.optim.base import NativeRefresher
+from asteria.optim.refresher import NativeRefresher
 from asteria.runtime import (
     RefreshFailedError,
     Runtime,
@@ -222,17 +222,18 @@ def test_an_interrupted_lane_wait_keeps_the_work():
 
 #: Where a KeyboardInterrupt may strike: the entry of these calls, counted over one step.
 _INTERRUPTIBLE = [
-    (Runtime, "block_boundary"),
+    (Runtime, "plan"),
     (Runtime, "accumulate"),
-    (Runtime, "bases"),
-    (Runtime, "block_begin"),
-    (Runtime, "step_end"),
+    (Runtime, "pieces"),
+    (Runtime, "run"),
+    (Runtime, "end"),
     (refreshes_module.Refreshes, "wait"),
-    (refreshes_module.Refreshes, "install"),
-    (refreshes_module.Refreshes, "install_results"),
-    (refreshes_module.Refreshes, "request"),
+    (refreshes_module.Refreshes, "install_many"),
+    (refreshes_module.Refreshes, "_installed"),
+    (refreshes_module.Refreshes, "request_many"),
+    (refreshes_module.Refreshes, "_submit"),
     (StatisticsLane, "wait"),
-    (NativeRefresher, "block_boundary"),
+    (NativeRefresher, "plan"),
 ]
 
 
@@ -240,7 +241,7 @@ _INTERRUPTIBLE = [
 def _interrupt_at(call: int, opt_class):
     """Raise KeyboardInterrupt at the entry of the ``call``-th interruptible call."""
     targets = _INTERRUPTIBLE + [
-        (opt_class, "_update_params"),
+        (opt_class, "_run_group"),
         (opt_class, "install_refresh"),
         (opt_class, "refresh_jobs"),
     ]

@@ -22,7 +22,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asteria.optim import SOAP, KLShampoo, Shampoo, batched
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.optim import groups as batched
 from asteria.optim import matrix_functions as mf
 from asteria.optim.refresher import QRRefresh, RootRefresh, run_batched
 from tests.unit.test_batched_steps import _Ops

@@ -1,4 +1,4 @@
-"""Batched steps (Note [Batched steps] in asteria/optim/batched.py, Note [Batched refreshes] in
+"""Batched steps (Note [Batched steps] in asteria/optim/groups.py, Note [Batched refreshes] in
 asteria/optim/refresher.py): the same math, another launch pattern.
 
 Invariants, each over a space of settings drawn by hypothesis:
@@ -7,8 +7,7 @@ Invariants, each over a space of settings drawn by hypothesis:
     refreshes (with the batched QR refreshes of one shape);
   * ``qr_refresh_many`` is bitwise ``qr_refresh`` of each factor;
   * the ATen ops of an ordinary step do not grow with the number of blocks of one shape;
-  * pieces never exceed the element limit or the refresher's bases room (but for a single
-    item over it), and keep the items' order.
+  * batches of one block are bitwise one batch for the step.
 """
 
 from __future__ import annotations
@@ -19,49 +18,129 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asteria.optim import SOAP, KLShampoo, Shampoo, batched
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.optim import groups as grouping
 from asteria.optim import matrix_functions as mf
-from asteria.optim.base import KroneckerOptimizer
-from asteria.optim.refresher import NativeRefresher
-from tests.unit.test_fused_steps import PerBlockSOAP
+from asteria.optim.kernels import kl_shampoo as kl_kernel
+from asteria.optim.kernels import shampoo as shampoo_kernel
+from asteria.optim.kernels import shampoo_beta
+from asteria.optim.kron import gram, mode_products
+from asteria.optim.tensors import block_views
+from tests.unit.test_fused_steps import PerBlockSOAP, refresh_alone
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-class _PerBlockRefresher(NativeRefresher):
-    """The synchronous algorithm one block at a time: each due refresh computed and installed
-    at its boundary, as before Note [Batched refreshes]."""
+class _ShampooPerParameter(Shampoo):
+    """Shampoo one parameter and block at a time (the oracle the batched step replaced)."""
 
-    def block_boundary(self, key, block, group, step, due) -> None:
-        if not due:
+    def _run_group(self, group, updates):
+        for u in updates:
+            self._update_param(u.pid, u.p, u.grad, group, u.state, u.layout)
+
+    def _update_param(self, pid, p, grad, group, state, layout) -> None:
+        beta1 = group["betas"][0]
+        lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
+        state["step"] += 1
+        t = state["step"]
+        exp_avg = state["exp_avg"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        bias_correction1 = 1 - beta1**t if group["use_bias_correction"] else 1.0
+        denom = _grafting_denominator(state, grad, group, t)
+        blocks = state.get("blocks")
+        if blocks is not None:
+            scale, weight = shampoo_kernel.factor_scales(group, t)
+            for bi, (b, g) in enumerate(zip(blocks, block_views(grad, layout))):
+                for i, f in enumerate(b["factors"]):
+                    if scale != 1.0:
+                        f.mul_(scale)
+                    f.add_(gram(g, i), alpha=weight)
+                refresh_alone(self, (pid, bi), b, group, t, self.refresh_due(t, group))
+        preconditioning = blocks is not None and t >= shampoo_kernel.start_step(group)
+        if not preconditioning and group["momentum"] == 0:
+            p.mul_(1 - lr * wd)
+            if denom is None:
+                p.add_(exp_avg, alpha=-lr / bias_correction1)
+            else:
+                p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
             return
-        opt = self._opt()
-        try:
-            results = [None if j is None else j.run() for j in opt.refresh_jobs(block, group)]
-        except mf.MatrixFunctionError as err:
-            self._count_failure(opt, key, step, err)
+        m_hat = exp_avg / bias_correction1
+        graft = m_hat if denom is None else m_hat / denom
+        if preconditioning:
+            direction = torch.empty_like(m_hat)
+            views = zip(blocks, block_views(m_hat, layout), block_views(graft, layout),
+                        block_views(direction, layout))  # fmt: skip
+            for b, m_b, g_b, out in views:
+                roots = b["roots"]
+                if all(r is None for r in roots):
+                    out.copy_(g_b)
+                    continue
+                pre = mode_products(m_b, roots, transpose=False)
+                if grafting != "none":
+                    norm = torch.linalg.vector_norm(pre) + shampoo_kernel.GRAFTING_NORM_EPSILON
+                    pre = pre * (torch.linalg.vector_norm(g_b) / norm)
+                out.copy_(pre)
+        else:
+            direction = graft
+        if group["momentum"] > 0:
+            if wd > 0:
+                direction = direction + wd * p
+            buf = state["momentum_buffer"]
+            buf.mul_(group["momentum"]).add_(direction)
+            p.add_(buf, alpha=-lr)
             return
-        self.failures.pop(key, None)
-        opt.install_refresh(block, results)
+        p.mul_(1 - lr * wd)
+        p.add_(direction, alpha=-lr)
+
+
+def _grafting_denominator(state, grad, group, t: int):
+    grafting = group["grafting"]
+    if grafting in ("sgd", "none"):
+        return None
+    v = state["exp_avg_sq"]
+    eps = group["grafting_epsilon"]
+    if grafting == "adagrad":
+        v.addcmul_(grad, grad, value=1.0)
+        return v.sqrt().add_(eps)
+    b2 = group["grafting_beta2"]
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    if grafting == "rmsprop":
+        return v.sqrt().add_(eps)
+    return (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)
+
+
+class _KLPerParameter(KLShampoo):
+    """KL-Shampoo one parameter and block at a time (the oracle the batched step replaced):
+    each block updated, its statistics run and its refresh decided before the next one."""
+
+    def _run_group(self, group, updates):
+        for u in updates:
+            self._update_param(u.pid, u.p, u.grad, group, u.state, u.layout)
+
+    def _update_param(self, pid, p, grad, group, state, layout) -> None:
+        if "blocks" not in state:
+            kl_kernel.adamw_update(p, grad, state, group["lr"], group["betas"], group["eps"],
+                                   group["weight_decay"])  # fmt: skip
+            return
+        beta1, beta = group["betas"][0], shampoo_beta(group)
+        state["step"] += 1
+        refresh = state["step"] % group["precondition_frequency"] == 0
+        views = zip(layout.blocks, state["blocks"], block_views(grad, layout),
+                    block_views(p, layout))  # fmt: skip
+        for bi, (spec, b, g, w) in enumerate(views):
+            bases = list(b["bases"])
+            b["exp_avg"].lerp_(g, 1 - beta1)
+            kl_kernel.project_update(b, w, bases, group["lr"], group["eps"])
+            kl_kernel.update_statistics(b, bases, g, spec.numel, beta, group["max_clamp_value"])
+            refresh_alone(self, (pid, bi), b, group, state["step"], refresh)
+        if group["weight_decay"] > 0.0:
+            p.add_(p, alpha=-group["lr"] * group["weight_decay"])
 
 
 def _per_parameter(cls):
-    """``cls`` stepping each parameter through ``_update_param`` and refreshing each block
-    alone: the per-block ops the batched step replaces."""
-
-    base = PerBlockSOAP if cls is SOAP else cls
-
-    class PerParameter(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._refresher = _PerBlockRefresher(self)
-
-        if cls is not SOAP:  # SOAP's oracle is the authors' per-block ops (test_fused_steps)
-
-            def _update_params(self, group, updates):
-                KroneckerOptimizer._update_params(self, group, updates)
-
-    return PerParameter
+    """``cls`` stepping each parameter and block alone: the per-block ops the batched step
+    replaces (SOAP's: the authors' formulation, test_fused_steps.py)."""
+    return {SOAP: PerBlockSOAP, KLShampoo: _KLPerParameter, Shampoo: _ShampooPerParameter}[cls]
 
 
 def _run(cls, shapes, options, steps, seed=0):
@@ -118,9 +197,9 @@ def test_soap_batched_step_is_bitwise_the_per_block_path(shapes, max_dim, data):
 
 @SETTINGS
 @given(shapes=shapes, max_dim=max_dim, data=st.data())
-def test_soap_pieces_of_one_block_are_bitwise_the_batched_step(shapes, max_dim, data):
-    """With ``normalize_grads`` too: pieces of one block (a refresher's ``bases_room`` of 0, the
-    C++ per-block ops) and one piece for all give the same bits."""
+def test_soap_batches_of_one_block_are_bitwise_the_batched_step(shapes, max_dim, data):
+    """With ``normalize_grads`` too: batches of one block (``BATCH_ELEMENTS`` 0) and one batch
+    for all give the same bits."""
     options = dict(
         lr=3e-3,
         max_preconditioner_dim=max_dim,
@@ -129,12 +208,12 @@ def test_soap_pieces_of_one_block_are_bitwise_the_batched_step(shapes, max_dim, 
         precondition_1d=data.draw(st.booleans()),
     )
     whole = _run(SOAP, shapes, options, 6)
-    limit = batched.BATCH_ELEMENTS
-    batched.BATCH_ELEMENTS = 0
+    limit = grouping.BATCH_ELEMENTS
+    grouping.BATCH_ELEMENTS = 0
     try:
         _same(_run(SOAP, shapes, options, 6), whole)
     finally:
-        batched.BATCH_ELEMENTS = limit
+        grouping.BATCH_ELEMENTS = limit
 
 
 @SETTINGS
@@ -225,19 +304,3 @@ def test_ordinary_step_ops_do_not_grow_with_the_blocks_of_one_shape(cls):
     """Note [Batched steps]: 2, 4 and 8 layers of the same shapes dispatch the same ops."""
     counts = {layers: _ordinary_step_ops(cls, layers) for layers in (2, 4, 8)}
     assert len(set(counts.values())) == 1, counts
-
-
-@SETTINGS
-@given(
-    sizes=st.lists(st.integers(0, 50), max_size=12),
-    limit=st.integers(0, 120),
-    room=st.one_of(st.none(), st.integers(0, 120)),
-)
-def test_pieces_respect_the_limit_and_the_room(sizes, limit, room):
-    got = batched.pieces(sizes, lambda n: n, lambda n: 2 * n, room, limit)
-    assert [n for piece in got for n in piece] == sizes
-    for piece in got:
-        assert piece
-        if len(piece) > 1:
-            assert sum(piece) <= limit
-            assert room is None or 2 * sum(piece) <= room

@@ -18,7 +18,7 @@ import asteria.info
 from asteria import _C
 from asteria._ext import cuda_missing
 from asteria.lowlevel.capabilities import CudaUnavailableError
-from asteria.runtime.attach import check_cuda_build
+from asteria.runtime.parts import check_cuda_build
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_BUILD = not _C.cuda_enabled()

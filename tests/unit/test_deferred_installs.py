@@ -1,4 +1,4 @@
-"""Note [Deferred installs] (asteria/runtime/boundary.py) and Note [Helping waiters]
+"""Note [One plan per step] (asteria/runtime/plan.py) and Note [Helping waiters]
 (csrc/core/worker_pool.cpp): the refreshes a Shampoo step waits for at once are all requested
 before the first of them is installed, the training thread computes some of them itself, and
 the step's results are those of installing each at its boundary: bitwise native at ``S = 0``
@@ -88,9 +88,7 @@ def test_waited_refreshes_train_bitwise_native(
     )
     with arch, Runtime(None, opt, config) as rt:
         left: list[int] = []
-        got = _train(
-            params, opt, horizon, frequency, lambda t: left.append(len(rt._boundaries.deferred))
-        )
+        got = _train(params, opt, horizon, frequency, lambda t: left.append(len(rt._plan.waiting)))
         stats = rt.stats()
         access = rt.memory_report()["placement"]["bases_access"]
     assert all(torch.equal(a, b) for a, b in zip(got, native))
@@ -104,18 +102,18 @@ def test_a_steps_waited_refreshes_are_all_requested_before_the_first_install(mon
     refreshes (``S = 0``), every request comes before every install, and with one worker the
     training thread runs some of the jobs itself (``stats()["jobs"]["helped"]``)."""
     events: list[tuple[str, int]] = []
-    request, install_now = Refreshes.request, Refreshes.install_now
+    request_many, install_many = Refreshes.request_many, Refreshes.install_many
 
-    def requested(self, key, e, block, group, step):
-        events.append(("request", step))
-        return request(self, key, e, block, group, step)
+    def requested(self, requests):
+        events.extend(("request", r[4]) for r in requests)
+        return request_many(self, requests)
 
-    def installed(self, key, e, step, block, replicated):
-        events.append(("install", step))
-        return install_now(self, key, e, step, block, replicated)
+    def installed(self, batch, charge=True):
+        events.extend(("install", step) for _, _, step, _ in batch)
+        return install_many(self, batch, charge)
 
-    monkeypatch.setattr(Refreshes, "request", requested)
-    monkeypatch.setattr(Refreshes, "install_now", installed)
+    monkeypatch.setattr(Refreshes, "request_many", requested)
+    monkeypatch.setattr(Refreshes, "install_many", installed)
     params = [torch.nn.Parameter(torch.randn(96, 96)) for _ in range(6)]
     opt = Shampoo(params, precondition_frequency=2)
     config = RuntimeConfig(staleness=0, workers=1, statistics_lane=False)
@@ -129,30 +127,31 @@ def test_a_steps_waited_refreshes_are_all_requested_before_the_first_install(mon
 
 
 def _interrupting(nth: int, original):
-    """``Refreshes.install_now`` raising KeyboardInterrupt at its ``nth`` call (once)."""
+    """``Refreshes.install_many`` (every install batch: a step's waited refreshes, a signal's)
+    raising KeyboardInterrupt at its ``nth`` call (once)."""
     calls = [0]
 
-    def install_now(refreshes, key, e, step, block, replicated):
+    def install_many(refreshes, batch, charge=True):
         calls[0] += 1
         if calls[0] == nth:
             raise KeyboardInterrupt
-        return original(refreshes, key, e, step, block, replicated)
+        return original(refreshes, batch, charge)
 
-    return install_now
+    return install_many
 
 
 @SETTINGS
 @given(nth=st.integers(1, 8), staleness=st.integers(0, 2), frequency=st.integers(1, 3))
 def test_an_interrupted_install_is_finished_at_its_step(nth, staleness, frequency):
     """Ctrl-C during a step's deferred installs: the next step installs what was left first, as
-    installed at the interrupted step (``Registry.record_install`` checks the bound), and
+    installed at the interrupted step (``Registry.record_installs`` checks the bound), and
     every later basis read keeps the staleness contract."""
     params = _params(3)
     opt = Shampoo(params, precondition_frequency=frequency)
     config = RuntimeConfig(staleness=staleness, workers=1, statistics_lane=False)
-    original = Refreshes.install_now
+    original = Refreshes.install_many
     with Runtime(None, opt, config) as rt:
-        Refreshes.install_now = _interrupting(nth, original)
+        Refreshes.install_many = _interrupting(nth, original)
         try:
             interrupted_at = None
             for t in range(12):
@@ -162,12 +161,16 @@ def test_an_interrupted_install_is_finished_at_its_step(nth, staleness, frequenc
                     opt.step()
                 except KeyboardInterrupt:
                     interrupted_at = t + 1
-                    left = list(rt._boundaries.deferred)
+                    left = list(rt._plan.waiting)
         finally:
-            Refreshes.install_now = original
+            Refreshes.install_many = original
+        if interrupted_at == 12:  # (the last step: the next one finishes it)
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            opt.step()
         stats = rt.stats()
-        assert not rt._boundaries.deferred
-    if interrupted_at is not None:  # (an install at a boundary leaves nothing deferred)
+        assert not rt._plan.waiting
+    if interrupted_at is not None and left:  # (an install at its decision defers nothing)
         assert all(step == interrupted_at for _, _, step, _, _ in left)
     assert stats["basis_age"]["max"] <= stats["basis_age"]["bound"]
 

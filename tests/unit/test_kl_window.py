@@ -1,13 +1,12 @@
-"""KL-Shampoo's batched step behind a device window (Note [KL steps in pieces] in
-asteria/optim/kl_shampoo.py): pieces of shape groups, each piece's bases valid only until the
-next ``bases_many`` call.
+"""KL-Shampoo's batched step behind a device window (Note [Pieces of the window] in
+asteria/runtime/window_bases.py): pieces of shape groups, each piece's bases valid only until
+the next piece's are read, its statistics with its update (``update_statistics``).
 
 Invariants, each over a space of settings drawn by hypothesis:
-  * under a refresher whose handed-out bases are poisoned (NaN) at its next ``bases`` /
-    ``bases_many`` call or step end, with any bases room, the step in pieces gives bitwise the
-    parameters and state of the per-block path: no update or statistics reads a piece's bases
-    after the next piece took its own, and no call hands out more than the room (but for one
-    block over it);
+  * under a refresher whose handed-out bases are poisoned (NaN) at its next read or step end,
+    with any bases room, the step in pieces gives bitwise the parameters and state of the
+    per-block path: no update or statistics reads a piece's bases after the next piece took
+    its own, and no piece hands out more than the room (but for one block over it);
   * through the runtime's window on its CPU stand-in (a pretended discrete GPU), over shapes,
     refresh frequency, staleness (fixed delays: reproducible), window slots and a device budget
     that cuts shape groups across pieces, training with the step in pieces is bitwise training
@@ -25,8 +24,8 @@ from hypothesis import strategies as st
 from asteria.memory.accounting import estimate_blocks
 from asteria.memory.tiers import Arch
 from asteria.optim import KLShampoo
-from asteria.optim.base import KroneckerOptimizer
-from asteria.optim.refresher import NativeRefresher
+from asteria.optim import groups as grouping
+from asteria.optim.refresher import NativeRefresher, Piece
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
 from tests.unit.test_batched_steps import _Ops, _per_parameter, _run, _same, max_dim, shapes
@@ -43,42 +42,53 @@ RUNTIME_SETTINGS = settings(
 
 
 class _PoisonedWindow(NativeRefresher):
-    """Native refreshes, bases handed out as copies that are filled with NaN at the next
-    ``bases``/``bases_many`` call and at the step's end (a window slot refilled), at most
-    ``room`` bytes a call; the blocks and keys of each call logged."""
-
-    bases_stable = False
+    """Native refreshes, the groups in pieces of at most ``room`` bytes of bases (``groups.pack``)
+    whose bases are handed out as copies that are filled with NaN at the next piece's read and
+    at the step's end (a window slot refilled); the keys of each read logged (``reads``)."""
 
     def __init__(self, opt, room: int) -> None:
         super().__init__(opt)
-        self.bases_room = room
+        self.room = room
         self._handed: list[torch.Tensor] = []
-        self.calls: list[int] = []  # blocks per call
-        self.reads: list[tuple] = []  # keys per call
+        self._last: Piece | None = None
+        self.reads: list[tuple] = []  # keys per read
 
     def _poison(self) -> None:
         for q in self._handed:
             q.fill_(float("nan"))
         self._handed = []
 
-    def bases_many(self, keys, blocks) -> list[list]:
+    def pieces(self, groups, passes=1):
+        field = self._field
+
+        def nbytes(g):
+            return sum(q.nbytes for b in g.blocks for q in b[field] if q is not None)
+
+        cut = grouping.pack(groups, self.room, grouping.BATCH_ELEMENTS, nbytes)
+        return [Piece(piece, self._read_poisoned) for piece in cut]
+
+    def _read_poisoned(self, piece):
+        if piece is self._last:  # (a second read of the last piece: its copies are valid)
+            return self._copies
         self._poison()
-        own = super().bases_many(keys, blocks)
-        if len(blocks) > 1:
-            assert sum(q.nbytes for qs in own for q in qs if q is not None) <= self.bases_room
+        own = self._bases(piece)
+        field = self._field
+        if sum(len(g) for g in piece.groups) > 1:
+            held = sum(
+                q.nbytes for g in piece.groups for b in g.blocks for q in b[field] if q is not None
+            )
+            assert held <= self.room
         # clone keeps each basis's layout; None (no basis: SOAP's 1-D blocks) stays None
-        out = [[None if q is None else q.clone() for q in qs] for qs in own]
-        self._handed = [q for qs in out for q in qs if q is not None]
-        self.calls.append(len(blocks))
-        self.reads.append(tuple(keys))
+        out = [[[None if q is None else q.clone() for q in qs] for qs in g] for g in own]
+        self._handed = [q for g in out for qs in g for q in qs if q is not None]
+        self._last, self._copies = piece, out
+        self.reads.append(tuple(k for g in piece.groups for k in g.keys))
         return out
 
-    def bases(self, key, block) -> list:
-        return self.bases_many([key], [block])[0]
-
-    def step_end(self) -> None:
+    def end(self) -> None:
         self._poison()
-        super().step_end()
+        self._last = None
+        super().end()
 
 
 def _poisoned(room_share: float):
@@ -87,9 +97,9 @@ def _poisoned(room_share: float):
     class Poisoned(KLShampoo):
         def step(self, closure=None):
             if not isinstance(self._refresher, _PoisonedWindow):
-                self._refresher = _PoisonedWindow(self, 0)
+                self._native = self._refresher = _PoisonedWindow(self, 0)
             total = sum(q.nbytes for _, _, b, _ in self.blocks() for q in b["bases"])
-            self._refresher.bases_room = int(room_share * total)
+            self._refresher.room = int(room_share * total)
             return super().step(closure)
 
     return Poisoned
@@ -112,11 +122,28 @@ def test_pieces_under_poisoned_bases_are_bitwise_the_per_block_path(shapes, max_
     )
 
 
-class _PerBlockKL(KLShampoo):
-    """KLShampoo's per-block path (each block's bases read, updated and ended alone)."""
+class _OneBlockGroups:
+    """A kernel whose groups are single blocks: the per-block ops, through any refresher."""
 
-    def _update_params(self, group, updates):
-        KroneckerOptimizer._update_params(self, group, updates)
+    def __init__(self, kernel) -> None:
+        self._kernel = kernel
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+    def begin(self, hp, updates):
+        work = self._kernel.begin(hp, updates)
+        one = {id(g): [g.take([i]) for i in range(len(g))] for g in work.factored + work.groups}
+        return work._replace(
+            groups=[x for g in work.groups for x in one[id(g)]],
+            factored=[x for g in work.factored for x in one[id(g)]],
+        )
+
+
+class _PerBlockKL(KLShampoo):
+    """KLShampoo's per-block path (each block's bases read and updated alone)."""
+
+    kernel = _OneBlockGroups(KLShampoo.kernel)
 
 
 class _Net(torch.nn.Module):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.optim.checks import finite_flags
+from asteria.optim.overflow import finite_flags
 from asteria.runtime import Runtime, RuntimeConfig
 from tests.problems import StochasticQuartic, state_tensors
 

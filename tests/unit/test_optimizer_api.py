@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.optim.base import PLACEHOLDER_STEP
+from asteria.optim.tensors import PLACEHOLDER_STEP
 from tests.problems import StochasticQuartic, assert_state_equal, max_rel_diff, state_tensors
 
 OPTIMIZERS = {

@@ -185,14 +185,15 @@ def test_the_pool_path_refuses_complex_factors():
     """``submit_eigh`` took a complex Hermitian matrix, dropped its imaginary part (only torch's
     warning) and returned the wrong eigenvalues: the runtime's submissions refuse it."""
     from asteria._C import WorkerPool
-    from asteria.optim.base import QRRefresh
-    from asteria.runtime.snapshots import pool_submit
+    from asteria.optim.refresher import QRRefresh
+    from asteria.runtime.placement import Executors, Submission
 
     pool = WorkerPool(workers=1, lapack_threads=1)
     try:
         hermitian = torch.tensor([[2.0, 1j], [-1j, 2.0]], dtype=torch.complex64)
         job = QRRefresh(hermitian, torch.eye(2), sort=True)
-        future = pool_submit(pool, "b.dim0", 0, 1, job, hermitian, torch.eye(2))
+        executors = Executors(pool, None, 1, 1, TimeoutError)
+        (future,) = executors.submit_many([Submission(job, "b.dim0", 0, 1)])
         with pytest.raises(ValueError, match="complex"):
             future.result(timeout_s=5)
         assert pool.stats()["submitted"] == 0
@@ -236,7 +237,7 @@ def test_closed_objects_raise_their_own_closed_error(tmp_path):
     rt = Runtime(net, opt, RuntimeConfig(staleness=1, workers=1))
     rt.close()
     with pytest.raises(RuntimeError, match="closed"):
-        rt.step_begin()
+        rt.begin()
     with pytest.raises(ValueError, match="closed|bound"):
         opt.attach_refresher(rt)
     with pytest.raises(RuntimeError, match="is closed"):

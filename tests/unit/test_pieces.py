@@ -1,14 +1,14 @@
-"""Pieces cut on shape group boundaries (Note [Pieces by shape group] in asteria/optim/batched.py).
+"""Pieces cut on shape group boundaries (Note [Pieces by shape group] in asteria/optim/groups.py).
 
-Invariants of ``batched.group_pieces`` over groups, element counts, bases bytes, element limits
-and bases rooms drawn by hypothesis:
-  * the pieces hold every item once, no piece is empty, and within a piece the groups and each
-    group's items keep the order given (the pieces of a group too);
-  * a piece of more than one item is within the element limit and the bases room;
+Invariants of ``groups.pack`` over shape groups (blocks, elements a block, bytes a block),
+element limits and bases rooms drawn by hypothesis:
+  * the pieces hold every block once, no piece is empty, and within a piece the groups and each
+    group's blocks keep the order given (the runs of a group cut across pieces too);
+  * a piece of more than one block is within the element limit and the bases room;
   * a group that fits a piece (its elements within the limit, its bytes within the room) lies
     in one piece;
-  * a group cut across pieces opens each of its pieces where its next item would overflow the
-    one before (as ``pieces`` cuts items);
+  * a group cut across pieces opens each of its runs where its next block would overflow the
+    one before;
   * no piece of whole groups fits together with a piece before it (first fit: it would have
     been placed there), so whole groups never take more pieces than they must pairwise;
   * where everything fits one piece, the one piece is the groups in their order.
@@ -27,83 +27,73 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asteria.optim import SOAP, KLShampoo, Shampoo, batched
-from asteria.optim.refresher import NativeRefresher
+from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.optim.groups import BATCH_ELEMENTS, BlockGroup, pack
+from asteria.optim.refresher import NativeRefresher, Piece
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# an item: (group id, elements, bytes); a group: items of one id
-item_sizes = st.tuples(st.integers(0, 40), st.integers(0, 40))
-groups_of_sizes = st.lists(st.lists(item_sizes, min_size=1, max_size=6), max_size=8)
+# a group: (blocks, elements a block, bytes a block)
+group_sizes = st.tuples(st.integers(1, 6), st.integers(0, 40), st.integers(0, 40))
 
 
-def _groups(sizes: list[list[tuple[int, int]]]) -> list[list[tuple[int, int, int, int]]]:
-    """Items ``(group, index, elements, bytes)``, unique per position."""
-    return [[(g, i, n, b) for i, (n, b) in enumerate(group)] for g, group in enumerate(sizes)]
+def _groups(sizes) -> list[BlockGroup]:
+    """Fake groups whose keys are ``(group, block)`` and whose bytes a block are kept in
+    ``scale``."""
+    out = []
+    for g, (n, numel, nbytes) in enumerate(sizes):
+        group = BlockGroup(g, [(g, i) for i in range(n)], [{}] * n, 0, {}, numel, True)
+        group.scale = nbytes
+        out.append(group)
+    return out
 
 
-def _elements(item) -> int:
-    return item[2]
+def _nbytes(g: BlockGroup) -> int:
+    return g.scale * len(g)
 
 
-def _bytes(item) -> int:
-    return item[3]
-
-
-def _fits(items, limit: int, room: int | None) -> bool:
-    return sum(map(_elements, items)) <= limit and (room is None or sum(map(_bytes, items)) <= room)
+def _fits(blocks: list[tuple], sizes, limit: int, room: int | None) -> bool:
+    elements = sum(sizes[g][1] for g, _ in blocks)
+    nbytes = sum(sizes[g][2] for g, _ in blocks)
+    return elements <= limit and (room is None or nbytes <= room)
 
 
 @SETTINGS
 @given(
-    sizes=groups_of_sizes,
+    sizes=st.lists(group_sizes, max_size=8),
     limit=st.integers(0, 120),
     room=st.one_of(st.none(), st.integers(0, 120)),
 )
 def test_pieces_keep_every_group_that_fits_whole_and_within_limits(sizes, limit, room):
     groups = _groups(sizes)
-    got = batched.group_pieces(groups, _elements, _bytes, room, limit)
-    assert sorted(x for piece in got for x in piece) == sorted(x for g in groups for x in g)
-    where = {x: p for p, piece in enumerate(got) for x in piece}
-    assert len(where) == sum(map(len, groups))  # each item once
+    got = [[k for g in piece for k in g.keys] for piece in pack(groups, room, limit, _nbytes)]
+    every = [k for g in groups for k in g.keys]
+    assert sorted(k for piece in got for k in piece) == sorted(every)
+    where = {k: p for p, piece in enumerate(got) for k in piece}
+    assert len(where) == len(every)  # each block once
     for piece in got:
-        assert piece and piece == sorted(piece)  # (group, index): the order given
+        assert piece and piece == sorted(piece)  # (group, block): the order given
         if len(piece) > 1:
-            assert _fits(piece, limit, room)
+            assert _fits(piece, sizes, limit, room)
     cut = set()
     for group in groups:
-        spans = sorted({where[x] for x in group})
-        assert [where[x] for x in group] == sorted(where[x] for x in group)
-        if _fits(group, limit, room):
-            assert len(spans) == 1, (group, got)
+        keys = group.keys
+        spans = sorted({where[k] for k in keys})
+        assert [where[k] for k in keys] == sorted(where[k] for k in keys)
+        if _fits(keys, sizes, limit, room):
+            assert len(spans) == 1, (keys, got)
             continue
-        cut.update(group)
-        for a, b in zip(spans, spans[1:]):  # each run opened by the item that overflowed
-            head = min(x for x in got[b] if x in group)
-            run = [x for x in got[a] if x in group]
-            assert not _fits(run + [head], limit, room)
+        cut.update(keys)
+        for a, b in zip(spans, spans[1:]):  # each run opened by the block that overflowed
+            head = min(k for k in got[b] if k in keys)
+            run = [k for k in got[a] if k in keys]
+            assert not _fits(run + [head], sizes, limit, room)
     for j, piece in enumerate(got):
         if not cut.intersection(piece):
             for before in got[:j]:
-                assert not _fits(before + piece, limit, room), (before, piece)
-    if groups and _fits([x for g in groups for x in g], limit, room):
-        assert got == [[x for g in groups for x in g]]
-
-
-@SETTINGS
-@given(
-    sizes=st.lists(item_sizes, max_size=12),
-    limit=st.integers(0, 120),
-    room=st.one_of(st.none(), st.integers(0, 120)),
-)
-def test_pieces_cut_items_in_order_where_the_next_would_overflow(sizes, limit, room):
-    items = [(i, i, n, b) for i, (n, b) in enumerate(sizes)]
-    got = batched.pieces(items, _elements, _bytes, room, limit)
-    assert [x for piece in got for x in piece] == items
-    for piece in got:
-        assert piece and (len(piece) == 1 or _fits(piece, limit, room))
-    for a, b in zip(got, got[1:]):
-        assert not _fits(a + [b[0]], limit, room)
+                assert not _fits(before + piece, sizes, limit, room), (before, piece)
+    if groups and _fits(every, sizes, limit, room):
+        assert got == [every]
 
 
 #: The ops that stack blocks or multiply them: what a shape group cut across two pieces repeats
@@ -130,7 +120,16 @@ class _Roomy(NativeRefresher):
 
     def __init__(self, opt, room: int) -> None:
         super().__init__(opt)
-        self.bases_room = room
+        self.room = room
+
+    def pieces(self, groups, passes=1):
+        field = self._field
+
+        def nbytes(g):
+            return sum(q.nbytes for b in g.blocks for q in b[field] if q is not None)
+
+        cut = pack(groups, self.room, BATCH_ELEMENTS, nbytes)
+        return [Piece(piece, self._bases) for piece in cut]
 
 
 def _largest_group_bytes(opt) -> int:
@@ -155,7 +154,7 @@ def _ordinary_step_products(cls, roomy: bool) -> Counter:
         if step < 2:
             opt.step()
     if roomy:
-        opt._refresher = _Roomy(opt, _largest_group_bytes(opt))
+        opt._native = opt._refresher = _Roomy(opt, _largest_group_bytes(opt))
     with _Products() as counter:
         opt.step()
     return counter.ops

@@ -17,7 +17,7 @@ from asteria._ext import load_extension
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.optim import matrix_functions as mf
 from asteria.optim.refresher import QRRefresh, RootRefresh
-from asteria.runtime.placement import Durations, StreamExecutor
+from asteria.runtime.placement import Durations, StreamExecutor, Submission
 from asteria.runtime.testing import device_stream_stand_in, slow_pool
 
 OPTIMIZERS = {"soap": SOAP, "kl_shampoo": KLShampoo, "shampoo": Shampoo}
@@ -32,8 +32,8 @@ def _spd(n: int, seed: int) -> torch.Tensor:
 def test_durations_average_per_size_and_scale_to_unseen_sizes():
     d = Durations()
     assert d.predict("pool", "qr", 64) is None
-    d.observe("pool", "qr", 64, 1.0)
-    d.observe("pool", "qr", 64, 2.0)
+    d.observe([("pool", "qr", 64, 1.0)])
+    d.observe([("pool", "qr", 64, 2.0)])
     assert d.predict("pool", "qr", 64) == pytest.approx(0.7 * 1.0 + 0.3 * 2.0)
     assert d.predict("pool", "qr", 128) == pytest.approx(8 * d.predict("pool", "qr", 64))
     assert d.predict("pool", "root", 64) is None  # another kind is not a guide
@@ -46,7 +46,7 @@ def test_the_stand_in_runs_the_jobs_in_deadline_order_on_copies():
         f, q = _spd(16, 0), torch.linalg.qr(torch.randn(16, 16)).Q
         qr = QRRefresh(f, q, sort=True)
         root = RootRefresh(_spd(8, 1), root=4.0, epsilon=1e-8)
-        futures = [ex.submit(root, deadline=9), ex.submit(qr, deadline=3)]
+        futures = [ex.submit(Submission(root, "r", 0, 9)), ex.submit(Submission(qr, "q", 0, 3))]
         f.zero_()  # inputs were copied at submission
         got_root = futures[0].result(timeout_s=30)
         basis, perm = futures[1].result(timeout_s=30)
@@ -62,12 +62,12 @@ def test_the_stand_in_runs_the_jobs_in_deadline_order_on_copies():
 def test_the_stand_in_raises_a_failed_job_and_cancels_on_shutdown():
     ex = StreamExecutor(None, TIMEOUT)
     bad = torch.full((4, 4), float("nan"))
-    future = ex.submit(RootRefresh(bad, root=2.0, epsilon=1e-8), deadline=0)
+    future = ex.submit(Submission(RootRefresh(bad, root=2.0, epsilon=1e-8), "b", 0, 0))
     with pytest.raises(mf.MatrixFunctionError):
         future.result(timeout_s=30)
     ex.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
-        ex.submit(RootRefresh(_spd(4, 0), root=2.0, epsilon=1e-8), deadline=0)
+        ex.submit(Submission(RootRefresh(_spd(4, 0), root=2.0, epsilon=1e-8), "b", 0, 0))
 
 
 def _run(name: str, config: asteria.RuntimeConfig, steps: int, delay_s: float = 0.0) -> list:

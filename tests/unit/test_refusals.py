@@ -1,5 +1,5 @@
 """A refused ``step()`` or ``load_state_dict()`` changes nothing (issue 48, items 1b, 1c and 4;
-Notes [Refused steps] in asteria/optim/base.py and [Transactional loads] in state_io.py).
+Notes [Refused steps] in asteria/optim/overflow.py and [Transactional loads] in state_io.py).
 
 Every bad input the issue's probe found (docs/runtime.md, "Faults"), drawn with hypothesis over
 the three optimizers, natively and under a runtime (``S = 0``, a budget, a fixed delay), after a

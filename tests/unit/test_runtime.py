@@ -18,7 +18,6 @@ from asteria.runtime import (
     RuntimeConfig,
     StalenessTimeoutError,
 )
-from asteria.runtime.hooks import ModuleSignals
 from asteria.runtime.testing import slow_pool, wrapped_statistics
 from tests.problems import StochasticQuartic, max_rel_diff, state_tensors
 
@@ -282,7 +281,7 @@ def test_hooks_are_signals_and_close_removes_them():
     opt = SOAP(model.parameters(), precondition_frequency=2)
     with Runtime(model, opt, RuntimeConfig(staleness=4, workers=1)) as rt:
         # a forward pre-hook on each Linear (Note [One install batch per step]: the first signal
-        # installs the step's batch, so the runtime arms no backward signals)
+        # installs the step's batch)
         assert rt.stats()["hooks"] == 2
         for _ in range(12):
             opt.zero_grad()
@@ -330,36 +329,12 @@ def test_hook_installs_count_staleness_as_the_optimizer_uses_the_version(name):
     assert sum(hist.values()) >= 2 * 5
 
 
-def test_backward_signal_precedes_the_module_backward_and_allows_inplace_ops():
-    """Note [Backward signals]: the backward signal of a module arrives once its output's
-    gradient is complete and before its own backward; an in-place op on that output (which a
-    full backward pre-hook refuses) trains."""
+def test_forward_signals_allow_inplace_ops():
+    """The module signals are forward pre-hooks: an in-place op on a hooked module's output
+    (which a full backward pre-hook refuses) trains, and the runtime installs."""
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 6), torch.nn.ReLU(inplace=True), torch.nn.Linear(6, 3)
     )
-    events: list[tuple[str, int]] = []
-    signals = ModuleSignals(
-        model,
-        [id(p) for p in model.parameters()],
-        lambda ids, event: events.append((event, ids[0])),
-    )
-    for m in (model[0], model[2]):
-        m.weight.register_post_accumulate_grad_hook(lambda p: events.append(("accumulated", id(p))))
-    model(torch.randn(4, 6)).sum().backward()
-    w0, w2 = id(model[0].weight), id(model[2].weight)
-    assert events == [
-        ("forward", w0),
-        ("forward", w2),
-        ("backward", w2),
-        ("accumulated", w2),
-        ("backward", w0),
-        ("accumulated", w0),
-    ]
-    with torch.no_grad():
-        model(torch.randn(4, 6))  # no graph: the forward signals, nothing is armed
-    assert events[-2:] == [("forward", w0), ("forward", w2)]
-    signals.remove()
-
     opt = SOAP(model.parameters(), precondition_frequency=2)
     with Runtime(model, opt, RuntimeConfig(staleness=2, workers=1)) as rt:
         for _ in range(8):
@@ -716,15 +691,26 @@ def test_soap_installs_run_on_the_statistics_lane(runtimes, monkeypatch):
     in the training thread; KL-Shampoo's pointer swaps stay on the training thread."""
     import threading
 
-    threads: list[str] = []
+    threads: list[str] = []  # per block installed, the thread that installed it
+    inside = threading.local()  # (an install_refresh inside install_refresh_many: counted)
     for cls in (SOAP, KLShampoo):
-        real = cls.install_refresh
+        real, real_many = cls.install_refresh, cls.install_refresh_many
 
         def spy(self, block, results, real=real):
-            threads.append(threading.current_thread().name)
+            if not getattr(inside, "many", False):
+                threads.append(threading.current_thread().name)
             real(self, block, results)
 
+        def spy_many(self, blocks, results, real_many=real_many):
+            threads.extend([threading.current_thread().name] * len(blocks))
+            inside.many = True
+            try:
+                real_many(self, blocks, results)
+            finally:
+                inside.many = False
+
         monkeypatch.setattr(cls, "install_refresh", spy)
+        monkeypatch.setattr(cls, "install_refresh_many", spy_many)
     problem = StochasticQuartic(SHAPES, 40, torch.float32)
     for cls in (SOAP, KLShampoo):
         threads.clear()
@@ -767,16 +753,16 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
     are bitwise those of native mode. An error in the lane's half reaches the step as is."""
     import threading
 
-    import asteria.optim.soap as soap_module
+    from asteria.optim.kernels import soap as soap_module
 
     calls: list[tuple[str, int]] = []
-    real = soap_module._update_batched
+    real = soap_module.whole
 
-    def spy(blocks, *args):
-        calls.append((threading.current_thread().name, sum(c.grad.numel() for c, _ in blocks)))
-        real(blocks, *args)
+    def spy(groups, *args):
+        calls.append((threading.current_thread().name, sum(g.numel * len(g) for g in groups)))
+        real(groups, *args)
 
-    monkeypatch.setattr(soap_module, "_update_batched", spy)
+    monkeypatch.setattr(soap_module, "whole", spy)
     problem = StochasticQuartic([(12, 10), (6, 6), (5, 6), (4, 3, 2), (7,)], 40, torch.float32)
     native = problem.run(lambda ps: SOAP(ps, precondition_frequency=5))
     assert len(calls) == 39  # the first step initializes the bases and does not update
@@ -791,12 +777,12 @@ def test_soap_update_is_split_with_the_statistics_lane(runtimes, monkeypatch):
         else:
             assert not lane and len(mine) == 39
 
-    def broken(blocks, *args):
+    def broken(groups, *args):
         if threading.current_thread().name.startswith("asteria-statistics"):
             raise ValueError("broken on the lane")
-        real(blocks, *args)
+        real(groups, *args)
 
-    monkeypatch.setattr(soap_module, "_update_batched", broken)
+    monkeypatch.setattr(soap_module, "whole", broken)
     with pytest.raises(ValueError, match="broken on the lane"):
         problem.run(_orchestrated(SOAP, RuntimeConfig(staleness=2, workers=1), runtimes))
 
@@ -806,16 +792,16 @@ def test_kl_shampoo_update_is_split_with_the_statistics_lane(runtimes, monkeypat
     bitwise native at S = 0, and split = unsplit with refreshes in flight."""
     import threading
 
-    import asteria.optim.kl_shampoo as kl_module
+    from asteria.optim.kernels import kl_shampoo as kl_module
 
     calls: list[tuple[str, int]] = []
-    real = kl_module._update_blocks
+    real = kl_module.whole
 
-    def spy(blocks, *args):
-        calls.append((threading.current_thread().name, len(blocks)))
-        real(blocks, *args)
+    def spy(groups, *args):
+        calls.append((threading.current_thread().name, sum(len(g) for g in groups)))
+        real(groups, *args)
 
-    monkeypatch.setattr(kl_module, "_update_blocks", spy)
+    monkeypatch.setattr(kl_module, "whole", spy)
     problem = StochasticQuartic(SHAPES, 40, torch.float32)
     native = problem.run(lambda ps: KLShampoo(ps, precondition_frequency=5))
     assert [n for _, n in calls] == [3] * 39  # one call per step, the three matrix blocks

@@ -233,7 +233,7 @@ def test_keyboard_interrupt_from_a_hook_uncaught():
 
 
 def test_keyboard_interrupt_inside_a_step_is_recoverable():
-    """(1) KeyboardInterrupt raised between blocks of a step (after some parameters updated);
+    """(1) KeyboardInterrupt raised inside a step (after its parameters were updated);
     (2) a real SIGINT while the step is blocked at the staleness barrier behind minutes of work:
     raised while the work is still queued (not when the wait ends: the child would run out of
     time first). Either way the user catches it, leaves the runtime's ``with`` block (queued work
@@ -241,16 +241,16 @@ def test_keyboard_interrupt_inside_a_step_is_recoverable():
     proc, out = _run(
         """
         model, opt = model_and_opt()
-        boundaries = []
+        plans = []
         try:
             with Runtime(model, opt, RuntimeConfig(staleness=2, workers=2)) as rt:
-                real = rt.block_boundary
-                def boundary(*args):
-                    boundaries.append(1)
-                    if len(boundaries) == 9:  # step 3, first block
+                real = rt.plan
+                def plan(*args):
+                    plans.append(1)
+                    if len(plans) == 3:  # step 3, after its update
                         raise KeyboardInterrupt
                     return real(*args)
-                rt.block_boundary = boundary
+                rt.plan = plan
                 train(model, opt, 3)
                 hog(rt, 10)
                 train(model, opt, 10)

@@ -266,7 +266,7 @@ def _flip_once(kind: str, flipped: list):
             if p is None or p.spilled is None or p.spilled.paged:
                 continue
             rt.spill.settle(p)
-            keys = p.spilled.keys()[:1] + (p.snapshots.keys() if kind == "snapshots" else [])
+            keys = p.spilled.keys()[:1] + (p.inputs.keys() if kind == "snapshots" else [])
             store = rt.spill.store
             for key in keys:
                 offset, _ = store._store.extent(key)

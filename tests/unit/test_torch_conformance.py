@@ -40,7 +40,7 @@ from torch.testing._internal.common_optimizers import (
 )
 
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.optim.base import RUNTIME_STATE_KEY
+from asteria.optim.state_io import RUNTIME_STATE_KEY
 from asteria.runtime import Runtime, RuntimeConfig
 from tests.problems import assert_state_equal
 

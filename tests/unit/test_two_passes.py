@@ -1,10 +1,10 @@
-"""SOAP's step in two passes over the pieces the window hands out (Note [Two passes over the
-pieces] in asteria/optim/soap_step.py), Shampoo's and KL-Shampoo's pieces read in turns, and the
-window's prefetch by position (Note [Prefetch by position] in asteria/runtime/window_bases.py).
+"""SOAP's step in two passes over the pieces the window hands out (Note [Two passes] in
+asteria/optim/kernels/soap.py), and the order and prefetch of the window's pieces (Note [Pieces
+of the window] in asteria/runtime/window_bases.py).
 
 Invariants, each over a space of settings drawn by hypothesis:
-  * under a refresher whose handed-out bases are poisoned (NaN) at its next ``bases`` /
-    ``bases_many`` call or step end, with any bases room, SOAP's parameters and state are
+  * under a refresher whose handed-out bases are poisoned (NaN) at its next read or step end,
+    with any bases room, SOAP's parameters and state are
     bitwise those of its step in one piece (native): no product reads a piece's bases after
     the next piece took its own, and the elementwise ops run once a batch; a batch read in
     several pieces reads them in order, then in the reverse order but the last (still valid);
@@ -12,9 +12,8 @@ Invariants, each over a space of settings drawn by hypothesis:
     refresh frequency, staleness (fixed delays: reproducible), slots and a device budget that
     cuts the step into pieces, training is bitwise training with the bases on the device;
   * a quiet step through a window of ``k`` slots that reads ``n > k`` pieces fills ``2 (n -
-    k)`` slots (SOAP) or ``n - k`` (Shampoo and KL-Shampoo, their pieces read in turns: Note
-    [Reads in turns] in asteria/optim/shampoo_step.py), and dispatches native's ATen ops plus
-    those fills, at 1, 2 and 4 times the layers.
+    k)`` slots (SOAP) or ``n - k`` (Shampoo and KL-Shampoo: the pieces the ring holds first),
+    and dispatches native's ATen ops plus those fills, at 1, 2 and 4 times the layers.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from asteria.memory.tiers import Arch
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
-from asteria.runtime.window_bases import _next_others
 from tests.unit.test_batched_steps import _Ops, _run, _same, max_dim, shapes
 from tests.unit.test_kl_window import FREE, WINDOW_SPACE, _PoisonedWindow, _state_tensors
 
@@ -46,11 +44,11 @@ def _poisoned(room_share: float, log: list):
     class Poisoned(SOAP):
         def step(self, closure=None):
             if not isinstance(self._refresher, _PoisonedWindow):
-                self._refresher = _PoisonedWindow(self, 0)
+                self._native = self._refresher = _PoisonedWindow(self, 0)
             total = sum(
                 q.nbytes for _, _, b, _ in self.blocks() for q in b["bases"] if q is not None
             )
-            self._refresher.bases_room = int(room_share * total)
+            self._refresher.room = int(room_share * total)
             self._refresher.reads = []
             out = super().step(closure)
             log.append(self._refresher.reads)
@@ -82,8 +80,7 @@ def test_two_passes_under_poisoned_bases_are_bitwise_one_piece(shapes, max_dim, 
     share = data.draw(st.sampled_from([0.0, 0.1, 0.3, 0.6, 1.0]))
     log: list = []
     _same(_run(SOAP, shapes, options, 6), _run(_poisoned(share, log), shapes, options, 6))
-    if not options["normalize_grads"]:  # (a split parameter's blocks are read one by one)
-        assert all(_passes(reads) for reads in log), log
+    assert all(_passes(reads) for reads in log), log
 
 
 def _net(inputs: int, width: int, depth: int) -> torch.nn.Module:
@@ -134,7 +131,7 @@ def _train(cls, net: dict, options: dict, config: dict, window: tuple[int, float
 def test_pieces_through_the_window_are_bitwise_device_bases(
     net, max_dim, freq, config, slots, cut, normalize, cls
 ):
-    """SOAP in two passes, Shampoo in turns (Note [Reads in turns] in shampoo_step.py)."""
+    """SOAP in two passes, Shampoo in one (Note [Pieces of the window])."""
     options = dict(lr=3e-3, precondition_frequency=freq, max_preconditioner_dim=max_dim)
     if cls is SOAP:
         options["normalize_grads"] = normalize
@@ -181,20 +178,11 @@ def _quiet_step(cls, layers: int, window: bool) -> tuple[int, int]:
 
 @pytest.mark.parametrize("cls", [SOAP, Shampoo, KLShampoo])
 def test_a_quiet_step_over_more_pieces_than_slots_fills_only_their_excess(cls):
-    """SOAP's two passes fill ``2 (n - k)`` slots; Shampoo's and KL-Shampoo's reads in turns
-    ``n - k``."""
+    """SOAP's two passes fill ``2 (n - k)`` slots; Shampoo's and KL-Shampoo's one pass, the
+    pieces the ring holds first, ``n - k``."""
     for layers in (1, 2, 4):
         native, none = _quiet_step(cls, layers, window=False)
         ops, fills = _quiet_step(cls, layers, window=True)
         assert none == 0
         assert fills == (2 if cls is SOAP else 1) * (3 - 2), (layers, fills)
         assert ops == native + fills, (layers, ops, native)
-
-
-@given(st.lists(st.sampled_from("abcd"), min_size=1, max_size=12))
-def test_the_read_after_each_read_is_the_next_other_one(order):
-    after = _next_others(order)
-    n = len(order)
-    for i, key in enumerate(order):
-        others = [order[(i + j) % n] for j in range(1, n + 1) if order[(i + j) % n] != key]
-        assert after[i] == (others[0] if others else key)

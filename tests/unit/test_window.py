@@ -26,6 +26,8 @@ from asteria.memory.staging import snapshot
 from asteria.memory.tiers import Arch
 from asteria.memory.window import BasesWindow
 from asteria.optim import SOAP, KLShampoo, Shampoo
+from asteria.optim.groups import build
+from asteria.optim.refresher import Update
 from asteria.runtime import Runtime, RuntimeConfig
 from asteria.runtime.testing import pretend_arch
 from tests.problems import mlp_24_32_32_4
@@ -338,8 +340,11 @@ def test_native_mode_hands_the_optimizer_its_own_bases():
         model(torch.randn(4, 24)).square().mean().backward()
         opt.step()
         opt.step()
-        key, _, block, _ = next(iter(opt.blocks()))
-        assert opt.refresher.bases(key, block) is block[opt.bases_field]
+        (pid, _), p, block, group = next(iter(opt.blocks()))
+        update = Update(pid, p, p.grad, opt.state[p], opt.layout(p, group))
+        groups = build([update], {"grad": [p.grad]}, opt.bases_field)
+        (piece,) = opt.refresher.pieces(groups)
+        assert piece.bases()[0][0] is block[opt.bases_field]
 
 
 def _mlp(name: str):
@@ -427,7 +432,7 @@ def test_a_failed_copy_to_host_leaves_the_blocks_bases_as_they_were(
                 before = list(new)
                 bases[:] = new
                 with pytest.raises(RuntimeError, match="copy to host failed"):
-                    opt._refresher._bases._host_bases(block)
+                    opt._refresher._bases._host_bases_many([block])
                 assert all(a is b for a, b in zip(bases, before))
                 break
         else:

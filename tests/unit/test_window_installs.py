@@ -6,13 +6,13 @@
   tensors a slot holds among those it was filled with, and nothing else.
 * Note [Reads together] (window.py): copies handed out together stay what they were copied from
   until the next ``finish``, which one event orders every later refill of their slots after;
-  more reads together than slots raise; a read the ring cannot split is a spare buffer's.
-  Through the runtime: once a step's reads fit the ring at once, the next steps read a piece of
-  up to the ring at once (``room``), quiet steps fill nothing, and new blocks fall back to a
-  spare buffer for a step, bitwise as without the window.
+  more reads together than slots raise. Through the runtime (Note [Pieces of the window] in
+  asteria/runtime/window_bases.py): a step whose shape groups the ring holds at once reads them
+  together, quiet steps fill nothing, and new blocks are read in with their groups, bitwise as
+  without the window.
 * Note [Host copies of a step's installs] (asteria/runtime/window_bases.py): however many
   blocks a step installs, the window copies new bases to host memory at most twice a step (the
-  signal's batch before the step's reads, the boundaries' installs at its end), every basis is
+  signal's batch before the step's reads, the plan's installs at its end), every basis is
   in host memory between steps, and training is bitwise that of native mode.
 
 The properties run over layouts, dtypes and slot counts (the ring), and over the optimizers, the
@@ -144,12 +144,12 @@ def test_part_hands_out_what_a_slot_holds_and_nothing_else(layouts, picks):
     window.use("group", group)
     fills = window.stats()["fills"]
     part = [group[p % len(group)] for p in picks] + [None]
-    got = window.part(part)
+    got, other = window.parts([part, [group[0].clone()]])
     assert got is not None and got[-1] is None
     for a, b in zip(got, part):
         if b is not None:
             assert torch.equal(a, b) and a.stride() == b.stride()
-    assert window.part([group[0].clone()]) is None  # equal values, another tensor: not held
+    assert other is None  # equal values, another tensor: not held
     assert window.stats()["fills"] == fills and window.stats()["part_hits"] == 1
     window.close()
 
@@ -201,20 +201,6 @@ def _complete(copies: HostCopies) -> None:
     copies.run()
 
 
-@SETTINGS
-@given(layouts=st.lists(LAYOUT, min_size=1, max_size=4))
-def test_a_spare_read_is_its_sources_and_leaves_the_ring_as_it_was(layouts):
-    (group,) = _groups(layouts, 1)
-    window = BasesWindow(HostCopies(), 1, BasesWindow.bytes_of(group[:1]))
-    window.use("first", group[:1])
-    fills = window.stats()["fills"]
-    got = window.spare([*group, None])
-    assert got[-1] is None
-    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, group))
-    assert window.stats()["fills"] == fills and window.holds("first", group[:1])
-    window.close()
-
-
 # ---- the runtime's installs ---------------------------------------------------------------------
 
 
@@ -227,14 +213,14 @@ def _train(name: str, layers: int, freq: int, config: RuntimeConfig, window: boo
     )
     counts = {"to_host": 0, "installs": 0}
     per_step = []
-    install = Refreshes.install_results
+    install = Refreshes._installed
 
-    def counted_install(self, *args, **kwargs):
-        counts["installs"] += 1
-        return install(self, *args, **kwargs)
+    def counted_install(self, ready, *args, **kwargs):
+        counts["installs"] += len(ready)
+        return install(self, ready, *args, **kwargs)
 
     arch = pretend_arch(Arch(cuda=True)) if window else contextlib.nullcontext()
-    Refreshes.install_results = counted_install
+    Refreshes._installed = counted_install
     try:
         with arch, Runtime(model, opt, config) as rt:
             if window:
@@ -255,7 +241,7 @@ def _train(name: str, layers: int, freq: int, config: RuntimeConfig, window: boo
                     for _, _, block, _ in opt.blocks():
                         assert all(q is None or is_host_tensor(q) for q in block[opt.bases_field])
     finally:
-        Refreshes.install_results = install
+        Refreshes._installed = install
     return [p.detach().clone() for p in model.parameters()], per_step
 
 
@@ -343,15 +329,14 @@ def _train_late(name, layers, freq, late_at, window: bool, steps: int):
         for t in range(steps):
             model.t = t
             stats = rt._bases.stats() or {}
-            ring = window and rt.bases_room == rt._bases.window.slots * rt._bases.window.slot_bytes
             _late_step(model, opt, t)
             after = rt._bases.stats() or {}
             rows.append(
                 {
-                    "ring": ring,
+                    "ring": after.get("together", 0) > stats.get("together", 0),
                     "fills": after.get("fills", 0) - stats.get("fills", 0),
-                    "spares": after.get("spares", 0) - stats.get("spares", 0),
                     "installs": installed[0],
+                    "blocks": len(list(opt.blocks())),
                 }
             )
     return [p.detach().clone() for p in model.parameters()], rows
@@ -364,9 +349,7 @@ def _train_late(name, layers, freq, late_at, window: bool, steps: int):
     freq=st.integers(3, 5),
     late_at=st.integers(2, 8),
 )
-def test_reads_together_fill_nothing_on_quiet_steps_and_new_blocks_read_spare(
-    name, layers, freq, late_at
-):
+def test_reads_together_fill_nothing_on_quiet_steps(name, layers, freq, late_at):
     steps = late_at + 3 * freq + 2
     ours, rows = _train_late(name, layers, freq, late_at, window=True, steps=steps)
     theirs, _ = _train_late(name, layers, freq, late_at, window=False, steps=steps)
@@ -376,9 +359,9 @@ def test_reads_together_fill_nothing_on_quiet_steps_and_new_blocks_read_spare(
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_loaded_state_is_read_a_slot_at_a_time_until_its_reads_are_learnt(name):
-    """A load replaces the blocks (their sizes may differ): the next step's room is a slot, and
-    training goes on bitwise as without the window."""
+def test_a_loaded_state_trains_on_bitwise_as_without_the_window(name):
+    """A load replaces the blocks (their bases new host tensors): the next step reads them in,
+    and training goes on bitwise as without the window."""
     results = []
     for window in (True, False):
         model = _Late(2, late_at=100)
@@ -391,38 +374,31 @@ def test_a_loaded_state_is_read_a_slot_at_a_time_until_its_reads_are_learnt(name
             if window
             else contextlib.nullcontext()
         )
-        with arch, Runtime(model, opt, config) as rt:
+        with arch, Runtime(model, opt, config):
             for t in range(10):
                 if t == 6:
                     opt.load_state_dict(opt.state_dict())
-                    if window:
-                        assert rt.bases_room == rt._bases.window.slot_bytes
                 _late_step(model, opt, t)
-                if window and t == 5:
-                    ring = rt._bases.window.slots * rt._bases.window.slot_bytes
-                    assert rt.bases_room == ring  # (read together before the load)
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_reads_together_are_taken_on_a_model_with_quiet_steps():
-    """The property's two paths on one run where both happen: quiet steps read together, and
-    the new blocks' step reads spare."""
+    """The property on one run where it happens: quiet steps read together, new blocks join."""
     ours, rows = _train_late("soap", 2, 3, 4, window=True, steps=12)
     theirs, _ = _train_late("soap", 2, 3, 4, window=False, steps=12)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    assert _check_reads_together(rows) > 0 and sum(r["spares"] for r in rows) > 0
+    assert _check_reads_together(rows) > 0
 
 
 def _check_reads_together(rows: list[dict]) -> int:
-    """Quiet steps reading together filled nothing (the new blocks' first read, wherever the
-    optimizer makes it, is a spare's: bitwise checked by the callers). Returns the number of
-    quiet steps read together."""
+    """Quiet steps reading together filled nothing. Returns the number of quiet steps read
+    together."""
     quiet_together = 0
-    for earlier, before, row in zip(rows, rows[1:], rows[2:]):
-        # nothing installed in the step or the one before (whose installs are new bases now)
-        quiet = row["installs"] == earlier["installs"]
-        if row["ring"] and quiet and before["spares"] == row["spares"] == 0:
+    for earlier, _before, row in zip(rows, rows[1:], rows[2:]):
+        # nothing installed or made in the step or the one before (new bases now)
+        quiet = row["installs"] == earlier["installs"] and row["blocks"] == earlier["blocks"]
+        if row["ring"] and quiet:
             assert row["fills"] == 0  # a quiet step reading together: the ring holds it all
             quiet_together += 1
     return quiet_together
