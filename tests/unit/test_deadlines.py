@@ -64,7 +64,8 @@ def _fill(pool, n: int, at_least_s: float = 0.0) -> tuple[list, float]:
 )
 def test_a_barrier_behind_slow_jobs_times_out_at_its_deadline(name, timeout_s, jobs, path, helping):
     if path == "deferred" and name != "shampoo":
-        name = "shampoo"  # the step's deferred installs are Shampoo's (Note [One plan per step] in plan.py)
+        # the step's deferred installs are Shampoo's (Note [One plan per step] in plan.py)
+        name = "shampoo"
     gen = torch.Generator().manual_seed(1)
     p = torch.nn.Parameter(torch.randn(16, 16, generator=gen))
     opt = OPTIMIZERS[name]([p], lr=1e-3, precondition_frequency=1)
