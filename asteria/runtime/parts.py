@@ -282,7 +282,8 @@ def _make_threads(
         # lane still reads (Note [Gradient guards] in hooks.py)
         p.lane = StatisticsLane(p.block_name, c.barrier_timeout_s)
         p.grad_guards = GradientGuards(params_of(optimizer), p.lane, always=p.coherence is not None)
-    costs = InstallCosts(optimizer.install_cost, functools.partial(_block_state, optimizer))
+    # (a cost is asked for only once ``p.refreshes``, made below, installs)
+    costs = InstallCosts(optimizer.install_cost, lambda key: p.refreshes.block_state(key))
     # one copy stream (least priority), made once, for the window and the staged snapshots
     copies = functools.cache(functools.partial(copy_stream, optimizer))
     p.bases = choose_bases(
@@ -376,11 +377,6 @@ def _weak_signal(runtime: Any) -> Any:
             method(param_ids, event)
 
     return signal
-
-
-def _block_state(optimizer: KroneckerOptimizer, key: BlockKey) -> dict:
-    """The state of ``optimizer``'s block ``key``."""
-    return optimizer.state[params_of(optimizer)[key[0]]]["blocks"][key[1]]
 
 
 def _free(key: BlockKey, block: dict | None = None) -> float:

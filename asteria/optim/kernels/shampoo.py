@@ -74,7 +74,8 @@ def begin(hp: dict[str, Any], updates: list[Any]) -> Work:
     start = start_step(hp)
     per_param = hp["momentum"] > 0 or isinstance(lr, torch.Tensor)
     pre = [i for i, u in enumerate(updates) if "blocks" in u.state and steps[i] >= start]
-    plain = [i for i in range(len(updates)) if i not in set(pre)]
+    preconditioned = set(pre)
+    plain = [i for i in range(len(updates)) if i not in preconditioned]
     if plain and not per_param:
         torch._foreach_mul_([ps[i] for i in plain], 1 - lr * wd)
         for bc in dict.fromkeys([bc1[i] for i in plain]):  # one op per step size
