@@ -247,8 +247,8 @@ def _signals_counted(counts: Counts) -> Iterator[None]:
     it calls: the runtime's host work of that signal) and counts one ``signals``."""
     original = ModuleSignals.__dict__["_forward"]
 
-    def make(signal: Any, ids: tuple[int, ...]) -> Callable:
-        return _counted(counts, "hooks", "signals", original.__func__(signal, ids))
+    def make(signal: Any) -> Callable:
+        return _counted(counts, "hooks", "signals", original.__func__(signal))
 
     ModuleSignals._forward = staticmethod(make)
     try:

@@ -43,14 +43,12 @@ import torch
 
 __all__ = ["GradientGuards", "ModuleSignals"]
 
-Signal = Callable[[tuple[int, ...], str], None]
+Signal = Callable[[], None]
 
 
 class ModuleSignals:
-    """Hooks on ``model``'s modules that call ``signal(param_ids, event)``.
-
-    ``param_ids`` are the ``id()`` of the module's own parameters that are in ``tracked``;
-    ``event`` is ``"forward"``. ``remove()`` detaches every hook.
+    """Forward pre-hooks on the modules of ``model`` that hold parameters in ``tracked`` (their
+    ``id()``s), each calling ``signal()``. ``remove()`` detaches every hook.
     """
 
     def __init__(
@@ -67,10 +65,9 @@ class ModuleSignals:
         #: whether the forward pre-hooks are in their modules (Note [Disarmed signals])
         self.armed = True
         for module in model.modules():
-            ids = tuple(id(p) for p in module.parameters(recurse=False) if id(p) in tracked)
-            if not ids:
+            if not any(id(p) in tracked for p in module.parameters(recurse=False)):
                 continue
-            hook = self._forward(signal, ids)
+            hook = self._forward(signal)
             handle = module.register_forward_pre_hook(hook)
             self._handles.append(handle)
             self._forward_hooks.append((module._forward_pre_hooks, handle.id, hook))
@@ -91,11 +88,11 @@ class ModuleSignals:
                 hooks[hook_id] = hook
 
     @staticmethod
-    def _forward(signal: Signal, ids: tuple[int, ...]):
+    def _forward(signal: Signal):
         def hook(module, args):
             if torch.compiler.is_compiling():
                 return  # Note [Signals under torch.compile]
-            signal(ids, "forward")
+            signal()
 
         return hook
 

@@ -371,10 +371,10 @@ def _weak_signal(runtime: Any) -> Any:
     """``runtime._on_signal`` through a weak reference (a no-op once the runtime is gone)."""
     ref = weakref.WeakMethod(runtime._on_signal)
 
-    def signal(param_ids: tuple[int, ...], event: str) -> None:
+    def signal() -> None:
         method = ref()
         if method is not None:
-            method(param_ids, event)
+            method()
 
     return signal
 

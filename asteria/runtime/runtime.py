@@ -282,7 +282,7 @@ class Runtime:
 
     # -- hooks: install what is ready ------------------------------------------------------------
 
-    def _on_signal(self, param_ids: tuple[int, ...], event: str) -> None:
+    def _on_signal(self) -> None:
         """Note [One install batch per step]: the first signal after a step's end installs the
         step's batch; later ones return at the flag (only blocks that install on signals are
         hooked)."""
